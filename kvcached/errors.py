@@ -1,0 +1,80 @@
+"""The error types of kvcached: one hierarchy under :class:`KVCachedError`.
+
+Three tiers of failure run through the package (see STYLE.md):
+
+* running out is a return value (``None`` from ``alloc``), never one of these;
+* misuse and environment problems raise one of these, with a message that names
+  the argument, variable or file and what would be right;
+* an impossible state is an ``assert`` naming the invariant it protects.
+"""
+
+from __future__ import annotations
+
+
+class KVCachedError(Exception):
+    """Base class of every error kvcached raises on purpose."""
+
+
+class ConfigError(KVCachedError, ValueError):
+    """An environment variable or argument holds a value kvcached cannot use."""
+
+    def __init__(self, variable: str, value: object, allowed: str) -> None:
+        self.variable = variable
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{variable}={value!r} is not valid: {allowed}")
+
+
+class DriverError(KVCachedError):
+    """A device driver call failed.
+
+    ``call`` is the driver function (``cuMemMap``, ``hipMemCreate``, ``mmap``),
+    ``code`` its numeric status, ``name`` the status' symbolic name.
+    """
+
+    def __init__(self, call: str, code: int, name: str, detail: str = "") -> None:
+        self.call = call
+        self.code = int(code)
+        self.name = name
+        self.detail = detail
+        text = f"{call} failed: {name} ({self.code})"
+        super().__init__(f"{text}: {detail}" if detail else text)
+
+
+class DriverUnavailableError(KVCachedError):
+    """The requested backend cannot run here (no NVIDIA driver, no ROCm library)."""
+
+
+class OutOfPhysicalMemoryError(DriverError):
+    """The device refused physical memory (CUDA_ERROR_OUT_OF_MEMORY or the host
+    backend's capacity). Layers above turn it into a scheduling miss."""
+
+
+class MappingError(KVCachedError, ValueError):
+    """A map or unmap asked for a range that is not in the state it needs
+    (already mapped, not mapped, outside the reservation, misaligned)."""
+
+
+class BlockError(KVCachedError, ValueError):
+    """A block id handed back to kvcached is wrong: freed twice, never
+    allocated, or out of range. Nothing was changed."""
+
+
+class LedgerError(KVCachedError):
+    """The per-GPU ledger file cannot be used (layout, version, permissions)."""
+
+
+class LedgerLayoutError(LedgerError):
+    """The ledger file was written by another layout or version of kvcached."""
+
+
+class LedgerFullError(LedgerError):
+    """Every pool or instance record of the ledger file is taken by a live owner."""
+
+
+class InstanceNotFoundError(KVCachedError, LookupError):
+    """No live kvcached instance has the given name."""
+
+
+class PatchError(KVCachedError):
+    """An engine integration could not be applied to this engine version."""
