@@ -1,0 +1,5 @@
+import sys
+
+from kvcached.cli.main import main
+
+sys.exit(main())
