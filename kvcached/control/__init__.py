@@ -1,0 +1,1 @@
+"""The control layer: instances, their snapshots and limits, and what kvctl reads."""
