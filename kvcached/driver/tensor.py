@@ -49,14 +49,8 @@ class CudaArray:
         }
 
 
-_numpy_present: bool | None = None
-
-
-def _has_numpy() -> bool:
-    global _numpy_present
-    if _numpy_present is None:
-        _numpy_present = importlib.util.find_spec("numpy") is not None
-    return _numpy_present
+def _has_storage_route() -> bool:
+    return hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 
 def device_tensor(va: int, nbytes: int, device: torch.device, *,
@@ -64,25 +58,38 @@ def device_tensor(va: int, nbytes: int, device: torch.device, *,
     """A 1-D ``uint8`` tensor on ``device`` (a CUDA or ROCm device) aliasing
     ``[va, va+nbytes)``, without copying.
 
-    The documented route is ``__cuda_array_interface__`` (``torch.as_tensor``),
-    but torch parses that interface with NumPy, which torch does not require;
-    without NumPy the tensor is built on a non-owning storage
-    (``torch._C._construct_storage_from_data_pointer``). ``via`` forces one
-    route (``"cai"`` or ``"storage"``; tests use it to cover both). The driver,
-    not the tensor, owns the memory: keep the mapping until the tensor is gone.
+    Two routes, chosen by ``via`` (tests cover both):
+
+    * ``"storage"`` (the default where torch has it, 2.1+): a non-owning storage
+      on ``device`` over the pointer (``torch._C._construct_storage_from_data_pointer``,
+      what torch's CUDA-graph trees use). The device is given, not looked up, so
+      the range may be reserved but not yet mapped, which is how KV tensors are
+      made; and it needs no NumPy.
+    * ``"cai"``: ``torch.as_tensor`` over a ``__cuda_array_interface__``. Torch
+      parses that with NumPy and asks the driver which device owns the pointer,
+      so the first byte must already be mapped; if the answer were another
+      device it would copy, which the check below turns into an error.
+
+    The driver, not the tensor, owns the memory: keep the mapping while a
+    kernel may touch the tensor.
     """
     if nbytes <= 0:
         raise ValueError(f"tensor(nbytes={nbytes}): needs at least one byte")
     if via is None:
-        via = "cai" if _has_numpy() else "storage"
-    if via == "cai":
-        tensor = torch.as_tensor(CudaArray(va, nbytes), device=device)
-    elif via == "storage":
+        via = "storage" if _has_storage_route() else "cai"
+    if via == "storage":
         storage = torch._C._construct_storage_from_data_pointer(va, device, nbytes)
         tensor = torch.empty(0, dtype=torch.uint8, device=device)
         tensor.set_(storage, 0, (nbytes,), (1,))
+    elif via == "cai":
+        if importlib.util.find_spec("numpy") is None:
+            raise RuntimeError(
+                "this torch has no _construct_storage_from_data_pointer, and its "
+                "__cuda_array_interface__ reader needs NumPy: pip install numpy"
+            )
+        tensor = torch.as_tensor(CudaArray(va, nbytes), device=device)
     else:
-        raise ValueError(f"via={via!r}: must be 'cai', 'storage' or None")
+        raise ValueError(f"via={via!r}: must be 'storage', 'cai' or None")
     # torch.as_tensor copies silently when it places the pointer on another device.
     assert tensor.data_ptr() == va and tensor.device == device, (
         f"a tensor over {va:#x} must alias it on {device}; torch gave "
