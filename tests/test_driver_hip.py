@@ -20,6 +20,7 @@ import pytest
 from kvcached.driver import hip
 from kvcached.driver.hip import HipDriver
 from kvcached.errors import (
+    ConfigError,
     DriverError,
     DriverUnavailableError,
     MappingError,
@@ -334,7 +335,7 @@ def test_info_decodes_the_strings(fake):
 def test_no_device_and_a_wrong_index_say_what_to_do():
     with pytest.raises(DriverUnavailableError, match="KVCACHED_DRIVER=host"):
         HipDriver(0, lib=FakeHip(init_rc=100))
-    with pytest.raises(MappingError, match="index=3 does not exist: this process sees 2"):
+    with pytest.raises(ConfigError, match="index=3 is not valid: this process sees 2 HIP"):
         HipDriver(3, lib=FakeHip())
 
 

@@ -36,6 +36,7 @@ import torch
 from kvcached.driver.base import DeviceInfo, Driver
 from kvcached.driver.tensor import device_tensor
 from kvcached.errors import (
+    ConfigError,
     DriverError,
     DriverUnavailableError,
     MappingError,
@@ -110,9 +111,10 @@ class CudaDriver(Driver):
         err, self._device = cu.cuDeviceGet(index)
         if err == cu.CUresult.CUDA_ERROR_INVALID_DEVICE:
             (_, count) = cu.cuDeviceGetCount()
-            raise MappingError(
-                f"CUDA device index={index} does not exist: this process sees {count} "
-                "device(s) (indices from 0, after CUDA_VISIBLE_DEVICES)"
+            raise ConfigError(
+                "index", index,
+                f"this process sees {count} CUDA device(s), numbered from 0 after "
+                "CUDA_VISIBLE_DEVICES",
             )
         if err:
             _fail("cuDeviceGet", err, f"device {index}")

@@ -39,6 +39,7 @@ import torch
 from kvcached.driver.base import DeviceInfo, Driver
 from kvcached.driver.tensor import device_tensor
 from kvcached.errors import (
+    ConfigError,
     DriverError,
     DriverUnavailableError,
     MappingError,
@@ -171,9 +172,10 @@ class HipDriver(Driver):
         if rc == HIP_ERROR_INVALID_DEVICE:
             count = ctypes.c_int()
             lib.hipGetDeviceCount(ctypes.byref(count))
-            raise MappingError(
-                f"HIP device index={index} does not exist: this process sees {count.value} "
-                "device(s) (indices from 0, after HIP_VISIBLE_DEVICES)"
+            raise ConfigError(
+                "index", index,
+                f"this process sees {count.value} HIP device(s), numbered from 0 after "
+                "HIP_VISIBLE_DEVICES",
             )
         if rc:
             self._fail("hipDeviceGet", rc, f"device {index}")

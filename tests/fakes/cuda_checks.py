@@ -17,6 +17,7 @@ from cuda.bindings import driver as cu
 from kvcached.driver.cuda import CudaDriver
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.errors import (
+    ConfigError,
     DriverError,
     DriverUnavailableError,
     MappingError,
@@ -164,7 +165,7 @@ def check_close() -> None:
     t.start()
     t.join()
     assert out, "a closed driver must refuse a new thread"
-    raises(MappingError, CudaDriver, 5, match="index=5 does not exist: this process sees 2")
+    raises(ConfigError, CudaDriver, 5, match="index=5 is not valid: this process sees 2 CUDA")
 
 
 def main() -> int:
