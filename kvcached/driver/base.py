@@ -12,8 +12,9 @@ layer keeps an undo stack). Sizes and offsets are multiples of the granularity;
 a handle is mapped whole, at offset 0 of the handle (CUDA's rule), and
 unmapped whole.
 
-Handles are opaque to callers: an ``int`` on CUDA and HIP, a small object on
-the host backend. Pass them back unchanged.
+Handles are opaque to callers: cuda-python's ``CUmemGenericAllocationHandle``
+on CUDA (handed back to the driver as is, the cheapest form), an ``int`` on
+HIP, a small object on the host backend. Pass them back unchanged.
 """
 
 from __future__ import annotations
