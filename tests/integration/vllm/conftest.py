@@ -44,3 +44,12 @@ def native_case_again(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
     """The same case on a second, fresh native server: the baseline that makes
     token-by-token comparisons between servers meaningful."""
     return run_basic_case("native-again", tiny_llama_dir, vllm_workdir, ServerOptions())
+
+
+@pytest.fixture(scope="session")
+def native_tp2_case(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
+    """The basic case on a native server with two tensor-parallel CPU workers:
+    the scheduler in the engine core, the KV tensors split over two processes."""
+    return run_basic_case(
+        "native-tp2", tiny_llama_dir, vllm_workdir, ServerOptions(tensor_parallel=2)
+    )

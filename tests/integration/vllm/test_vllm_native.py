@@ -106,3 +106,19 @@ def test_greedy_deterministic_across_servers(
         a, b = native_case.phase(phase), native_case_again.phase(phase)
         assert all(same_tokens(a, b)), (phase, same_tokens(a, b))
         assert cached_tokens(a) == cached_tokens(b), phase
+
+
+def test_tp2_serves_like_tp1(native_case: CaseRecord, native_tp2_case: CaseRecord) -> None:
+    """Two CPU tensor-parallel workers serve every phase, stop cleanly, log no
+    error, and cache exactly the same prefixes as one worker (block accounting
+    lives in the scheduler and does not depend on TP). Their tokens may differ
+    from TP=1: the split changes the order of floating-point sums."""
+    tp2 = native_tp2_case
+    assert tp2.start_error is None, tp2.start_error
+    for phase in GEN_PHASES + APC_PHASES:
+        assert all(c.ok for c in tp2.phase(phase)), phase
+    for phase in APC_PHASES:
+        assert cached_tokens(tp2.phase(phase)) == cached_tokens(native_case.phase(phase)), phase
+    assert tp2.reset_ok is True and tp2.alive_after_load is True
+    assert tp2.stop is not None and tp2.stop.clean and tp2.stop.leftover_pids == ()
+    assert tp2.error_signatures == [], tp2.error_signatures

@@ -122,6 +122,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``ranks`` CPU workers its
+    own CPUs ("0|1" on two cores), or "nobind" when there are too few."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        return "nobind"
+    share = len(cpus) // ranks
+    return "|".join(
+        ",".join(str(c) for c in cpus[r * share:(r + 1) * share]) for r in range(ranks)
+    )
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """How one server is started. Two servers with equal options (and seed)
@@ -142,6 +154,10 @@ class ServerOptions:
     #: Skip torch.compile: the tiny model gains nothing from it and a start
     #: takes tens of seconds less on two cores.
     enforce_eager: bool = True
+    #: Tensor-parallel ranks: CPU workers, each bound to its own share of the
+    #: CPUs this process may use (vLLM's automatic binding wants a NUMA node
+    #: per rank).
+    tensor_parallel: int = 1
     #: kvcached instance name (KVCACHED_IPC_NAME) when ``kvcached`` is set.
     ipc_name: str | None = None
     extra_args: tuple[str, ...] = ()
@@ -153,6 +169,8 @@ class ServerOptions:
                 f"load_format={self.load_format!r} is not valid: 'safetensors' "
                 "(weights from write_tiny_llama) or 'dummy'"
             )
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} is not valid: 1 or more")
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError(
                 f"block_size={self.block_size} is not valid: the CPU attention "
@@ -177,6 +195,8 @@ class ServerOptions:
         ]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.tensor_parallel > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel)]
         args.extend(self.extra_args)
         return args
 
@@ -196,6 +216,8 @@ class ServerOptions:
                 "ENABLE_KVCACHED": "true" if self.kvcached else "false",
             }
         )
+        if self.tensor_parallel > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(self.tensor_parallel)
         if self.kvcached and self.ipc_name:
             env["KVCACHED_IPC_NAME"] = self.ipc_name
         env.update(self.extra_env)
