@@ -6,6 +6,10 @@ asks for it and returns the :class:`CaseRecord`; no server outlives its fixture.
 Logs and per-case JSON (every request's tokens) go to one directory:
 ``$KVCACHED_TEST_ARTIFACTS/vllm`` when that variable names a directory (CI keeps
 it as an artifact), else pytest's temporary directory.
+
+The helper modules here are all named ``vllm_*``: pytest puts this folder on
+``sys.path`` (it is not a package, so that no ``vllm`` package of ours shadows
+the real one), and a helper named like one in another test folder would clash.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from pathlib import Path
 
 import pytest
 from vllm_cases import CaseRecord, run_basic_case
-from vllm_server import ServerOptions, write_tiny_llama
+from vllm_model import write_tiny_llama
+from vllm_server import ServerOptions
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,10 @@
 """A real vLLM OpenAI server on loopback, for integration tests and benchmarks.
 
-The server is ``python -m vllm.entrypoints.openai.api_server`` serving a tiny
-Llama with ``--skip-tokenizer-init``: prompts are token-id lists and answers are
-token ids. Its weights are either vLLM's dummy weights (``--load-format dummy``,
-only a ``config.json`` on disk) or seeded random weights written here as
-``model.safetensors``. The tests use the latter: vLLM's dummy weights are so
-small (uniform in +-1e-3) that attention is flat and greedy output depends on the
-last prompt token alone (measured: six different 300-token prefixes before one
-10-token tail all gave the same 16 tokens), so equal tokens would not show that
-a KV cache holds the right values. With the random weights the same experiment
-gives six different answers.
-It runs in a process group of its own, so a stop signal reaches the API server,
-the engine core and the workers together, as a user's Ctrl-C would.
+The server is ``python -m vllm.entrypoints.openai.api_server`` serving the tiny
+Llama of :mod:`vllm_model` with ``--skip-tokenizer-init``: prompts are token-id
+lists and answers are token ids. It runs in a process group of its own, so a
+stop signal reaches the API server, the engine core and the workers together, as
+a user's Ctrl-C would.
 
 Nothing here imports vLLM: the server runs under ``python`` (by default the
 interpreter running the tests, which must be able to import vLLM). Only the
@@ -28,7 +21,6 @@ import contextlib
 import http.client
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -39,80 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The tiny Llama of ENGINES.md. The CPU attention backend takes head sizes
-# 32, 64, 80, ... and block sizes that are multiples of 32.
-HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 256, 2, 4, 2, 32, 512
-TINY_LLAMA_CONFIG: dict[str, object] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": HIDDEN,
-    "intermediate_size": INTERMEDIATE,
-    "num_hidden_layers": LAYERS,
-    "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS,
-    "head_dim": HEAD_DIM,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
 SERVED_MODEL_NAME = "tiny-llama"
 STOP_GRACE_S = 90.0
 
 #: kvcached variables a developer's shell may carry: every server gets them from
 #: its ServerOptions only, so a native server is native whatever the shell says.
 _OWNED_ENV_PREFIXES = ("KVCACHED_", "ENABLE_KVCACHED")
-
-
-def write_tiny_llama(directory: Path, weights_seed: int | None = 0) -> Path:
-    """Write the tiny Llama into ``directory`` (created) and return it, ready
-    for ``--model``: its ``config.json``, and unless ``weights_seed`` is None
-    seeded random weights in ``model.safetensors`` (serve those with
-    ``ServerOptions(load_format="safetensors")``, the default)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=1))
-    if weights_seed is not None:
-        _write_random_weights(directory / "model.safetensors", weights_seed)
-    return directory
-
-
-def _write_random_weights(path: Path, seed: int) -> None:
-    """Llama weights drawn from N(0, gain^2 / fan_in), norms at one. The larger
-    gain on q and k sharpens attention, so every token of the context matters."""
-    import torch  # imported here: the server helpers need only the standard library
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def linear(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=gen) * (gain / cols**0.5)).to(torch.bfloat16)
-
-    def ones() -> torch.Tensor:
-        return torch.ones(HIDDEN, dtype=torch.bfloat16)
-
-    weights = {
-        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen).to(torch.bfloat16),
-        "model.norm.weight": ones(),
-        "lm_head.weight": linear(VOCAB, HIDDEN),
-    }
-    for layer in range(LAYERS):
-        p = f"model.layers.{layer}."
-        weights[p + "self_attn.q_proj.weight"] = linear(HEADS * HEAD_DIM, HIDDEN, 3.0)
-        weights[p + "self_attn.k_proj.weight"] = linear(KV_HEADS * HEAD_DIM, HIDDEN, 3.0)
-        weights[p + "self_attn.v_proj.weight"] = linear(KV_HEADS * HEAD_DIM, HIDDEN)
-        weights[p + "self_attn.o_proj.weight"] = linear(HIDDEN, HEADS * HEAD_DIM)
-        weights[p + "mlp.gate_proj.weight"] = linear(INTERMEDIATE, HIDDEN)
-        weights[p + "mlp.up_proj.weight"] = linear(INTERMEDIATE, HIDDEN)
-        weights[p + "mlp.down_proj.weight"] = linear(HIDDEN, INTERMEDIATE)
-        weights[p + "input_layernorm.weight"] = ones()
-        weights[p + "post_attention_layernorm.weight"] = ones()
-    save_file(weights, str(path))
 
 
 def free_port() -> int:
@@ -140,8 +64,8 @@ class ServerOptions:
     give the same greedy tokens for the same prompts."""
 
     kvcached: bool = False
-    #: "safetensors" for the weights of :func:`write_tiny_llama`, "dummy" for
-    #: vLLM's own (see the module's docstring for why the tests avoid those).
+    #: "safetensors" for the weights of :func:`vllm_model.write_tiny_llama`,
+    #: "dummy" for vLLM's own (see :mod:`vllm_model` for why tests avoid those).
     load_format: str = "safetensors"
     #: A multiple of 32 (the CPU attention backend's kernel block).
     block_size: int = 32
@@ -294,6 +218,7 @@ class VllmServer:
         self.ready_s: float | None = None
         self.stop_result: StopResult | None = None
         self._log_offset_at_stop: int | None = None
+        self._started_at = 0.0
 
     # -- lifetime ---------------------------------------------------------
     def start(self) -> None:
@@ -579,62 +504,3 @@ def _wait_group_empty(pgid: int, timeout_s: float) -> tuple[int, ...]:
         if not pids or time.monotonic() >= deadline:
             return pids
         time.sleep(0.2)
-
-
-# -- the log's error signatures ------------------------------------------------
-
-#: What must not appear in a server's log before its stop signal.
-ERROR_SIGNATURES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("traceback", re.compile(r"Traceback \(most recent call last\)")),
-    ("cuda error", re.compile(r"CUDA error|cudaError|CUDA_ERROR_")),
-    ("out of memory", re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)),
-    ("engine dead", re.compile(r"EngineDeadError|Engine core .*(died|failed)")),
-    ("kvcached error", re.compile(r"\[kvcached\]\s+(ERROR|CRITICAL)")),
-    ("patch failure", re.compile(r"\[kvcached\].*patch.*(fail|refus)", re.IGNORECASE)),
-)
-
-#: Log records vLLM writes with a traceback although nothing is wrong: the chat
-#: template warm-up fails without a tokenizer (``--skip-tokenizer-init``).
-BENIGN_TRACEBACK_RECORDS: tuple[re.Pattern[str], ...] = (
-    re.compile(r"Chat template warmup failed"),
-)
-
-# vLLM prefixes every line of a multi-line record with the same header:
-# "(EngineCore pid=5945) WARNING 12-02 16:10:03 [base.py:380] message".
-_RECORD_HEADER = re.compile(
-    r"^\((?P<proc>[^)]*?) pid=(?P<pid>\d+)\)\s+(?P<level>[A-Z]+)\s+\S+\s+\S+\s+"
-    r"\[(?P<where>[^\]]+)\]\s?(?P<msg>.*)$"
-)
-
-
-def find_error_signatures(log_text: str) -> list[str]:
-    """Each error signature found in ``log_text``, as ``"name: line"``. A
-    traceback inside a log record listed in :data:`BENIGN_TRACEBACK_RECORDS` is
-    not one."""
-    found: list[str] = []
-    lines = log_text.splitlines()
-    record_key: tuple[str, str, str, str] | None = None
-    record_first_msg = ""
-    for line in lines:
-        header = _RECORD_HEADER.match(line)
-        if header:
-            key = (header["proc"], header["pid"], header["level"], header["where"])
-            if key != record_key:
-                record_key, record_first_msg = key, header["msg"]
-        else:
-            record_key, record_first_msg = None, ""
-        for name, pattern in ERROR_SIGNATURES:
-            if not pattern.search(line):
-                continue
-            benign = name == "traceback" and header is not None and any(
-                b.search(record_first_msg) for b in BENIGN_TRACEBACK_RECORDS
-            )
-            if not benign:
-                found.append(f"{name}: {line.strip()[:300]}")
-    return found
-
-
-def kvcached_lines(log_text: str) -> list[str]:
-    """The log's ``[kvcached]`` lines (a native server has none)."""
-    return [line for line in log_text.splitlines() if "[kvcached]" in line]
-
