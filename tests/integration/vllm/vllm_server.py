@@ -6,9 +6,9 @@ lists and answers are token ids. It runs in a process group of its own, so a
 stop signal reaches the API server, the engine core and the workers together, as
 a user's Ctrl-C would.
 
-Nothing here imports vLLM: the server runs under ``python`` (by default the
-interpreter running the tests, which must be able to import vLLM). Only the
-standard library is used, so the module also serves ``benchmarks/``.
+Nothing here imports vLLM: the server runs under the interpreter running this
+code, which must be able to import vLLM. Only the standard library is used, so
+the module also serves ``benchmarks/``.
 
 A kvcached server is the same server with ``ServerOptions(kvcached=True)``: the
 ``vllm.general_plugins`` entry point of the installed kvcached applies the patch
@@ -195,8 +195,8 @@ class ServerError(RuntimeError):
 
 
 class VllmServer:
-    """One vLLM server process group. Use as a context manager, or call
-    :meth:`start` and then :meth:`stop` (which :meth:`close` calls if needed).
+    """One vLLM server process group: :meth:`start`, :meth:`wait_ready`, use it,
+    then :meth:`stop` (or :meth:`close` in a ``finally``, which stops it if needed).
 
     Invariant: while ``self.proc`` is not None and has not exited, the server's
     process group ``self.proc.pid`` exists and is ours to signal.
@@ -207,12 +207,10 @@ class VllmServer:
         model_dir: Path,
         log_path: Path,
         options: ServerOptions | None = None,
-        python: str = sys.executable,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.log_path = Path(log_path)
         self.options = options or ServerOptions()
-        self.python = python
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
@@ -226,7 +224,7 @@ class VllmServer:
         if self.proc is not None:
             raise RuntimeError("start() called twice on one VllmServer")
         self.port = free_port()
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server"]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += self.options.args(self.model_dir, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
@@ -307,13 +305,6 @@ class VllmServer:
         """Make sure nothing of the server is left (for ``finally`` blocks)."""
         if self.proc is not None and self.stop_result is None:
             self.stop(grace_s=30.0)
-
-    def __enter__(self) -> VllmServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- the API ----------------------------------------------------------
     def complete(
