@@ -156,8 +156,8 @@ class Driver:
     def _extend(self, reqs: list[Request], lens: list[int], *, drop_on_miss: bool) -> None:
         if self.paged:
             prefix = [len(r.tokens) for r in reqs]
-            seq = [p + n for p, n in zip(prefix, lens)]
-            new_pages = sum(self._new_pages(p, s) for p, s in zip(prefix, seq))
+            seq = [p + n for p, n in zip(prefix, lens, strict=True)]
+            new_pages = sum(self._new_pages(p, s) for p, s in zip(prefix, seq, strict=True))
             fits = self._fits(new_pages * self.page_size)
             prefix_t = torch.tensor(prefix, dtype=torch.int64)
             seq_t = torch.tensor(seq, dtype=torch.int64)
@@ -189,7 +189,7 @@ class Driver:
         values = out.tolist()
         assert len(values) == sum(lens), f"asked {sum(lens)} slots, got {len(values)}"
         pos = 0
-        for req, n in zip(reqs, lens):
+        for req, n in zip(reqs, lens, strict=True):
             req.tokens.extend(values[pos : pos + n])
             pos += n
         self.log.append(("alloc", lens))

@@ -73,7 +73,7 @@ class _Layer:
 def test_mha_pool_buffers_have_one_padding_page(page_size: int) -> None:
     pool = mha_pool(64, page_size)
     assert len(pool.k_buffer) == len(pool.v_buffer) == LAYERS
-    for k, v in zip(pool.k_buffer, pool.v_buffer):
+    for k, v in zip(pool.k_buffer, pool.v_buffer, strict=True):
         # size + page_size rows: slot 0's page absorbs padded-token writes.
         assert k.shape == v.shape == (64 + page_size, HEADS, HEAD_DIM)
         assert k.dtype == torch.float16 and k.device.type == "cpu"
