@@ -5,8 +5,9 @@ The same operation sequence runs against SGLang's native
 ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator`` (the reference)
 and, once they exist, kvcached's elastic allocators. Each step asserts:
 
-* every live token index is unique and inside ``[1, size]`` (slot 0 is SGLang's
-  padding slot and is never handed out);
+* every live token index is unique and inside pages ``1 .. size // page_size``
+  (page 0 holds SGLang's padding slot 0 and is never handed out; the pool's
+  buffers have ``size + page_size`` rows);
 * paged allocators keep a request's tokens page-aligned: position ``p`` of a
   request lives at offset ``p % page_size`` of its page, and positions of one
   logical page share one physical page;
@@ -199,9 +200,11 @@ class Driver:
     def check(self) -> None:
         live = [t for r in self.requests.values() for t in r.tokens]
         assert len(live) == len(set(live)), "a KV slot is held by two positions"
-        assert all(1 <= t <= self.size for t in live), (
-            f"slot outside [1, {self.size}]: {sorted(t for t in live if not 1 <= t <= self.size)}"
-        )
+        # Pages 1..size // page_size (page 0 is the padding page): the pool's
+        # buffers have size + page_size rows, so the last page ends there.
+        low, high = self.page_size, self.page_size * (self.size // self.page_size + 1) - 1
+        bad = sorted(t for t in live if not low <= t <= high)
+        assert not bad, f"slots outside [{low}, {high}]: {bad}"
         if self.paged:
             ps = self.page_size
             owner_of_page: dict[int, tuple[int, int]] = {}

@@ -149,6 +149,10 @@ def main() -> None:
         "agreed_misses": stats.agreed_misses,
     }
     Path(args.out).write_text(json.dumps(record))
+    # Leave together: a rank tearing gloo down while a peer is still running
+    # its last rounds (the local mode has no per-round collective) must not
+    # break the peer's connections.
+    dist.barrier()
     dist.destroy_process_group()
 
 
