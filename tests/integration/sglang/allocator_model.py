@@ -53,6 +53,7 @@ class Driver:
 
     def __init__(self, allocator: Any, *, budget: int | None = None) -> None:
         self.alloc = allocator
+        self.device = torch.device(allocator.device)
         self.size = int(allocator.size)
         self.page_size = int(allocator.page_size)
         self.paged = self.page_size > 1
@@ -111,7 +112,7 @@ class Driver:
             fits = self._fits(new_pages * self.page_size)
             seq = torch.tensor([len(r.tokens) + 1 for r in reqs], dtype=torch.int64)
             last = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.int64)
-            out = self.alloc.alloc_decode(seq, seq.clone(), last)
+            out = self.alloc.alloc_decode(self._dev(seq), seq, self._dev(last))
         else:
             fits = self._fits(len(reqs))
             out = self.alloc.alloc(len(reqs))
@@ -124,7 +125,7 @@ class Driver:
             req = reqs[0]
             del self.requests[req.rid]
             if req.tokens:
-                self.alloc.free(torch.tensor(req.tokens, dtype=torch.int64))
+                self.alloc.free(self._dev(torch.tensor(req.tokens, dtype=torch.int64)))
 
     def _op_group_free(self, op: Op) -> None:
         """Free up to ``b + 1`` requests inside one free group."""
@@ -133,7 +134,7 @@ class Driver:
         for req in reqs:
             del self.requests[req.rid]
             if req.tokens:
-                self.alloc.free(torch.tensor(req.tokens, dtype=torch.int64))
+                self.alloc.free(self._dev(torch.tensor(req.tokens, dtype=torch.int64)))
         self.alloc.free_group_end()
 
     def _op_clear(self, op: Op) -> None:
@@ -141,6 +142,11 @@ class Driver:
         self.alloc.clear()
 
     # -- helpers ------------------------------------------------------------------
+    def _dev(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy on the allocator's device (SGLang passes device tensors and
+        ``*_cpu`` mirrors side by side)."""
+        return tensor.to(self.device, copy=True)
+
     def _new_request(self) -> Request:
         req = Request(self.next_rid)
         self.next_rid += 1
@@ -164,7 +170,7 @@ class Driver:
             seq_t = torch.tensor(seq, dtype=torch.int64)
             last = torch.tensor([r.tokens[-1] if r.tokens else -1 for r in reqs], dtype=torch.int64)
             out = self.alloc.alloc_extend(
-                prefix_t, prefix_t.clone(), seq_t, seq_t.clone(), last, sum(lens)
+                self._dev(prefix_t), prefix_t, self._dev(seq_t), seq_t, self._dev(last), sum(lens)
             )
         else:
             fits = self._fits(sum(lens))

@@ -3,6 +3,8 @@ elastic classes must reproduce (same indices contract, same accounting, same
 ``None`` on exhaustion), pinned against the installed SGLang.
 
 Skips without SGLang; fails instead under ``KVCACHED_REQUIRE_ENGINES=sglang``.
+The allocator tests also run on CUDA (``-m gpu``, the H200 machine), where the
+paged allocator takes SGLang's Triton kernels instead of the torch fallbacks.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
 
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2
 
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
 
-def mha_pool(size: int, page_size: int) -> MHATokenToKVPool:
+
+def mha_pool(size: int, page_size: int, device: str = "cpu") -> MHATokenToKVPool:
     return MHATokenToKVPool(
         size=size,
         page_size=page_size,
@@ -39,24 +44,26 @@ def mha_pool(size: int, page_size: int) -> MHATokenToKVPool:
         head_num=HEADS,
         head_dim=HEAD_DIM,
         layer_num=LAYERS,
-        device="cpu",
+        device=device,
         enable_memory_saver=False,
     )
 
 
-def token_allocator(size: int, need_sort: bool = False) -> TokenToKVPoolAllocator:
+def token_allocator(size: int, need_sort: bool = False, device: str = "cpu") -> TokenToKVPoolAllocator:
     return TokenToKVPoolAllocator(
-        size, dtype=torch.float16, device="cpu", kvcache=mha_pool(size, 1), need_sort=need_sort
+        size, dtype=torch.float16, device=device, kvcache=mha_pool(size, 1, device), need_sort=need_sort
     )
 
 
-def paged_allocator(size: int, page_size: int, need_sort: bool = False) -> PagedTokenToKVPoolAllocator:
+def paged_allocator(
+    size: int, page_size: int, need_sort: bool = False, device: str = "cpu"
+) -> PagedTokenToKVPoolAllocator:
     return PagedTokenToKVPoolAllocator(
         size,
         page_size=page_size,
         dtype=torch.float16,
-        device="cpu",
-        kvcache=mha_pool(size, page_size),
+        device=device,
+        kvcache=mha_pool(size, page_size, device),
         need_sort=need_sort,
     )
 
@@ -82,12 +89,13 @@ def test_mha_pool_buffers_have_one_padding_page(page_size: int) -> None:
     ) * 2
 
 
-def test_mha_set_kv_buffer_round_trips_per_layer() -> None:
-    pool = mha_pool(64, 1)
-    loc = torch.tensor([5, 17, 63])
+@pytest.mark.parametrize("device", DEVICES)
+def test_mha_set_kv_buffer_round_trips_per_layer(device: str) -> None:
+    pool = mha_pool(64, 1, device)
+    loc = torch.tensor([5, 17, 63], device=device)
     for layer in range(LAYERS):
-        k = torch.randn(3, HEADS, HEAD_DIM, dtype=torch.float16)
-        v = torch.randn(3, HEADS, HEAD_DIM, dtype=torch.float16)
+        k = torch.randn(3, HEADS, HEAD_DIM, dtype=torch.float16, device=device)
+        v = torch.randn(3, HEADS, HEAD_DIM, dtype=torch.float16, device=device)
         pool.set_kv_buffer(_Layer(layer), loc, k, v)
         assert torch.equal(pool.get_key_buffer(layer)[loc], k)
         assert torch.equal(pool.get_value_buffer(layer)[loc], v)
@@ -215,18 +223,22 @@ _settings = settings(
 )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @_settings
 @given(ops=ops, need_sort=st.booleans())
-def test_token_allocator_matches_model(ops: list[Op], need_sort: bool) -> None:
-    Driver(token_allocator(48, need_sort=need_sort)).run(ops)
+def test_token_allocator_matches_model(device: str, ops: list[Op], need_sort: bool) -> None:
+    Driver(token_allocator(48, need_sort=need_sort, device=device)).run(ops)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @_settings
 @given(ops=ops, page_size=st.sampled_from([2, 4, 16]), need_sort=st.booleans())
 # Found by hypothesis: the last page ends at size + page_size - 1, past `size`.
 @example(ops=[Op("new", 16), Op("new", 17)], page_size=16, need_sort=False)
-def test_paged_allocator_matches_model(ops: list[Op], page_size: int, need_sort: bool) -> None:
-    Driver(paged_allocator(64, page_size, need_sort=need_sort)).run(ops)
+def test_paged_allocator_matches_model(
+    device: str, ops: list[Op], page_size: int, need_sort: bool
+) -> None:
+    Driver(paged_allocator(64, page_size, need_sort=need_sort, device=device)).run(ops)
 
 
 def test_driver_detects_a_wrong_available_size() -> None:

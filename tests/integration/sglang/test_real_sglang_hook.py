@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -40,7 +39,10 @@ def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site_dir = Path(purelib)
     (site_dir / "aa_kvcached_tree.pth").write_text(f"{ROOT}\n")
     (site_dir / "kvcached_sglang.pth").write_text(SHIPPED_PTH.read_text())
-    (site_dir / "zz_engine_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Everything this interpreter imports from (its site-packages, or a
+    # PYTHONPATH --target folder on the GPU machine), after the hook.
+    inherited = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != ROOT]
+    (site_dir / "zz_engine_env.pth").write_text("".join(f"{p}\n" for p in inherited))
     return exe
 
 
