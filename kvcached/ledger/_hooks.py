@@ -6,7 +6,7 @@ tests use them to die at an exact place (inside the data lock, between a grant
 and its materialisation, halfway through a retirement) and the stress test to
 record that a process was killed inside the data lock.
 
-Names: ``data-locked``, ``data-unlocking``, ``grant-charged``,
+Names: ``data-locked``, ``data-unlocking``, ``grant-decided``, ``grant-charged``,
 ``refund-flushed``, ``register-leased``, ``register-written``,
 ``retire-journaled``, ``retire-applying``, ``calibrate-sampled``,
 ``calibrate-published``, ``limit-written``.

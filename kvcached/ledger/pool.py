@@ -99,6 +99,8 @@ class PoolBudget:
                 if limit:
                     room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
                 granted = nbytes <= room
+                if _hooks.point is not None:
+                    _hooks.point("grant-decided")
                 charged = self._charged - pending
                 if granted:
                     charged += nbytes
