@@ -10,8 +10,8 @@ in place, so the layout is a protocol. Rules it keeps (after LMDB's lock file):
 * a record's owner identity (``token``, non-zero while the slot is in use) is
   written last when a slot is taken and cleared first when it is given back, so
   a record half-written by a process that died never looks live;
-* a slot that is not in use has ``charged == 0``, so a sum over every slot is
-  a sum over the slots in use;
+* a slot that is not in use has ``charged == released == 0``, so a sum over
+  every slot is a sum over the slots in use;
 * nothing in the file is an aggregate: totals are sums over records.
 
 ``test_layout.py`` pins every field's offset and size together with
@@ -77,6 +77,12 @@ class Header(ctypes.Structure):
 class PoolRecord(ctypes.Structure):
     """One pool: the physical bytes charged to it and who owns it.
 
+    ``charged`` is what the budget is checked against. ``released`` is the part
+    of it whose release is confirmed but whose refund is still batched in the
+    owner process (always ``<= charged``); its owner writes it without the data
+    lock (one aligned word, one writer), and calibration subtracts it, because
+    that memory is already counted in the driver's free figure.
+
     ``instance`` is the instance slot + 1 (0: none). ``start_time`` is the
     owner's process start time in clock ticks since boot (``/proc/PID/stat``
     field 22), shown by ``kvctl`` beside the pid. Liveness is never read from
@@ -90,7 +96,8 @@ class PoolRecord(ctypes.Structure):
         ("instance", ctypes.c_uint32),
         ("start_time", ctypes.c_uint64),
         ("registered_ns", ctypes.c_uint64),
-        ("_reserved", ctypes.c_uint8 * 24),
+        ("released", ctypes.c_int64),
+        ("_reserved", ctypes.c_uint8 * 16),
     ]
 
 

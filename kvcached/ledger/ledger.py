@@ -24,13 +24,18 @@ Rules the ledger keeps (the seed PR #487's semantics, see DESIGN.md):
   that takes the data lock.
 * **Calibration is coordinated only among calibrators.** A non-blocking lease
   (byte 1) lets one process at a time sample the driver, outside the data lock,
-  then publish ``budget = max(0, charges now + sampled free - safety margin)``
-  under it; the calibration sequence keeps an older sample from overwriting a
-  newer one. Grants and refunds go on meanwhile.
+  then publish ``budget = max(0, charges now - released + sampled free -
+  safety margin)`` under it; the calibration sequence keeps an older sample
+  from overwriting a newer one. Grants and refunds go on meanwhile.
+  ``released`` (the seed has no such term) is what pools have released but
+  not yet refunded: each owner publishes its batch in its record without the
+  lock, so that memory, which the driver already reports as free, is not
+  counted twice.
 
 The budget is an estimate (the seed's list of error sources applies: grants
-not yet materialised, refunds not yet flushed, the delay between sample and
-publication, allocations outside kvcached); the safety margin absorbs it.
+not yet materialised, a refund or re-use between its driver call and its
+ledger write, the delay between sample and publication, allocations outside
+kvcached); the safety margin absorbs it.
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ def p_token(slot: int) -> int:
 
 def p_charged(slot: int) -> int:
     return (layout.pool_offset(slot) + PoolRecord.charged.offset) // 8
+
+
+def p_released(slot: int) -> int:
+    return (layout.pool_offset(slot) + PoolRecord.released.offset) // 8
 
 
 def p_pid(slot: int) -> int:
@@ -197,6 +206,7 @@ class Ledger:
         self.charges = lfile.view(i64[p_charged(0) : p_charged(0) + 8 * n : 8])
         self.instances = lfile.view(u32[p_instance(0) : p_instance(0) + 16 * n : 16])
         self.tokens = lfile.view(u64[p_token(0) : p_token(0) + 8 * n : 8])
+        self.released = lfile.view(i64[p_released(0) : p_released(0) + 8 * n : 8])
         self.closed = False
         _LIVE.add(self)
 
@@ -277,6 +287,10 @@ class Ledger:
     def charged_total(self) -> int:
         return sum(self.charges[: self.u32[H_HIGH_WATER]])
 
+    def released_total(self) -> int:
+        """Bytes released but still charged (refunds batched in their processes)."""
+        return sum(self.released[: self.u32[H_HIGH_WATER]])
+
     def instance_charged(self, instance_slot: int) -> int:
         ref = instance_slot + 1
         hw = self.u32[H_HIGH_WATER]
@@ -328,6 +342,7 @@ class Ledger:
         if _hooks.point is not None:
             _hooks.point("retire-applying")
         i64[p_charged(slot)] = 0
+        i64[p_released(slot)] = 0
         u32[p_instance(slot)] = 0
         ref = u32[H_RETIRE_INSTANCE]
         if ref:
@@ -431,6 +446,7 @@ class Ledger:
                     inst = self._create_instance_locked(instance)
                 token = _new_token()
                 self.i64[p_charged(slot)] = 0
+                self.i64[p_released(slot)] = 0
                 self.file.i32[p_pid(slot)] = os.getpid()
                 self.u32[p_instance(slot)] = inst + 1
                 self.u64[p_start_time(slot)] = self.start_time
@@ -476,8 +492,11 @@ class Ledger:
         Takes the calibrator lease without waiting (``busy`` if another process
         or thread holds it), retires dead pools, samples ``sampler.mem_info()``
         *outside* the data lock, then under it publishes
-        ``budget = max(0, sum(charges) + free - safety_margin)`` unless another
-        sample was published since this one's sequence was read (``stale``).
+        ``budget = max(0, sum(charges) - sum(released) + free - safety_margin)``
+        unless another sample was published since this one's sequence was read
+        (``stale``). ``released`` is memory whose release is confirmed but whose
+        refund is still batched in its process: the driver already counts it as
+        free, so it is subtracted once from the charges.
         """
         self._check_open()
         sampler = sampler or self.sampler
@@ -507,7 +526,9 @@ class Ledger:
                 return Calibration(False, "stale", retired, self.i64[H_BUDGET], free, 0,
                                    self.u64[H_SEQ])
             charged = self.charged_total()
-            budget = max(0, charged + free - self.i64[H_MARGIN])
+            # Memory released but not yet refunded is in `free` and in `charged`:
+            # count it once.
+            budget = max(0, charged - self.released_total() + free - self.i64[H_MARGIN])
             self.i64[H_BUDGET] = budget
             self.i64[H_CAL_FREE] = free
             self.u64[H_CAL_TIME] = time.time_ns()
@@ -622,7 +643,8 @@ class Ledger:
             pools.append(PoolView(
                 slot=s, token=rec.token, pid=rec.pid, start_time=rec.start_time,
                 instance=inst_names.get(rec.instance - 1, ""), charged=rec.charged,
-                registered_ns=rec.registered_ns, alive=self._lease(s).held_elsewhere(),
+                registered_ns=rec.registered_ns, released=rec.released,
+                alive=self._lease(s).held_elsewhere(),
             ))
         instances = []
         for s, rec in inst_raw.items():
@@ -639,7 +661,7 @@ class Ledger:
             safety_margin=head.safety_margin, budget=head.budget,
             calibration_seq=head.calibration_seq, calibration_time_ns=head.calibration_time_ns,
             calibration_free=head.calibration_free, created_ns=head.created_ns,
-            charged=sum(p.charged for p in pools),
+            charged=sum(p.charged for p in pools), released=sum(p.released for p in pools),
         )
         return LedgerSnapshot(header, tuple(pools), tuple(instances))
 

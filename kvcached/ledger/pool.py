@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 from kvcached.errors import LedgerError
 from kvcached.ledger import _hooks
-from kvcached.ledger.ledger import H_BUDGET, H_HIGH_WATER, i_limit, i_revision, p_charged
+from kvcached.ledger.ledger import (
+    H_BUDGET,
+    H_HIGH_WATER,
+    i_limit,
+    i_revision,
+    p_charged,
+    p_released,
+)
 from kvcached.log import get_logger
 from kvcached.units import MIB
 
@@ -44,8 +51,12 @@ class PoolBudget:
       release is not refunded), and ``pending_refund <= charged``;
     * refunds are batched below :data:`REFUND_FLUSH_BYTES` per pool (so per
       thread too); a refund of a handle of 64 MiB or more, or one that brings the
-      batch to 64 MiB, is flushed at once, and every :meth:`grant` folds the
-      batch into its own write under the data lock at no extra cost;
+      batch to 64 MiB, is flushed at once; the batch's size is published in the
+      record's ``released`` word (one store, no lock) for calibration;
+    * a :meth:`grant` of no more than the batch re-uses it: the record already
+      charges those bytes, so nothing is written and no lock is taken (the same
+      budget and limit test is made on values read without the lock); a larger
+      grant folds the batch into its own write under the data lock;
     * a flush that fails keeps its batch for the next attempt.
 
     :meth:`headroom` is a cached figure: the bytes :meth:`grant` would give,
@@ -68,6 +79,7 @@ class PoolBudget:
         self.instance_slot = instance_slot
         self._fd = fd  # holds the owner lease (an OFD lock on the record's first byte)
         self._ci = p_charged(slot)
+        self._ri = p_released(slot)
         self._li = i_limit(instance_slot)
         self._ref = instance_slot + 1
         self._lock = threading.Lock()
@@ -76,6 +88,7 @@ class PoolBudget:
         self._room = 0
         self._closed = False
         self._uses_calibrator = False
+        self._recycle = True  # benchmarks turn it off to measure the seed's design
         self._finalizer = weakref.finalize(self, _finalize, weakref.ref(ledger), slot, token, fd)
 
     # -- the PhysicalBudget protocol ----------------------------------------------------
@@ -90,6 +103,23 @@ class PoolBudget:
             if self._closed:
                 raise LedgerError(f"grant() on a closed pool ({self!r})")
             led = self._ledger
+            pending = self._pending
+            if nbytes <= pending and self._recycle:
+                # Re-use refunds batched here: the record already charges these bytes,
+                # so no charge changes and nothing is written. The same test as below,
+                # on values read without the lock (each an atomic word): any of them
+                # can only be a moment old, and no sum or budget moves by this grant.
+                i64 = led.i64
+                room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
+                limit = i64[self._li]
+                if limit:
+                    room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
+                if nbytes <= room:
+                    self._pending = pending - nbytes
+                    i64[self._ri] = pending - nbytes
+                    room -= nbytes
+                    self._room = room if room > 0 else 0
+                    return True
             led._lock_data()
             try:
                 i64 = led.i64
@@ -108,7 +138,9 @@ class PoolBudget:
                 if charged != self._charged:
                     i64[self._ci] = charged
                     self._charged = charged
-                self._pending = 0
+                if pending:
+                    i64[self._ri] = 0
+                    self._pending = 0
                 if granted and _hooks.point is not None:
                     _hooks.point("grant-charged")
             finally:
@@ -136,6 +168,7 @@ class PoolBudget:
                     "granted, once, after its release succeeded"
                 )
             self._pending += nbytes
+            self._ledger.i64[self._ri] = self._pending  # published without the lock
             self._room += nbytes
             if self._pending >= REFUND_FLUSH_BYTES:
                 try:
@@ -174,6 +207,7 @@ class PoolBudget:
                         if self._pending and led.tokens[self.slot] == self.token:
                             self._charged -= self._pending
                             led.i64[self._ci] = self._charged
+                            led.i64[self._ri] = 0
                             self._pending = 0
                         left = led._close_pool_locked(self.slot, self.token)
                     finally:
@@ -249,6 +283,7 @@ class PoolBudget:
         try:
             charged = self._charged - self._pending
             led.i64[self._ci] = charged
+            led.i64[self._ri] = 0
             self._charged = charged
             self._pending = 0
             if _hooks.point is not None:

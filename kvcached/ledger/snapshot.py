@@ -32,6 +32,7 @@ class HeaderView:
     calibration_free: int
     created_ns: int
     charged: int
+    released: int  #: of ``charged``: released, refund batched in its process
 
     @property
     def headroom(self) -> int:
@@ -48,6 +49,7 @@ class PoolView:
     instance: str
     charged: int
     registered_ns: int
+    released: int  #: of ``charged``: released, refund still batched in the process
     alive: bool  #: its owner lease is held (False: a dead owner not retired yet)
 
 

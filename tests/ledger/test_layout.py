@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvcached.ledger import layout
 
-PINNED = (1, "eb6e2f91232471db")
+PINNED = (1, "31fbd0b43b0d6cb0")
 
 OFFSETS = {
     "Header.magic": (0, 8),
@@ -42,7 +42,8 @@ OFFSETS = {
     "PoolRecord.instance": (20, 4),
     "PoolRecord.start_time": (24, 8),
     "PoolRecord.registered_ns": (32, 8),
-    "PoolRecord._reserved": (40, 24),
+    "PoolRecord.released": (40, 8),
+    "PoolRecord._reserved": (48, 16),
     "InstanceRecord.token": (0, 8),
     "InstanceRecord.limit": (8, 8),
     "InstanceRecord.revision": (16, 8),

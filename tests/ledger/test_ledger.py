@@ -107,15 +107,32 @@ def test_a_big_handle_refunds_at_once(ledger):
     assert ledger.snapshot().header.charged == 2 * MIB
 
 
-def test_a_grant_folds_batched_refunds_into_its_write(ledger):
+def test_a_grant_within_the_batch_re_uses_it_without_the_lock(ledger):
     pool = ledger.register_pool("a")
     assert pool.grant(BUDGET)
     pool.refund(8 * MIB)
-    assert pool.pending_refund == 8 * MIB
-    assert pool.grant(6 * MIB)  # fits only because the batch is folded in
+    good = ledger._data
+    ledger._data = _BrokenLock()  # any use of the data lock would raise
+    try:
+        assert pool.grant(6 * MIB)  # fits only thanks to the batch, and takes from it
+        assert (pool.pending_refund, pool.charged) == (2 * MIB, BUDGET)
+        assert pool.headroom() == 2 * MIB
+    finally:
+        ledger._data = good
+    assert ledger.snapshot().header.charged == BUDGET  # the record never moved
+    ledger.set_limit("a", BUDGET - 4 * MIB, 1)  # now over its limit: no re-use either
+    assert not pool.grant(2 * MIB)
+    assert pool.pending_refund == 0 and pool.charged == BUDGET - 2 * MIB  # folded, denied
+
+
+def test_a_grant_beyond_the_batch_folds_it_into_its_write(ledger):
+    pool = ledger.register_pool("a")
+    assert pool.grant(BUDGET - 2 * MIB)
+    pool.refund(4 * MIB)
+    assert pool.grant(6 * MIB)  # 4 MiB from the batch, 2 MiB new: one write
     assert pool.pending_refund == 0
-    assert pool.charged == BUDGET - 2 * MIB
-    assert ledger.snapshot().header.charged == BUDGET - 2 * MIB
+    assert pool.charged == BUDGET
+    assert ledger.snapshot().header.charged == BUDGET
 
 
 def test_refund_and_grant_reject_bad_sizes(ledger):
@@ -157,13 +174,15 @@ def test_a_failed_flush_keeps_its_backlog(ledger):
             pool.flush()
         assert pool.pending_refund == 64 * MIB
         with pytest.raises(OSError):
-            pool.grant(2 * MIB)
+            pool.grant(128 * MIB)  # needs the ledger
         assert pool.pending_refund == 64 * MIB
+        assert pool.grant(2 * MIB)  # served from the kept batch, no lock needed
+        assert pool.pending_refund == 62 * MIB
     finally:
         ledger._data = good
     pool.flush()
     assert pool.pending_refund == 0
-    assert ledger.snapshot().header.charged == 192 * MIB
+    assert ledger.snapshot().header.charged == 194 * MIB
 
 
 def test_limits_apply_to_the_sum_of_an_instance_s_pools(ledger):
@@ -282,6 +301,28 @@ def test_calibration_publishes_charges_plus_free_minus_margin(ledger, device):
     pool.flush()
     device.free = 0
     assert ledger.calibrate().budget == 0  # ... clamped at 0
+
+
+def test_calibration_counts_released_but_unrefunded_memory_once(ledger, device):
+    a, b = ledger.register_pool("a"), ledger.register_pool("b")
+    assert a.grant(3 * GIB)
+    a.refund(40 * MIB)  # released, refund batched in the process
+    snap = ledger.snapshot()
+    assert [p.released for p in snap.pools] == [40 * MIB, 0]
+    assert snap.header.charged == 3 * GIB and snap.header.released == 40 * MIB
+    # The driver already sees those 40 MiB as free: the budget must not offer them
+    # to b while a can re-use them without asking.
+    device.free = 2 * GIB
+    assert ledger.calibrate().budget == 3 * GIB - 40 * MIB + 2 * GIB - GIB
+    b.refresh()
+    assert b.headroom() == GIB - 40 * MIB
+    assert a.headroom() == GIB  # a's own batch is its own to re-use
+    assert a.grant(40 * MIB)  # re-used: nothing written but the released word
+    assert ledger.snapshot().pools[0].released == 0
+    a.refund(8 * MIB)
+    a.flush()
+    snap = ledger.snapshot()
+    assert (snap.pools[0].charged, snap.pools[0].released) == (3 * GIB - 8 * MIB, 0)
 
 
 def test_calibration_sequence_rejects_an_older_sample(ledger):

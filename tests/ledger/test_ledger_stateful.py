@@ -101,10 +101,14 @@ class LedgerMachine(RuleBasedStateMachine):
         room = self._room(pool)
         expected = nbytes <= room
         assert pool.real.grant(nbytes) is expected
-        pool.charged -= pool.pending
-        pool.pending = 0
+        if expected and nbytes <= pool.pending:  # re-uses batched refunds: nothing written
+            pool.pending -= nbytes
+        else:  # goes to the ledger, folding the batch into its write
+            pool.charged -= pool.pending
+            pool.pending = 0
+            if expected:
+                pool.charged += nbytes
         if expected:
-            pool.charged += nbytes
             room -= nbytes
         assert pool.real.headroom() == max(0, room)
 
@@ -202,8 +206,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def die(self, pool):
         if pool not in self.model or not pool.alive:
             return
-        pool.real._abandon()  # batched refunds die with the process
-        pool.pending = 0
+        pool.real._abandon()  # batched refunds die with the process; its record stays
         pool.alive = False
 
     @rule()
@@ -218,7 +221,8 @@ class LedgerMachine(RuleBasedStateMachine):
         result = self.ledger.calibrate()
         assert result.published
         self._retire_dead()
-        self.budget = max(0, self._sum() + free - MARGIN)
+        released = sum(p.pending for p in self.model)
+        self.budget = max(0, self._sum() - released + free - MARGIN)
         assert result.budget == self.budget
         for pool in self.model:
             if pool.alive:
@@ -230,8 +234,8 @@ class LedgerMachine(RuleBasedStateMachine):
         snap = self.ledger.snapshot()
         assert snap.header.budget == self.budget
         assert snap.header.charged == self._sum()
-        got = sorted((p.token, p.charged, p.alive) for p in snap.pools)
-        want = sorted((p.real.token, p.charged, p.alive) for p in self.model)
+        got = sorted((p.token, p.charged, p.released, p.alive) for p in snap.pools)
+        want = sorted((p.real.token, p.charged, p.pending, p.alive) for p in self.model)
         assert got == want
         for pool in self.model:
             if pool.alive:
