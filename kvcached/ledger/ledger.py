@@ -235,6 +235,8 @@ class Ledger:
         util = config.gpu_utilization if gpu_utilization is None else gpu_utilization
         if not isinstance(device_id, str) or not device_id:
             raise ValueError(f"device_id={device_id!r}: must be the device's PCI bus id")
+        if not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_utilization={util!r}: must be in (0, 1], e.g. 0.95")
 
         def initial() -> Initial:
             free, total = sampler.mem_info()

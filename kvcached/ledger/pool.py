@@ -89,7 +89,7 @@ class PoolBudget:
         self._closed = False
         self._uses_calibrator = False
         self._recycle = True  # benchmarks turn it off to measure the seed's design
-        self._finalizer = weakref.finalize(self, _finalize, weakref.ref(ledger), slot, token, fd)
+        self._finalizer = weakref.finalize(self, _finalize, fd)
 
     # -- the PhysicalBudget protocol ----------------------------------------------------
     def grant(self, nbytes: int) -> bool:
@@ -135,12 +135,12 @@ class PoolBudget:
                 if granted:
                     charged += nbytes
                     room -= nbytes
+                if pending:  # released first: a crash in between over-counts, never under
+                    i64[self._ri] = 0
+                    self._pending = 0
                 if charged != self._charged:
                     i64[self._ci] = charged
                     self._charged = charged
-                if pending:
-                    i64[self._ri] = 0
-                    self._pending = 0
                 if granted and _hooks.point is not None:
                     _hooks.point("grant-charged")
             finally:
@@ -206,8 +206,8 @@ class PoolBudget:
                     try:
                         if self._pending and led.tokens[self.slot] == self.token:
                             self._charged -= self._pending
-                            led.i64[self._ci] = self._charged
                             led.i64[self._ri] = 0
+                            led.i64[self._ci] = self._charged
                             self._pending = 0
                         left = led._close_pool_locked(self.slot, self.token)
                     finally:
@@ -282,8 +282,8 @@ class PoolBudget:
         led._lock_data()
         try:
             charged = self._charged - self._pending
-            led.i64[self._ci] = charged
             led.i64[self._ri] = 0
+            led.i64[self._ci] = charged
             self._charged = charged
             self._pending = 0
             if _hooks.point is not None:
@@ -318,17 +318,11 @@ class PoolBudget:
         return f"<PoolBudget {self.instance!r} slot={self.slot} {state}>"
 
 
-def _finalize(ledger_ref: weakref.ref, slot: int, token: int, fd: int) -> None:
-    """Last resort for a pool dropped without :meth:`PoolBudget.close`."""
-    ledger = ledger_ref()
-    try:
-        if ledger is not None and not ledger.closed:
-            ledger._lock_data()
-            try:
-                ledger._close_pool_locked(slot, token)
-            finally:
-                ledger._unlock_data()
-    except Exception:  # at interpreter exit; the lease below still ends the pool
-        pass
-    finally:
+def _finalize(fd: int) -> None:
+    """Last resort for a pool dropped without :meth:`PoolBudget.close`: drop the
+    owner lease and nothing else, so the record reads as a dead owner's and the
+    next registration or calibration retires it. (Taking the data lock here
+    could deadlock: the garbage collector may run this on a thread that already
+    holds it.)"""
+    with contextlib.suppress(OSError):
         os.close(fd)

@@ -206,7 +206,7 @@ def test_limits_apply_to_the_sum_of_an_instance_s_pools(ledger):
 
 
 def test_limit_revisions(ledger):
-    pool = ledger.register_pool("a")  # kept: a dropped pool is retired by its finalizer
+    pool = ledger.register_pool("a")  # kept: a dropped pool reads as dead
     assert ledger.set_limit("a", 10 * MIB, 5) is LimitStatus.APPLIED
     assert ledger.set_limit("a", 10 * MIB, 5) is LimitStatus.APPLIED  # a retry
     assert ledger.set_limit("a", 20 * MIB, 5) is LimitStatus.CONFLICT
@@ -438,14 +438,17 @@ def test_close_is_idempotent_and_gives_the_record_back(ledger):
         pool.refund(2 * MIB)
 
 
-def test_a_dropped_pool_is_retired_by_its_finalizer(ledger):
+def test_a_dropped_pool_reads_as_dead_and_is_retired(ledger):
     pool = ledger.register_pool("a")
     assert pool.grant(4 * MIB)
     del pool
     import gc
 
     gc.collect()
+    assert [p.alive for p in ledger.snapshot().pools] == [False]  # its lease was dropped
+    assert ledger.retire_dead() == 1
     assert ledger.snapshot().pools == ()
+    assert ledger.budget == BUDGET - 4 * MIB
 
 
 def test_threads_of_one_process_keep_exact_sums(ledger):
