@@ -146,6 +146,7 @@ def main() -> None:
         os.path.dirname(os.path.abspath(__file__)), "results", "ledger-host.json"))
     args = parser.parse_args()
 
+    load_before = os.getloadavg()
     samples = {(v, p, n): [] for v in VARIANTS for p in PATTERNS for n in COUNTS}
     for rnd in range(args.rounds):
         order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
@@ -187,7 +188,8 @@ def main() -> None:
                      "ledger file in /dev/shm; pairs/s summed over the processes",
         "command": "python benchmarks/ledger.py " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "kernel": platform.release()},
+                    "kernel": platform.release(),
+                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
         "seconds_per_run": args.seconds,
         "rounds": args.rounds,
         "pair_p50_us": pair["variants"]["ledger"]["pair_p50_us"],

@@ -545,3 +545,40 @@ def test_ofd_lock_errors_are_sorted(monkeypatch, ledger):
     with pytest.raises(OSError) as info:
         lock.acquire()
     assert info.value.errno == errno.EIO and not isinstance(info.value, LedgerError)
+
+
+def test_open_pool_budget_on_the_host_backend(ledger_dir):
+    """The factory the memory layer calls, on a real backend: grant, create, map,
+    release, refund; the process' calibrator runs while its pools are open."""
+    from kvcached.driver.host import HostDriver
+    from kvcached.ledger import open_ledger, open_pool_budget
+
+    driver = HostDriver(0, capacity=256 * MIB)
+    pool = open_pool_budget(driver, "host-test", directory=ledger_dir)
+    other = open_pool_budget(driver, "host-test", directory=ledger_dir)
+    ledger = open_ledger(driver, directory=ledger_dir)
+    try:
+        assert isinstance(pool, PhysicalBudget)
+        assert os.path.basename(ledger.path) == "kvcached-ledger-host-0"
+        assert ledger._calibrator is not None and ledger._calibrator.running
+        va = driver.reserve(64 * MIB)
+        assert pool.grant(2 * MIB)
+        handle = driver.create(2 * MIB)
+        driver.map(va, 2 * MIB, handle)
+        driver.set_access(va, 2 * MIB)
+        driver.unmap(va, 2 * MIB)
+        driver.release(handle)
+        pool.refund(2 * MIB)
+        driver.free_reservation(va, 64 * MIB)
+        snap = ledger.snapshot()
+        assert [(p.instance, p.charged, p.released) for p in snap.pools] == [
+            ("host-test", 2 * MIB, 2 * MIB), ("host-test", 0, 0)]
+        util = __import__("kvcached.config").config.get_config().gpu_utilization
+        assert snap.header.safety_margin == round(256 * MIB * (1 - util))
+        pool.close()
+        assert ledger._calibrator is not None  # still used by `other`
+        other.close()
+        assert ledger._calibrator is None
+        assert ledger.snapshot().pools == ()
+    finally:
+        ledger.close()
