@@ -582,3 +582,20 @@ def test_open_pool_budget_on_the_host_backend(ledger_dir):
         assert ledger.snapshot().pools == ()
     finally:
         ledger.close()
+
+
+def test_full_tables_are_a_clear_error_and_leak_nothing(ledger):
+    from kvcached.errors import LedgerFullError
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    names = [ledger.register_pool(f"i{k}") for k in range(layout.INSTANCE_SLOTS)]
+    with pytest.raises(LedgerFullError, match="instance records"):
+        ledger.register_pool("one-too-many")
+    same = [ledger.register_pool("i0") for _ in range(layout.POOL_SLOTS - len(names))]
+    with pytest.raises(LedgerFullError, match="pool records"):
+        ledger.register_pool("i0")
+    assert len(os.listdir("/proc/self/fd")) == fds_before + layout.POOL_SLOTS
+    for pool in names + same:
+        pool.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert ledger.register_pool("one-too-many").slot == 0
