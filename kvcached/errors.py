@@ -68,6 +68,12 @@ class LedgerLayoutError(LedgerError):
     """The ledger file was written by another layout or version of kvcached."""
 
 
+class LedgerPermissionError(LedgerError, PermissionError):
+    """The ledger file or its directory denied access. It is the operating
+    system's ``PermissionError`` (same ``errno`` and ``filename``) with a message
+    saying who needs which access; kvcached never chmods to get around it."""
+
+
 class LedgerFullError(LedgerError):
     """Every pool or instance record of the ledger file is taken by a live owner."""
 

@@ -1,0 +1,178 @@
+"""The byte layout of a ledger file: one header, then pool records, then instance records.
+
+Every process that shares a GPU maps the same file and reads these structures
+in place, so the layout is a protocol. Rules it keeps (after LMDB's lock file):
+
+* the magic and the layout version come first, followed by the sizes of every
+  part, so a reader can tell *which* thing differs before it touches anything;
+* records are fixed-size and aligned to 64-byte cache lines, so two processes
+  that update their own records never share a line;
+* a record's owner identity (``token``, non-zero while the slot is in use) is
+  written last when a slot is taken and cleared first when it is given back, so
+  a record half-written by a process that died never looks live;
+* a slot that is not in use has ``charged == released == 0``, so a sum over
+  every slot is a sum over the slots in use;
+* nothing in the file is an aggregate: totals are sums over records.
+
+``test_layout.py`` pins every field's offset and size together with
+:data:`LAYOUT_VERSION`: moving a field without bumping the version fails it.
+
+Locks are fcntl OFD byte-range locks on bytes of this file (see
+:mod:`kvcached.ledger.locks`); which byte means what is fixed here too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+
+MAGIC = b"KVCLEDGR"
+LAYOUT_VERSION = 1
+
+POOL_SLOTS = 256
+INSTANCE_SLOTS = 64
+NAME_BYTES = 64  # an instance name is at most 48 characters; the rest stays NUL
+DEVICE_ID_BYTES = 64
+CACHE_LINE = 64
+
+
+class Header(ctypes.Structure):
+    """The file's first 256 bytes.
+
+    The first 128 bytes are written once, when the file is created, and only
+    read afterwards. The second half changes: ``budget`` and the calibration
+    fields (under the data lock), ``pool_high_water`` (a structural hint: no
+    slot at or above it has ever been used, so sums may stop there), and the
+    retirement journal (``retire_*``) that makes retiring a record atomic
+    against a crash (see :meth:`kvcached.ledger.ledger.Ledger._retire_locked`).
+    """
+
+    _fields_ = [
+        ("magic", ctypes.c_char * 8),
+        ("layout_version", ctypes.c_uint32),
+        ("header_size", ctypes.c_uint32),
+        ("pool_record_size", ctypes.c_uint32),
+        ("pool_slots", ctypes.c_uint32),
+        ("instance_record_size", ctypes.c_uint32),
+        ("instance_slots", ctypes.c_uint32),
+        ("file_size", ctypes.c_uint64),
+        ("created_ns", ctypes.c_uint64),
+        ("device_id", ctypes.c_char * DEVICE_ID_BYTES),
+        ("total_bytes", ctypes.c_int64),
+        ("safety_margin", ctypes.c_int64),
+        # -- mutable part, from byte 128 -------------------------------------------
+        ("budget", ctypes.c_int64),
+        ("calibration_seq", ctypes.c_uint64),
+        ("calibration_time_ns", ctypes.c_uint64),
+        ("calibration_free", ctypes.c_int64),
+        ("pool_high_water", ctypes.c_uint32),
+        ("retire_instance", ctypes.c_uint32),
+        ("retire_budget", ctypes.c_int64),
+        ("retire_slot", ctypes.c_uint32),
+        ("_reserved0", ctypes.c_uint32),
+        ("_reserved", ctypes.c_uint8 * 72),
+    ]
+
+
+class PoolRecord(ctypes.Structure):
+    """One pool: the physical bytes charged to it and who owns it.
+
+    ``charged`` is what the budget is checked against. ``released`` is the part
+    of it whose release is confirmed but whose refund is still batched in the
+    owner process (always ``<= charged``); its owner writes it without the data
+    lock (one aligned word, one writer), and calibration subtracts it, because
+    that memory is already counted in the driver's free figure.
+
+    ``instance`` is the instance slot + 1 (0: none). ``start_time`` is the
+    owner's process start time in clock ticks since boot (``/proc/PID/stat``
+    field 22), shown by ``kvctl`` beside the pid. Liveness is never read from
+    these fields: it is the owner lease (a lock on this record's first byte).
+    """
+
+    _fields_ = [
+        ("token", ctypes.c_uint64),
+        ("charged", ctypes.c_int64),
+        ("pid", ctypes.c_int32),
+        ("instance", ctypes.c_uint32),
+        ("start_time", ctypes.c_uint64),
+        ("registered_ns", ctypes.c_uint64),
+        ("released", ctypes.c_int64),
+        ("_reserved", ctypes.c_uint8 * 16),
+    ]
+
+
+class InstanceRecord(ctypes.Structure):
+    """One instance (``KVCACHED_IPC_NAME``): its limit on this GPU and the limit's revision.
+
+    ``limit`` 0 means unlimited. ``pid``/``start_time`` name the process that
+    created the record (its first pool on this GPU); the pids of every worker
+    are in the pool records. The record lives while any pool record refers to it.
+    """
+
+    _fields_ = [
+        ("token", ctypes.c_uint64),
+        ("limit", ctypes.c_int64),
+        ("revision", ctypes.c_uint64),
+        ("pid", ctypes.c_int32),
+        ("_reserved0", ctypes.c_uint32),
+        ("start_time", ctypes.c_uint64),
+        ("created_ns", ctypes.c_uint64),
+        ("limit_set_ns", ctypes.c_uint64),
+        ("_reserved", ctypes.c_uint8 * 8),
+        ("name", ctypes.c_char * NAME_BYTES),
+    ]
+
+
+HEADER_SIZE = ctypes.sizeof(Header)
+POOL_RECORD_SIZE = ctypes.sizeof(PoolRecord)
+INSTANCE_RECORD_SIZE = ctypes.sizeof(InstanceRecord)
+POOLS_OFFSET = HEADER_SIZE
+INSTANCES_OFFSET = POOLS_OFFSET + POOL_SLOTS * POOL_RECORD_SIZE
+FILE_SIZE = INSTANCES_OFFSET + INSTANCE_SLOTS * INSTANCE_RECORD_SIZE
+
+# Lock bytes. OFD locks cover byte ranges and never touch the data under them.
+DATA_LOCK_BYTE = 0          # the short lock around every read-modify-write of records
+CALIBRATOR_LEASE_BYTE = 1   # held (non-blocking) by the one process calibrating
+
+
+def pool_offset(slot: int) -> int:
+    """Byte offset of pool record ``slot``; its first byte is also its owner lease."""
+    return POOLS_OFFSET + slot * POOL_RECORD_SIZE
+
+
+def instance_offset(slot: int) -> int:
+    """Byte offset of instance record ``slot``."""
+    return INSTANCES_OFFSET + slot * INSTANCE_RECORD_SIZE
+
+
+def field_table() -> dict[str, tuple[int, int]]:
+    """``"Struct.field" -> (offset, size)`` for every field of every structure."""
+    table: dict[str, tuple[int, int]] = {}
+    for struct in (Header, PoolRecord, InstanceRecord):
+        for name, _ in struct._fields_:
+            desc = getattr(struct, name)
+            table[f"{struct.__name__}.{name}"] = (desc.offset, desc.size)
+    return table
+
+
+def fingerprint() -> str:
+    """A short hash of the whole layout (fields, record counts, sizes, lock bytes)."""
+    parts = sorted(f"{k}={v}" for k, v in field_table().items())
+    parts += [
+        f"pools={POOL_SLOTS}x{POOL_RECORD_SIZE}",
+        f"instances={INSTANCE_SLOTS}x{INSTANCE_RECORD_SIZE}",
+        f"file={FILE_SIZE}",
+        f"locks={DATA_LOCK_BYTE},{CALIBRATOR_LEASE_BYTE},pool-first-byte",
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _check() -> None:
+    assert HEADER_SIZE == 256, "invariant: the header is 256 bytes"
+    assert POOL_RECORD_SIZE == CACHE_LINE, "invariant: a pool record is one cache line"
+    assert INSTANCE_RECORD_SIZE == 2 * CACHE_LINE, "invariant: an instance record is two lines"
+    assert Header.budget.offset == 128, "invariant: the mutable header starts on line 2"
+    assert FILE_SIZE % 8 == 0, "invariant: the file is viewable as 64-bit words"
+
+
+_check()

@@ -1,0 +1,96 @@
+"""One small lock primitive: fcntl OFD byte-range locks, every errno sorted.
+
+OFD ("open file description") locks, unlike classic POSIX ``fcntl`` locks,
+belong to the open file description, not to the process: closing an unrelated
+descriptor of the same file does not drop them, and two descriptions opened by
+one process exclude each other. They are released when the last descriptor of
+their description is closed, which includes the death of the process, so a
+lock a process holds for its whole life tells every other process that it is
+alive (LMDB's reader slots use the same idea). Two threads that use *one*
+descriptor are not excluded from each other: callers serialise their threads.
+
+Errors (after ``filelock``'s Unix lock):
+
+* busy (``EAGAIN``, ``EACCES``, ``EWOULDBLOCK``) on a non-blocking attempt is an
+  answer, ``False``, not an error;
+* a filesystem or kernel without OFD locks (``EINVAL``, ``ENOSYS``,
+  ``EOPNOTSUPP``) raises :class:`~kvcached.errors.LedgerError` saying where to
+  put the ledger instead;
+* ``EINTR`` is retried by Python itself (PEP 475); anything else is raised as it is.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import struct
+
+from kvcached.errors import LedgerError
+
+F_OFD_GETLK = 36
+F_OFD_SETLK = 37
+F_OFD_SETLKW = 38
+
+# struct flock on Linux (LP64, x86_64 and aarch64 alike): short l_type, short
+# l_whence, off_t l_start, off_t l_len, pid_t l_pid, padded to 32 bytes. l_pid
+# must be 0 for the OFD commands.
+_FLOCK = struct.Struct("hhqqi4x")
+_BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _pack(kind: int, start: int, length: int = 1) -> bytes:
+    return _FLOCK.pack(kind, 0, start, length, 0)
+
+
+def _unsupported(exc: OSError, what: str) -> LedgerError:
+    return LedgerError(
+        f"{what}: this filesystem or kernel does not support fcntl OFD byte-range "
+        f"locks ({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}); the ledger "
+        "needs a local Linux filesystem (Linux >= 3.15): set KVCACHED_LEDGER_DIR to a "
+        "directory on one, e.g. /dev/shm"
+    )
+
+
+class ByteLock:
+    """An exclusive OFD lock on one byte of an open file.
+
+    The packed ``struct flock`` arguments are built once, so taking and
+    dropping the lock costs two ``fcntl`` calls and nothing else.
+    """
+
+    __slots__ = ("fd", "start", "what", "_lock", "_unlock")
+
+    def __init__(self, fd: int, start: int, what: str) -> None:
+        self.fd = fd
+        self.start = start
+        self.what = what
+        self._lock = _pack(fcntl.F_WRLCK, start)
+        self._unlock = _pack(fcntl.F_UNLCK, start)
+
+    def acquire(self, wait: bool = True) -> bool:
+        """Take the lock; ``False`` only when ``wait`` is false and another
+        description holds it."""
+        try:
+            fcntl.fcntl(self.fd, F_OFD_SETLKW if wait else F_OFD_SETLK, self._lock)
+        except OSError as exc:
+            if not wait and exc.errno in _BUSY:
+                return False
+            if exc.errno in _UNSUPPORTED:
+                raise _unsupported(exc, self.what) from exc
+            raise
+        return True
+
+    def release(self) -> None:
+        fcntl.fcntl(self.fd, F_OFD_SETLKW, self._unlock)
+
+    def held_elsewhere(self) -> bool:
+        """Whether another open file description holds a lock on this byte
+        (``F_OFD_GETLK``; our own description's locks do not count)."""
+        try:
+            answer = fcntl.fcntl(self.fd, F_OFD_GETLK, self._lock)
+        except OSError as exc:
+            if exc.errno in _UNSUPPORTED:
+                raise _unsupported(exc, self.what) from exc
+            raise
+        return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK

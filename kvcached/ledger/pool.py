@@ -1,0 +1,328 @@
+"""One pool's account on the device ledger: what the memory layer calls.
+
+:class:`PoolBudget` satisfies :class:`kvcached.memory.budget.PhysicalBudget`.
+The memory layer calls :meth:`~PoolBudget.grant` before it creates physical
+memory and :meth:`~PoolBudget.refund` after a release is confirmed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+from kvcached.errors import LedgerError
+from kvcached.ledger import _hooks
+from kvcached.ledger.ledger import (
+    H_BUDGET,
+    H_HIGH_WATER,
+    i_limit,
+    i_revision,
+    p_charged,
+    p_released,
+)
+from kvcached.log import get_logger
+from kvcached.units import MIB
+
+if TYPE_CHECKING:
+    from kvcached.ledger.ledger import Ledger
+
+log = get_logger("kvcached.ledger")
+
+#: Refunds below this are batched in the pool; a handle this large (or a batch
+#: that reaches it) is written to the ledger at once.
+REFUND_FLUSH_BYTES = 64 * MIB
+
+
+def _bad_size(call: str, nbytes: object) -> ValueError:
+    return ValueError(f"{call}(nbytes={nbytes!r}): must be an int number of bytes >= 0")
+
+
+class PoolBudget:
+    """The physical bytes one pool holds on one device, kept in the shared ledger.
+
+    Invariants:
+
+    * the pool's record in the ledger charges exactly ``charged`` bytes, and no
+      other process writes it while this pool holds its owner lease;
+    * a refund follows a confirmed release (the caller's promise; a failed
+      release is not refunded), and ``pending_refund <= charged``;
+    * refunds are batched below :data:`REFUND_FLUSH_BYTES` per pool (so per
+      thread too); a refund of a handle of 64 MiB or more, or one that brings the
+      batch to 64 MiB, is flushed at once; the batch's size is published in the
+      record's ``released`` word (one store, no lock) for calibration;
+    * a :meth:`grant` of no more than the batch re-uses it: the record already
+      charges those bytes, so nothing is written and no lock is taken (the same
+      budget and limit test is made on values read without the lock); a larger
+      grant folds the batch into its own write under the data lock;
+    * a flush that fails keeps its batch for the next attempt.
+
+    :meth:`headroom` is a cached figure: the bytes :meth:`grant` would give,
+    exact as of this pool's last grant, flush or refresh, plus the refunds it
+    has batched since. It does not see other pools' grants and refunds or a new
+    calibration until the next of those; the process' calibrator refreshes it
+    on every tick, so it is at most ``KVCACHED_CALIBRATION_INTERVAL_S`` (1 s by
+    default) plus one calibration behind the ledger. :meth:`grant` itself
+    always decides on the ledger as it is.
+
+    Thread-safe: one lock per pool, taken before the ledger's data lock.
+    """
+
+    def __init__(self, ledger: Ledger, slot: int, fd: int, token: int, instance_slot: int,
+                 instance: str) -> None:
+        self._ledger = ledger
+        self.slot = slot
+        self.token = token
+        self.instance = instance
+        self.instance_slot = instance_slot
+        self._fd = fd  # holds the owner lease (an OFD lock on the record's first byte)
+        self._ci = p_charged(slot)
+        self._ri = p_released(slot)
+        self._li = i_limit(instance_slot)
+        self._ref = instance_slot + 1
+        self._lock = threading.Lock()
+        self._charged = 0
+        self._pending = 0
+        self._room = 0
+        self._closed = False
+        self._uses_calibrator = False
+        self._recycle = True  # benchmarks turn it off to measure the seed's design
+        self._finalizer = weakref.finalize(self, _finalize, fd)
+
+    # -- the PhysicalBudget protocol ----------------------------------------------------
+    def grant(self, nbytes: int) -> bool:
+        """Charge ``nbytes`` before creating them; ``False`` when the device's budget
+        or the instance's limit would be passed (nothing is charged then)."""
+        if type(nbytes) is not int or nbytes <= 0:
+            if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes == 0:
+                return True
+            raise _bad_size("grant", nbytes)
+        with self._lock:
+            if self._closed:
+                raise LedgerError(f"grant() on a closed pool ({self!r})")
+            led = self._ledger
+            pending = self._pending
+            if nbytes <= pending and self._recycle:
+                # Re-use refunds batched here: the record already charges these bytes,
+                # so no charge changes and nothing is written. The same test as below,
+                # on values read without the lock (each an atomic word): any of them
+                # can only be a moment old, and no sum or budget moves by this grant.
+                i64 = led.i64
+                room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
+                limit = i64[self._li]
+                if limit:
+                    room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
+                if nbytes <= room:
+                    self._pending = pending - nbytes
+                    i64[self._ri] = pending - nbytes
+                    room -= nbytes
+                    self._room = room if room > 0 else 0
+                    return True
+            led._lock_data()
+            try:
+                i64 = led.i64
+                pending = self._pending
+                room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
+                limit = i64[self._li]
+                if limit:
+                    room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
+                granted = nbytes <= room
+                if _hooks.point is not None:
+                    _hooks.point("grant-decided")
+                charged = self._charged - pending
+                if granted:
+                    charged += nbytes
+                    room -= nbytes
+                if pending:  # released first: a crash in between over-counts, never under
+                    i64[self._ri] = 0
+                    self._pending = 0
+                if charged != self._charged:
+                    i64[self._ci] = charged
+                    self._charged = charged
+                if granted and _hooks.point is not None:
+                    _hooks.point("grant-charged")
+            finally:
+                led._unlock_data()
+            self._room = room if room > 0 else 0
+            return granted
+
+    def refund(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of one handle whose release was confirmed.
+
+        Batched below 64 MiB; a failed flush is logged and its batch kept for
+        the next grant or flush (the release already happened: the caller has
+        nothing to undo)."""
+        if type(nbytes) is not int or nbytes <= 0:
+            if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes == 0:
+                return
+            raise _bad_size("refund", nbytes)
+        with self._lock:
+            if self._closed:
+                raise LedgerError(f"refund() on a closed pool ({self!r})")
+            if nbytes > self._charged - self._pending:
+                raise ValueError(
+                    f"refund(nbytes={nbytes}): pool {self.slot} of {self.instance!r} holds only "
+                    f"{self._charged - self._pending} unrefunded bytes; refund only what was "
+                    "granted, once, after its release succeeded"
+                )
+            self._pending += nbytes
+            self._ledger.i64[self._ri] = self._pending  # published without the lock
+            self._room += nbytes
+            if self._pending >= REFUND_FLUSH_BYTES:
+                try:
+                    self._flush_locked()
+                except Exception as exc:  # the batch stays; the next grant or flush retries
+                    log.warning("ledger refund flush failed, %d bytes kept for retry: %s",
+                                self._pending, exc)
+
+    def headroom(self) -> int:
+        """Bytes :meth:`grant` would give now (cached; see the class docstring)."""
+        return self._room
+
+    def flush(self) -> None:
+        """Write batched refunds to the ledger now. On failure the batch is kept
+        and the error raised."""
+        with self._lock:
+            if self._pending and not self._closed:
+                self._flush_locked()
+
+    def close(self) -> None:
+        """Flush, retire this pool's record and drop its owner lease. Idempotent.
+
+        Bytes still charged (handles whose release failed, or a pool closed
+        without releasing) leave the sum and the budget alike, so no credit
+        appears; a later calibration sees whatever memory is really free."""
+        with self._lock:
+            if self._closed:
+                return
+            led = self._ledger
+            self._closed = True
+            self._finalizer.detach()
+            try:
+                if not led.closed:
+                    led._lock_data()
+                    try:
+                        if self._pending and led.tokens[self.slot] == self.token:
+                            self._charged -= self._pending
+                            led.i64[self._ri] = 0
+                            led.i64[self._ci] = self._charged
+                            self._pending = 0
+                        left = led._close_pool_locked(self.slot, self.token)
+                    finally:
+                        led._unlock_data()
+                    if left:
+                        log.warning(
+                            "ledger %s: pool %d of %r closed with %d bytes still charged "
+                            "(never refunded); retired from the budget too, until a "
+                            "calibration sees them free", led.path, self.slot, self.instance,
+                            left)
+            finally:
+                os.close(self._fd)  # drops the owner lease
+                self._charged = self._pending = self._room = 0
+        led._pools.discard(self)
+        if self._uses_calibrator:
+            self._uses_calibrator = False
+            led._release_calibrator()
+
+    # -- beyond the protocol ---------------------------------------------------------------
+    def refresh(self) -> None:
+        """Recompute :meth:`headroom` from the ledger (a short data-lock section)."""
+        with self._lock:
+            if self._closed:
+                return
+            led = self._ledger
+            led._lock_data()
+            try:
+                i64 = led.i64
+                room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]])
+                limit = i64[self._li]
+                if limit:
+                    room = min(room, limit - led.instance_charged(self.instance_slot))
+            finally:
+                led._unlock_data()
+            room += self._pending
+            self._room = room if room > 0 else 0
+
+    @property
+    def charged(self) -> int:
+        """Bytes this pool's ledger record charges (batched refunds included)."""
+        return self._charged
+
+    @property
+    def pending_refund(self) -> int:
+        """Refunded bytes batched here, not yet written to the ledger."""
+        return self._pending
+
+    @property
+    def limit(self) -> int:
+        """The instance's limit on this device now (0: unlimited); read without a lock."""
+        return self._ledger.i64[self._li]
+
+    @property
+    def limit_revision(self) -> int:
+        return self._ledger.u64[i_revision(self.instance_slot)]
+
+    def instance_charged(self) -> int:
+        """The sum of the charges of this instance's pools on this device."""
+        led = self._ledger
+        led._lock_data()
+        try:
+            return led.instance_charged(self.instance_slot)
+        finally:
+            led._unlock_data()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _flush_locked(self) -> None:
+        led = self._ledger
+        led._lock_data()
+        try:
+            charged = self._charged - self._pending
+            led.i64[self._ri] = 0
+            led.i64[self._ci] = charged
+            self._charged = charged
+            self._pending = 0
+            if _hooks.point is not None:
+                _hooks.point("refund-flushed")
+        finally:
+            led._unlock_data()
+
+    def _abandon(self) -> None:
+        """Tests: die as a killed process would, dropping the lease and nothing else."""
+        with self._lock:
+            self._closed = True
+            self._finalizer.detach()
+            os.close(self._fd)
+        self._ledger._pools.discard(self)
+
+    def _detach_in_child(self) -> None:
+        """After fork: the child drops its copy of the lease descriptor only."""
+        self._closed = True
+        self._finalizer.detach()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> PoolBudget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"charged={self._charged}"
+        return f"<PoolBudget {self.instance!r} slot={self.slot} {state}>"
+
+
+def _finalize(fd: int) -> None:
+    """Last resort for a pool dropped without :meth:`PoolBudget.close`: drop the
+    owner lease and nothing else, so the record reads as a dead owner's and the
+    next registration or calibration retires it. (Taking the data lock here
+    could deadlock: the garbage collector may run this on a thread that already
+    holds it.)"""
+    with contextlib.suppress(OSError):
+        os.close(fd)
