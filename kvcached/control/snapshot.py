@@ -35,7 +35,7 @@ from typing import Any
 
 import posix_ipc
 
-from kvcached.control import ofd
+from kvcached.ledger.locks import ByteLock
 
 MAGIC = b"KVCSNAP1"
 HEADER = struct.Struct("<8sQI4x8x")  # 32 bytes
@@ -73,7 +73,9 @@ class SnapshotPublisher:
         shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, mode=0o644, size=SEGMENT_BYTES)
         self._fd = shm.fd
         self._map = mmap.mmap(self._fd, SEGMENT_BYTES)
-        ofd.lock(self._fd, 0, 1, exclusive=True, wait=False)
+        self._liveness = ByteLock(self._fd, 0, f"snapshot {self.name}")
+        if not self._liveness.acquire(wait=False):
+            raise RuntimeError(f"snapshot segment {self.name} is held by another process")
         self._seq = 0
         self._map[: HEADER.size] = HEADER.pack(MAGIC, 0, 0)
         self._closed = False
@@ -156,7 +158,7 @@ def read_snapshots(cleanup: bool = True) -> list[Snapshot]:
         except OSError:
             continue  # vanished, or not ours to read
         try:
-            alive = ofd.is_locked(fd, 0, 1)
+            alive = ByteLock(fd, 0, f"snapshot {entry}").held_elsewhere()
             data = _read_segment(fd)
         finally:
             os.close(fd)
