@@ -58,7 +58,7 @@ class DriverFreeBudget:
         """Read the driver's free memory now; returns the new headroom."""
         free, total = self._driver.mem_info()
         with self._lock:
-            self._margin = int(total * (1.0 - self._utilization))
+            self._margin = round(total * (1.0 - self._utilization))
             self._base = free - self._margin
             self._delta = 0
             self._at = time.monotonic()

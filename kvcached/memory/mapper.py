@@ -331,18 +331,30 @@ class PageMapper:
             self._quarantine.pop(ext.first, None)
             self.mapped_pages -= ext.count
 
-    def retry_quarantined(self) -> list[tuple[int, int]]:
-        """Try again to unmap and release every quarantined extent. Returns the
-        ``(first, count)`` of those now fully released (their pages are free)."""
+    def retry_quarantined(
+        self, spans: list[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int]]:
+        """Try again to unmap and release quarantined extents: those given as
+        ``(first, count)`` in ``spans``, or every one (``None``). Returns the
+        spans now released (their pages are free again)."""
         with self._lock:
-            todo = [e for e in self._quarantine.values() if not e.busy]
-            for e in todo:
-                e.busy = True
-        if not todo:
-            return []
+            if spans is None:
+                spans = [(e.first, e.count) for e in self._quarantine.values() if not e.busy]
+            todo: list[Extent | None] = []
+            for first, count in spans:
+                ext = self._quarantine.get(first)
+                if ext is None or ext.busy or ext.count != count:
+                    todo.append(None)
+                else:
+                    ext.busy = True
+                    todo.append(ext)
+        done: list[tuple[int, int]] = []
+        if not any(todo):
+            return done
         self.before_unmap()
-        done = []
         for ext in todo:
+            if ext is None:
+                continue
             if self._teardown(ext):
                 self._forget(ext)
                 done.append((ext.first, ext.count))

@@ -87,6 +87,7 @@ class PageAllocator:
         self._run: list[_Run | None] = [None] * n
         self._idle_runs: dict[int, _Run] = {}  # live runs with no used page
         self._idle_heap: list[int] = []  # every idle page, plus stale entries
+        self._quarantined: dict[int, int] = {}  # first page -> count, as the mapper has them
         self._unmapped_lo = 0  # no unmapped page below this index
         self.n_idle = 0
         self.n_used = 0
@@ -286,9 +287,14 @@ class PageAllocator:
         if self.mapper.extent_of(first) is None:
             self._unbusy(first, count)
         else:
-            self._state[first:first + count] = bytes([QUARANTINED]) * count
-            self.n_busy -= count
-            self.n_quarantined += count
+            self._quarantine(first, count)
+
+    def _quarantine(self, first: int, count: int) -> None:
+        """A busy span the mapper could not release (or undo): quarantined."""
+        self._state[first:first + count] = bytes([QUARANTINED]) * count
+        self.n_busy -= count
+        self.n_quarantined += count
+        self._quarantined[first] = count
 
     def _needs_shrink(self) -> bool:
         over = self.num_pages - self.n_unmapped - self.cap_pages
@@ -334,9 +340,7 @@ class PageAllocator:
                     self._unbusy(r.first, r.count)
                     released += r.count
                 else:
-                    self._state[r.first:r.first + r.count] = bytes([QUARANTINED]) * r.count
-                    self.n_busy -= r.count
-                    self.n_quarantined += r.count
+                    self._quarantine(r.first, r.count)
         self.budget.flush()
         return released
 
@@ -434,13 +438,34 @@ class PageAllocator:
         with self._lock:
             chosen = self._claim_idle_runs(None)
         released = self._release_runs(chosen) if chosen else 0
-        for first, count in self.mapper.retry_quarantined():
-            with self._lock:
+        return released + self.retry_quarantined()
+
+    def retry_quarantined(self) -> int:
+        """Retry the release of every quarantined run; returns pages freed."""
+        with self._lock:
+            spans = list(self._quarantined.items())
+            self._quarantined.clear()
+            for first, count in spans:
                 self._state[first:first + count] = bytes([BUSY]) * count
                 self.n_quarantined -= count
                 self.n_busy += count
-                self._unbusy(first, count)
-            released += count
+        if not spans:
+            return 0
+        try:
+            done = set(self.mapper.retry_quarantined(spans))
+        except BaseException:
+            with self._lock:
+                for first, count in spans:
+                    self._quarantine(first, count)
+            raise
+        released = 0
+        with self._lock:
+            for first, count in spans:
+                if (first, count) in done:
+                    self._unbusy(first, count)
+                    released += count
+                else:
+                    self._quarantine(first, count)
         self.budget.flush()
         return released
 
@@ -489,4 +514,13 @@ class PageAllocator:
             self.n_quarantined, self.n_unmapped = s.count(QUARANTINED), s.count(UNMAPPED)
             self._idle_runs.clear()
             self._idle_heap.clear()
+            self._quarantined = {}
+            p = 0
+            while p < self.num_pages:  # what stays is quarantined, in the mapper's extents
+                span = self.mapper.extent_of(p)
+                if span is None:
+                    p += 1
+                    continue
+                self._quarantined[span[0]] = span[1]
+                p = span[0] + span[1]
         return clean

@@ -24,14 +24,29 @@ import weakref
 import torch
 
 from kvcached.driver.base import Driver
-from kvcached.errors import ConfigError, MappingError
+from kvcached.errors import ConfigError, KVCachedError, MappingError
+from kvcached.log import get_logger
 from kvcached.memory.spec import KVCacheSpec, KVLayout, PageGeometry
+
+log = get_logger("kvcached.memory")
 
 
 def _free_all(driver: Driver, reservations: list[tuple[int, int]]) -> None:
     while reservations:
         va, size = reservations.pop()
         driver.free_reservation(va, size)
+
+
+def _collect(driver: Driver, reservations: list[tuple[int, int]]) -> None:
+    """Last resort when the owner was dropped without close(): give back what
+    can be given back; a reservation with mappings left inside is kept (and
+    said so), never unmapped behind the mapper's back."""
+    for va, size in reversed(reservations):
+        try:
+            driver.free_reservation(va, size)
+        except KVCachedError as exc:
+            log.warning("KV address space at %#x kept at exit: %s", va, exc)
+    reservations.clear()
 
 
 class VirtualKVTensors:
@@ -80,7 +95,7 @@ class VirtualKVTensors:
             except BaseException:
                 _free_all(driver, self._reservations)  # undo in reverse
                 raise
-        self._finalizer = weakref.finalize(self, _free_all, driver, self._reservations)
+        self._finalizer = weakref.finalize(self, _collect, driver, self._reservations)
 
     # -- lifetime -------------------------------------------------------------------
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import torch
@@ -88,17 +89,57 @@ def write_pattern(cache: KVCache, blocks: list[int], *, full: bool = False) -> N
 
 
 def check_pattern(cache: KVCache, blocks: list[int], *, full: bool = False) -> None:
+    """Every block in ``blocks`` still holds its pattern in every layer and
+    buffer (``full``: every byte; else its first and last 64 bytes)."""
     if not blocks:
         return
     t = cache.tensors
-    ids = torch.tensor(blocks, dtype=torch.long)
     for layer in range(cache.geometry.num_layers):
         for buf in range(cache.geometry.num_buffers):
             raw = t.raw_buffer(layer, buf)
-            want = torch.tensor([pattern(b, layer, buf) for b in blocks], dtype=torch.uint8)
+            ids = torch.tensor(blocks, dtype=torch.long, device=raw.device)
+            want = torch.tensor([pattern(b, layer, buf) for b in blocks], dtype=torch.uint8,
+                                device=raw.device)
             parts = [raw[ids]] if full else [raw[ids, :64], raw[ids, -64:]]
             for got in parts:
                 bad = (got != want[:, None]).any(dim=1)
-                assert not bad.any(), (
-                    f"layer {layer} buffer {buf}: blocks "
-                    f"{[blocks[i] for i in bad.nonzero().flatten().tolist()]} lost their data")
+                if bad.any():
+                    lost = [blocks[i] for i in bad.nonzero().flatten().tolist()]
+                    raise AssertionError(
+                        f"layer {layer} buffer {buf}: blocks {lost} lost their data")
+
+
+def run_integrity(cache: KVCache, *, steps: int, seed: int, full_every: int = 10,
+                  max_alloc: int = 12) -> int:
+    """A random sequence of allocs, frees, trims, resizes and limits; every
+    live block keeps its pattern (written through the layer views) through
+    all of it. Returns the most blocks that were live at once."""
+    rng = random.Random(seed)
+    live: list[int] = []
+    peak = 0
+    page_bytes = cache.geometry.page_bytes
+    pages = cache.geometry.num_pages
+    for step in range(steps):
+        op = rng.random()
+        if op < 0.45:
+            got = cache.alloc(rng.randint(1, max_alloc))
+            if got is not None:
+                write_pattern(cache, got, full=True)
+                live.extend(got)
+        elif op < 0.8 and live:
+            rng.shuffle(live)
+            k = rng.randint(1, len(live))
+            cache.free(live[:k])
+            del live[:k]
+        elif op < 0.87:
+            cache.trim()
+        elif op < 0.94:
+            cache.set_limit(None if rng.random() < 0.3 else rng.randint(1, pages) * page_bytes)
+        else:
+            cache.resize(None if rng.random() < 0.3 else rng.randint(1, cache.num_blocks))
+        peak = max(peak, len(live))
+        check_pattern(cache, live, full=step % full_every == 0)
+    check_pattern(cache, live, full=True)
+    cache.blocks.check()
+    cache.free(live)
+    return peak
