@@ -14,6 +14,7 @@ an ``assert``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -87,7 +88,6 @@ class BlockManager:
         self._buckets: list[dict[int, None]] = [{} for _ in range(self._full_class + 1)]
         self._lo = self._full_class  # no non-empty bucket below this
         self._free_in_held = 0
-        self._live = 0
         self._limit_pages = g.num_pages
         self._resize_pages = g.num_pages
         self.null_block: int | None = None
@@ -118,13 +118,37 @@ class BlockManager:
                 return []
             raise BlockError(f"alloc(n={n}): n must be >= 0")
         with self._lock:
+            if n == 1 and self._free_in_held:
+                # One block (a decode step): the same placement as _take,
+                # written out because it is most of an engine's calls.
+                buckets = self._buckets
+                k = self._lo
+                bucket = buckets[k]
+                while not bucket:
+                    k += 1
+                    bucket = buckets[k]
+                p = next(iter(bucket))
+                lst = self._free[p]
+                b = lst.pop()
+                m = len(lst)
+                if not m:
+                    del bucket[p]
+                    self._class_of[p] = 0
+                elif m.bit_length() != k:
+                    del bucket[p]
+                    k -= 1
+                    buckets[k][p] = None
+                    self._class_of[p] = k
+                self._lo = k
+                self._free_in_held -= 1
+                self._state[b] = 1  # _LIVE
+                return [b]
             if n > self._free_in_held:
                 bpp = self.blocks_per_page
                 pages = self._pages.take((n - self._free_in_held + bpp - 1) // bpp)
                 if pages is None:
                     return None
                 self._adopt(pages)
-            self._live += n
             return self._take(n)
 
     def free(self, block_ids: list[int]) -> None:
@@ -134,18 +158,45 @@ class BlockManager:
         ids = block_ids if block_ids.__class__ is list else list(block_ids)
         with self._lock:
             state, lists = self._state, self._free
-            bpp, nb = self.blocks_per_page, self.num_blocks
-            touched = set()
-            done = 0
-            for b in ids:
-                if b.__class__ is not int or not 0 <= b < nb or state[b] != _LIVE:
-                    self._undo_free(ids, done)
-                    raise self._free_error(ids, done)
+            bpp = self.blocks_per_page
+            if len(ids) == 1:
+                # One block: the general path below, written out for speed.
+                b = ids[0]
+                if b.__class__ is not int or not 0 <= b < self.num_blocks or state[b] != 1:
+                    raise self._free_error(ids, 0)
                 state[b] = 0
                 p = b // bpp
-                lists[p].append(b)
-                touched.add(p)
-                done += 1
+                lst = lists[p]
+                lst.append(b)
+                k = len(lst)
+                if k < bpp:
+                    c = k.bit_length()
+                    old = self._class_of[p]
+                    if c != old:
+                        if old:
+                            del self._buckets[old][p]
+                        self._buckets[c][p] = None
+                        self._class_of[p] = c
+                        if c < self._lo:
+                            self._lo = c
+                    self._free_in_held += 1
+                    return
+                touched: Iterable[int] = (p,)
+                done = 1
+            else:
+                nb = self.num_blocks
+                touched = set()
+                done = 0
+                for b in ids:
+                    if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
+                        self._undo_free(ids, done)
+                        raise self._free_error(ids, done)
+                    state[b] = 0
+                    p = b // bpp
+                    lists[p].append(b)
+                    touched.add(p)
+                    done += 1
+            # Refile each touched page by its new free count; emptied pages go back.
             buckets, filed = self._buckets, self._class_of
             emptied = []
             lo = self._lo
@@ -166,7 +217,6 @@ class BlockManager:
                             lo = c
                     filed[p] = c
             self._lo = lo
-            self._live -= done
             self._free_in_held += done - len(emptied) * bpp
             if emptied:
                 self._pages.give_back(emptied)
@@ -311,7 +361,9 @@ class BlockManager:
     def usage(self) -> MemoryUsage:
         with self._lock:
             c = self._pages.counts()
-            live = self._live
+            # every used page is held here: its blocks are live or free
+            live = c["used"] * self.blocks_per_page - self._free_in_held
+            live -= self.null_block is not None
             available = self.available_size()
         mapped = c["idle"] + c["used"] + c["busy"] + c["quarantined"]
         return MemoryUsage(
@@ -335,8 +387,6 @@ class BlockManager:
         with self._lock:
             bpp = self.blocks_per_page
             state = self._state
-            live = sum(1 for s in state if s == _LIVE)
-            assert live == self._live, f"live blocks {self._live} != recount {live}"
             pa = self._pages
             free_total = 0
             held = 0
@@ -364,3 +414,6 @@ class BlockManager:
                 1 for p in range(pa.num_pages) if self._class_of[p]), "bucket membership drifted"
             assert pa.counts() == pa.recount(), f"page counters {pa.counts()} != {pa.recount()}"
             assert pa.n_used == held, f"allocator has {pa.n_used} used pages, manager holds {held}"
+            live = sum(1 for s in state if s == _LIVE)
+            used = pa.n_used * bpp - self._free_in_held - (self.null_block is not None)
+            assert used == live, f"blocks_used {used} differs from a recount {live}"

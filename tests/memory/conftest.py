@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from kvmem_helpers import HOST_INDEX
 
 from kvcached.driver.host import HostDriver
 from kvcached.units import MIB
@@ -10,6 +11,6 @@ from kvcached.units import MIB
 
 @pytest.fixture
 def host():
-    driver = HostDriver(0, capacity=1024 * MIB)
+    driver = HostDriver(HOST_INDEX, capacity=1024 * MIB)
     yield driver
     driver.close()

@@ -48,6 +48,11 @@ class ExactBudget:
         self.closed = True
 
 
+# The host device index these tests use. The host backend counts every
+# process' memfds of a device against its capacity (as a GPU would); other test
+# suites running at the same time use device 0, so this one stays apart.
+HOST_INDEX = 23
+
 # One 2 MiB page per buffer span; 4 blocks of 512 KiB per page.
 SMALL_BLOCK = 512 * KIB
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from kvmem_helpers import HOST_INDEX
 
 from kvcached.driver.host import HostDriver
 from kvcached.errors import ConfigError
@@ -25,7 +26,7 @@ class FixedFree(HostDriver):
 
 
 def test_headroom_is_free_minus_margin_and_tracks_own_grants():
-    d = FixedFree(0, capacity=1000 * MIB)
+    d = FixedFree(HOST_INDEX, capacity=1000 * MIB)
     b = DriverFreeBudget(d, utilization=0.9, sample_interval_s=60)
     assert isinstance(b, PhysicalBudget)
     assert b.margin == 100 * MIB
@@ -42,7 +43,7 @@ def test_headroom_is_free_minus_margin_and_tracks_own_grants():
 
 
 def test_a_stale_sample_is_refreshed():
-    d = FixedFree(0, capacity=1000 * MIB)
+    d = FixedFree(HOST_INDEX, capacity=1000 * MIB)
     b = DriverFreeBudget(d, utilization=0.9, sample_interval_s=0.01)
     assert b.grant(200 * MIB)
     d.free = 600 * MIB  # the grant's memory now shows in the driver
@@ -54,7 +55,7 @@ def test_a_stale_sample_is_refreshed():
 
 
 def test_closed_budget_grants_nothing():
-    b = DriverFreeBudget(FixedFree(0, capacity=1000 * MIB), utilization=0.9)
+    b = DriverFreeBudget(FixedFree(HOST_INDEX, capacity=1000 * MIB), utilization=0.9)
     b.close()
     b.close()
     assert not b.grant(MIB)
@@ -63,12 +64,12 @@ def test_closed_budget_grants_nothing():
 @pytest.mark.parametrize("bad", [0.0, 1.5, -1])
 def test_utilization_is_checked(bad):
     with pytest.raises(ConfigError) as err:
-        DriverFreeBudget(FixedFree(0, capacity=1000 * MIB), utilization=bad)
+        DriverFreeBudget(FixedFree(HOST_INDEX, capacity=1000 * MIB), utilization=bad)
     assert err.value.variable == "utilization"
 
 
 def test_cache_defaults_to_the_driver_budget_and_respects_the_margin():
-    d = FixedFree(0, capacity=1000 * MIB)
+    d = FixedFree(HOST_INDEX, capacity=1000 * MIB)
     d.free = 110 * MIB
     spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=1, head_dim=64, dtype=torch.float16)
     with KVCache(spec, driver=d, num_blocks=64 * 1024, background=False, min_reserved=0,

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
+from kvmem_helpers import HOST_INDEX, check_pattern, make_cache, small_spec, write_pattern
 
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.driver.host import HostDriver
@@ -55,7 +55,7 @@ class BlockMachine(RuleBasedStateMachine):
         fault_p=st.sampled_from([0.05, 0.15, 0.3]),
     )
     def setup(self, layout, layers, buffers, reserve, coalesce, budget_pages, fault_p):
-        self.host = HostDriver(0, capacity=512 * MIB)
+        self.host = HostDriver(HOST_INDEX, capacity=512 * MIB)
         self.driver = self.host
         if self.faulty:
             self.driver = FaultyDriver(self.host, seed=budget_pages * 31 + layers)
