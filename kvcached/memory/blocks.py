@@ -127,18 +127,20 @@ class BlockManager:
                 while not bucket:
                     k += 1
                     bucket = buckets[k]
-                p = next(iter(bucket))
+                # popitem, not next(iter()): a dict's first live entry can sit
+                # behind many deleted ones, its last cannot.
+                p = bucket.popitem()[0]
                 lst = self._free[p]
                 b = lst.pop()
                 m = len(lst)
-                if not m:
-                    del bucket[p]
+                if m:
+                    c = m.bit_length()
+                    buckets[c][p] = None
+                    if c != k:
+                        self._class_of[p] = c
+                        k = c
+                else:
                     self._class_of[p] = 0
-                elif m.bit_length() != k:
-                    del bucket[p]
-                    k -= 1
-                    buckets[k][p] = None
-                    self._class_of[p] = k
                 self._lo = k
                 self._free_in_held -= 1
                 self._state[b] = 1  # _LIVE
@@ -273,24 +275,20 @@ class BlockManager:
             if not bucket:
                 k += 1
                 continue
-            p = next(iter(bucket))  # any page of the fullest class
+            p = bucket.popitem()[0]  # any page of the fullest class (see alloc)
             lst = lists[p]
             m = len(lst)
             if m <= left:
                 out += lst
                 lst.clear()
-                del bucket[p]
                 filed[p] = 0
                 left -= m
             else:
                 out += lst[-left:]
                 del lst[-left:]
-                c = (m - left).bit_length()
-                if c != k:
-                    del bucket[p]
-                    buckets[c][p] = None
-                    filed[p] = c
-                    k = c
+                k = (m - left).bit_length()
+                buckets[k][p] = None
+                filed[p] = k
                 left = 0
         self._lo = k
         self._free_in_held -= n
