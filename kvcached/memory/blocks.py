@@ -53,9 +53,13 @@ class MemoryUsage:
 
 
 class BlockManager:
-    """Allocates KV blocks of one group. Thread-safe (one lock; page growth,
-    which calls the driver, runs under it, so concurrent engine threads wait
-    for a growing one; the pool thread never takes it).
+    """Allocates KV blocks of one group.
+
+    Thread-safe by default: one lock around ``alloc`` and ``free`` (page
+    growth, which calls the driver, runs under it, so concurrent engine
+    threads wait for a growing one; the pool thread never takes it). An
+    engine whose scheduler is the only caller passes ``thread_safe=False``
+    and saves the lock, which costs about as much as a one-block alloc.
 
     Invariants:
 
@@ -70,8 +74,16 @@ class BlockManager:
       no other thread or process changes anything in between.
     """
 
-    def __init__(self, pages: PageAllocator, *, reserve_null_block: bool = True) -> None:
+    def __init__(self, pages: PageAllocator, *, reserve_null_block: bool = True,
+                 thread_safe: bool = True) -> None:
         g = pages.mapper.geometry
+        self.thread_safe = thread_safe
+        if not thread_safe:
+            # One engine thread calls alloc/free (vLLM's and SGLang's schedulers
+            # do): skip the lock, which costs as much as the work for small
+            # requests. The pool thread never touches this object's state.
+            self.alloc = self._alloc_nolock  # type: ignore[method-assign]
+            self.free = self._free_nolock  # type: ignore[method-assign]
         self._pages = pages
         self._budget = pages.budget
         self.blocks_per_page = bpp = g.blocks_per_page
@@ -84,6 +96,7 @@ class BlockManager:
         # class k.bit_length() (1, 2-3, 4-7, ...), so placement is fullest class
         # first and a free seldom moves a page between buckets.
         self._full_class = bpp.bit_length()
+        self._class = [k.bit_length() for k in range(bpp + 1)]  # free count -> class
         self._class_of = [0] * g.num_pages  # 0: not filed (full, or not held)
         self._buckets: list[dict[int, None]] = [{} for _ in range(self._full_class + 1)]
         self._lo = self._full_class  # no non-empty bucket below this
@@ -111,117 +124,131 @@ class BlockManager:
     def alloc(self, n: int) -> list[int] | None:
         """``n`` block ids, or ``None`` when they cannot be had now (a
         scheduling miss; nothing changed). ``alloc(0)`` is ``[]``."""
+        with self._lock:
+            return self._alloc_nolock(n)
+
+    def _alloc_nolock(self, n: int) -> list[int] | None:
         if n.__class__ is not int:
             n = self._count_arg(n)
         if n <= 0:
             if n == 0:
                 return []
             raise BlockError(f"alloc(n={n}): n must be >= 0")
-        with self._lock:
-            if n == 1 and self._free_in_held:
-                # One block (a decode step): the same placement as _take,
-                # written out because it is most of an engine's calls.
-                buckets = self._buckets
-                k = self._lo
+        if n <= self._free_in_held:
+            # Fast path: the fullest page has more than n free blocks, so
+            # one page serves the request (most decode and short prefill
+            # calls). The same placement as _take, written out.
+            buckets = self._buckets
+            k = self._lo
+            bucket = buckets[k]
+            while not bucket:
+                k += 1
                 bucket = buckets[k]
-                while not bucket:
-                    k += 1
-                    bucket = buckets[k]
-                # popitem, not next(iter()): a dict's first live entry can sit
-                # behind many deleted ones, its last cannot.
-                p = bucket.popitem()[0]
-                lst = self._free[p]
-                b = lst.pop()
-                m = len(lst)
-                if m:
-                    c = m.bit_length()
-                    buckets[c][p] = None
-                    if c != k:
-                        self._class_of[p] = c
-                        k = c
-                else:
-                    self._class_of[p] = 0
+            # popitem, not next(iter()): a dict's first live entry can sit
+            # behind many deleted ones, its last cannot.
+            p = bucket.popitem()[0]
+            lst = self._free[p]
+            m = len(lst) - n
+            if m > 0:
+                c = self._class[m]
+                buckets[c][p] = None
+                if c != k:
+                    self._class_of[p] = c
+                    k = c
                 self._lo = k
-                self._free_in_held -= 1
-                self._state[b] = 1  # _LIVE
-                return [b]
-            if n > self._free_in_held:
-                bpp = self.blocks_per_page
-                pages = self._pages.take((n - self._free_in_held + bpp - 1) // bpp)
-                if pages is None:
-                    return None
-                self._adopt(pages)
-            return self._take(n)
+                self._free_in_held -= n
+                state = self._state
+                if n == 1:
+                    b = lst.pop()
+                    state[b] = 1  # _LIVE
+                    return [b]
+                out = lst[-n:]
+                del lst[-n:]
+                for b in out:
+                    state[b] = 1
+                return out
+            bucket[p] = None  # back where it was; _take will pick it again
+            self._lo = k
+        else:
+            bpp = self.blocks_per_page
+            pages = self._pages.take((n - self._free_in_held + bpp - 1) // bpp)
+            if pages is None:
+                return None
+            self._adopt(pages)
+        return self._take(n)
 
     def free(self, block_ids: list[int]) -> None:
         """Give blocks back. Raises :class:`BlockError`, changing nothing, if
         any id is out of range, not live (never allocated, or freed already,
         including twice in this call) or the null block."""
-        ids = block_ids if block_ids.__class__ is list else list(block_ids)
         with self._lock:
-            state, lists = self._state, self._free
-            bpp = self.blocks_per_page
-            if len(ids) == 1:
-                # One block: the general path below, written out for speed.
-                b = ids[0]
-                if b.__class__ is not int or not 0 <= b < self.num_blocks or state[b] != 1:
-                    raise self._free_error(ids, 0)
-                state[b] = 0
-                p = b // bpp
-                lst = lists[p]
-                lst.append(b)
-                k = len(lst)
-                if k < bpp:
-                    c = k.bit_length()
-                    old = self._class_of[p]
-                    if c != old:
-                        if old:
-                            del self._buckets[old][p]
-                        self._buckets[c][p] = None
-                        self._class_of[p] = c
-                        if c < self._lo:
-                            self._lo = c
-                    self._free_in_held += 1
-                    return
-                touched: Iterable[int] = (p,)
-                done = 1
-            else:
-                nb = self.num_blocks
-                touched = set()
-                done = 0
-                for b in ids:
-                    if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
-                        self._undo_free(ids, done)
-                        raise self._free_error(ids, done)
-                    state[b] = 0
-                    p = b // bpp
-                    lists[p].append(b)
-                    touched.add(p)
-                    done += 1
-            # Refile each touched page by its new free count; emptied pages go back.
-            buckets, filed = self._buckets, self._class_of
-            emptied = []
-            lo = self._lo
-            for p in touched:
-                k = len(lists[p])
-                if k == bpp:
-                    emptied.append(p)
-                    c = 0
-                else:
-                    c = k.bit_length()
-                old = filed[p]
+            self._free_nolock(block_ids)
+
+    def _free_nolock(self, block_ids: list[int]) -> None:
+        ids = block_ids if block_ids.__class__ is list else list(block_ids)
+        state, lists = self._state, self._free
+        bpp = self.blocks_per_page
+        if len(ids) == 1:
+            # One block: the general path below, written out for speed.
+            b = ids[0]
+            if b.__class__ is not int or not 0 <= b < self.num_blocks or state[b] != 1:
+                raise self._free_error(ids, 0)
+            state[b] = 0
+            p = b // bpp
+            lst = lists[p]
+            lst.append(b)
+            k = len(lst)
+            if k < bpp:
+                c = self._class[k]
+                old = self._class_of[p]
                 if c != old:
                     if old:
-                        del buckets[old][p]
-                    if c:
-                        buckets[c][p] = None
-                        if c < lo:
-                            lo = c
-                    filed[p] = c
-            self._lo = lo
-            self._free_in_held += done - len(emptied) * bpp
-            if emptied:
-                self._pages.give_back(emptied)
+                        del self._buckets[old][p]
+                    self._buckets[c][p] = None
+                    self._class_of[p] = c
+                    if c < self._lo:
+                        self._lo = c
+                self._free_in_held += 1
+                return
+            touched: Iterable[int] = (p,)
+            done = 1
+        else:
+            nb = self.num_blocks
+            touched = {}  # page -> None; a dict store is cheaper than set.add
+            done = 0
+            for b in ids:
+                if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
+                    self._undo_free(ids, done)
+                    raise self._free_error(ids, done)
+                state[b] = 0
+                p = b // bpp
+                lists[p].append(b)
+                touched[p] = None
+                done += 1
+        # Refile each touched page by its new free count; emptied pages go back.
+        buckets, filed, cls = self._buckets, self._class_of, self._class
+        emptied = []
+        lo = self._lo
+        for p in touched:
+            k = len(lists[p])
+            if k == bpp:
+                emptied.append(p)
+                c = 0
+            else:
+                c = cls[k]
+            old = filed[p]
+            if c != old:
+                if old:
+                    del buckets[old][p]
+                if c:
+                    buckets[c][p] = None
+                    if c < lo:
+                        lo = c
+                filed[p] = c
+        self._lo = lo
+        self._free_in_held += done - len(emptied) * bpp
+        if emptied:
+            self._pages.give_back(emptied)
 
     def _undo_free(self, ids: list[int], done: int) -> None:
         """Put back the first ``done`` ids of a failed free, in reverse (each

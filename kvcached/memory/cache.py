@@ -58,7 +58,9 @@ class KVCache:
     (default ``KVCACHED_PAGE_SIZE_MB``), ``min_reserved`` / ``max_reserved``
     (default ``KVCACHED_MIN/MAX_RESERVED_PAGES``), ``background`` (refill on a
     thread), ``max_handle_bytes`` (coalescing; 0 = one page per handle),
-    ``reserve_null_block``, ``before_unmap`` (default: ``driver.synchronize``).
+    ``reserve_null_block``, ``thread_safe`` (``False`` when one scheduler
+    thread is the only caller of ``alloc`` / ``free``: no lock), ``before_unmap``
+    (default: ``driver.synchronize``).
 
     :meth:`close` (idempotent, also on garbage collection) unmaps everything
     and gives back the address space; a budget it created is closed too.
@@ -79,6 +81,7 @@ class KVCache:
         background: bool = True,
         max_handle_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
         reserve_null_block: bool = True,
+        thread_safe: bool = True,
         before_unmap: Callable[[], None] | None = None,
     ) -> None:
         from kvcached.config import get_config
@@ -109,7 +112,8 @@ class KVCache:
                                 before_unmap=before_unmap)
             pages = PageAllocator(mapper, min_reserved=min_reserved,
                                   max_reserved=max_reserved, background=background)
-            blocks = BlockManager(pages, reserve_null_block=reserve_null_block)
+            blocks = BlockManager(pages, reserve_null_block=reserve_null_block,
+                                  thread_safe=thread_safe)
         except BaseException:
             _shutdown(pages, tensors, owned_budget)  # undo in reverse
             raise

@@ -53,8 +53,10 @@ class BlockMachine(RuleBasedStateMachine):
         coalesce=st.booleans(),
         budget_pages=st.integers(2, PAGES + 1),
         fault_p=st.sampled_from([0.05, 0.15, 0.3]),
+        thread_safe=st.booleans(),
     )
-    def setup(self, layout, layers, buffers, reserve, coalesce, budget_pages, fault_p):
+    def setup(self, layout, layers, buffers, reserve, coalesce, budget_pages, fault_p,
+              thread_safe):
         self.host = HostDriver(HOST_INDEX, capacity=512 * MIB)
         self.driver = self.host
         if self.faulty:
@@ -63,7 +65,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.cache, self.budget = make_cache(
             self.driver, small_spec(layers, buffers), pages=PAGES, budget_pages=budget_pages,
             layout=layout, min_reserved=reserve[0], max_reserved=reserve[1],
-            max_handle_bytes=64 * MIB if coalesce else 0)
+            max_handle_bytes=64 * MIB if coalesce else 0, thread_safe=thread_safe)
         self.bm = self.cache.blocks
         self.pa = self.cache.pages
         self.bpp = self.cache.blocks_per_page
