@@ -8,6 +8,7 @@ group; each part is usable on its own:
 :func:`plan_pages`        blocks per page and number of pages (pure math)
 :class:`VirtualKVTensors` address space and attention views of it
 :class:`PageMapper`       map / unmap pages: budget, driver, undo, quarantine
+:class:`PageBackend`      what the page pool needs of a mapper (TP proxies)
 :class:`PageAllocator`    page pool: idle reserve, refill thread, cap, trim
 :class:`BlockManager`     ``alloc`` / ``free`` / ``available_size`` / ``usage``
 :class:`DriverFreeBudget` the :class:`PhysicalBudget` of a process with no ledger
@@ -19,7 +20,7 @@ from kvcached.memory.blocks import BlockManager, MemoryUsage
 from kvcached.memory.budget import PhysicalBudget
 from kvcached.memory.cache import KVCache
 from kvcached.memory.free_budget import DriverFreeBudget
-from kvcached.memory.mapper import PageMapper
+from kvcached.memory.mapper import PageBackend, PageMapper
 from kvcached.memory.pages import PageAllocator
 from kvcached.memory.spec import KVCacheSpec, KVLayout, PageGeometry, plan_pages, resolve_layout
 from kvcached.memory.tensors import VirtualKVTensors
@@ -33,6 +34,7 @@ __all__ = [
     "KVLayout",
     "MemoryUsage",
     "PageAllocator",
+    "PageBackend",
     "PageGeometry",
     "PageMapper",
     "PhysicalBudget",

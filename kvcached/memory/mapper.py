@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from kvcached.driver.base import Handle
 from kvcached.errors import DriverError, MappingError, OutOfPhysicalMemoryError
 from kvcached.log import get_logger
 from kvcached.memory.budget import PhysicalBudget
+from kvcached.memory.spec import PageGeometry
 from kvcached.memory.tensors import VirtualKVTensors
 from kvcached.units import MIB
 
@@ -42,6 +44,35 @@ DEFAULT_MAX_HANDLE_BYTES = 64 * MIB
 
 # handle states
 _CREATED, _MAPPED, _UNMAPPED, _RELEASED = range(4)
+
+
+class PageBackend(Protocol):
+    """What :class:`~kvcached.memory.pages.PageAllocator` needs from a mapper.
+
+    :class:`PageMapper` is the in-process implementation. Under tensor
+    parallelism the scheduler's process holds no KV tensors: an integration
+    passes the allocator a proxy with these members that asks every worker's
+    own :class:`PageMapper` to do the same call (all succeed, or the ones that
+    did are undone) and whose ``budget`` reports the smallest headroom of the
+    ranks.
+    """
+
+    budget: PhysicalBudget
+    geometry: PageGeometry
+    page_bytes: int
+    max_run_pages: int
+    mapped_pages: int
+
+    def map_run(self, first: int, count: int) -> bool: ...
+
+    def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]: ...
+
+    def retry_quarantined(
+        self, spans: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]: ...
+
+    def extent_of(self, page: int) -> tuple[int, int] | None: ...
+
+    def unmap_all(self) -> bool: ...
 
 
 class _Piece:

@@ -20,9 +20,10 @@ Invariants (checked by ``tests/memory``):
 * driver calls never run under the lock, and the lock is never held while
   taking another (the block manager's lock is always taken first).
 
-Idle pages are reused lowest id first (a heap), and growth picks the lowest
-unmapped ids, so the working set stays packed at the low end and whole runs go
-idle at the high end, where they can be released.
+Idle pages are reused from runs that still hold a used page first, then from
+wholly idle runs, lowest id first; growth picks the lowest unmapped ids. The
+working set stays packed in few runs, and whole runs go idle, where they can be
+released: coalescing costs reclaim granularity only while a run is shared.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import heapq
 import threading
 
 from kvcached.log import get_logger
-from kvcached.memory.mapper import PageMapper
+from kvcached.memory.mapper import PageBackend
 
 log = get_logger("kvcached.memory")
 
@@ -57,6 +58,9 @@ class _Run:
 class PageAllocator:
     """Page policy for one KV cache group; see the module docstring.
 
+    ``mapper`` is a :class:`~kvcached.memory.mapper.PageMapper` (or any
+    :class:`~kvcached.memory.mapper.PageBackend`, e.g. a tensor-parallel proxy).
+
     ``min_reserved`` / ``max_reserved``: idle mapped pages kept ready
     (``KVCACHED_MIN_RESERVED_PAGES`` / ``KVCACHED_MAX_RESERVED_PAGES``).
     ``background=True`` refills and trims the pool on a daemon thread, off the
@@ -66,7 +70,7 @@ class PageAllocator:
 
     def __init__(
         self,
-        mapper: PageMapper,
+        mapper: PageBackend,
         *,
         min_reserved: int = 0,
         max_reserved: int = 0,
@@ -86,7 +90,12 @@ class PageAllocator:
         self._state = bytearray(n)  # all UNMAPPED
         self._run: list[_Run | None] = [None] * n
         self._idle_runs: dict[int, _Run] = {}  # live runs with no used page
-        self._idle_heap: list[int] = []  # every idle page, plus stale entries
+        # Idle pages, lowest id first, in two heaps (plus stale entries, skipped
+        # on pop): those of runs that still hold a used page ("pinned", reused
+        # first) and those of wholly idle runs ("loose", reused last, so whole
+        # runs stay idle and can be released).
+        self._pinned: list[int] = []
+        self._loose: list[int] = []
         self._quarantined: dict[int, int] = {}  # first page -> count, as the mapper has them
         self._unmapped_lo = 0  # no unmapped page below this index
         self.n_idle = 0
@@ -168,20 +177,11 @@ class PageAllocator:
         """Pages whose blocks are all free again become idle (and are released
         later if the pool is over ``max_reserved`` or the cap)."""
         with self._lock:
-            state, run_of = self._state, self._run
+            state = self._state
             for p in pages:
                 if state[p] != USED:
                     raise AssertionError(f"give_back: page {p} is not used (state {state[p]})")
-            for p in pages:
-                state[p] = IDLE
-                run = run_of[p]
-                run.used -= 1
-                if run.used == 0:
-                    self._idle_runs[run.first] = run
-                heapq.heappush(self._idle_heap, p)
-            n = len(pages)
-            self.n_used -= n
-            self.n_idle += n
+            self._push_idle(pages)
             shrink = self._needs_shrink()
         if shrink:
             if self.background:
@@ -191,25 +191,38 @@ class PageAllocator:
 
     # -- lock-held helpers -----------------------------------------------------------------
     def _pop_idle(self, n: int) -> list[int]:
-        heap, state, run_of = self._idle_heap, self._state, self._run
+        """Take ``n`` idle pages: pinned runs' first, then loose runs' (once a
+        loose run gives a page, its other pages are pinned and come next)."""
+        state, run_of = self._state, self._run
+        pinned, loose = self._pinned, self._loose
         out = []
         while len(out) < n:
-            p = heapq.heappop(heap)
-            if state[p] != IDLE:
-                continue  # stale entry: the page was released or taken since
+            if pinned:
+                p = heapq.heappop(pinned)
+                if state[p] != IDLE or run_of[p].used == 0:
+                    continue  # stale: taken, released, or its run went loose
+            else:
+                p = heapq.heappop(loose)
+                if state[p] != IDLE or run_of[p].used != 0:
+                    continue  # stale: taken, released, or its run got pinned
             state[p] = USED
             run = run_of[p]
             if run.used == 0:
                 del self._idle_runs[run.first]
+                for q in range(run.first, run.first + run.count):
+                    if q != p and state[q] == IDLE:
+                        heapq.heappush(pinned, q)
             run.used += 1
             out.append(p)
         self.n_idle -= n
         self.n_used += n
-        if len(heap) > 2 * self.n_idle + 64:  # drop stale entries now and then
-            self._idle_heap = sorted({p for p in heap if state[p] == IDLE})
+        if len(pinned) + len(loose) > 2 * self.n_idle + 64:  # drop stale entries now and then
+            self._pinned = sorted({p for p in pinned if state[p] == IDLE and run_of[p].used})
+            self._loose = sorted({p for p in loose if state[p] == IDLE and not run_of[p].used})
         return out
 
     def _push_idle(self, pages: list[int]) -> None:
+        """Used pages become idle (their blocks are all free)."""
         state, run_of = self._state, self._run
         for p in pages:
             state[p] = IDLE
@@ -217,7 +230,10 @@ class PageAllocator:
             run.used -= 1
             if run.used == 0:
                 self._idle_runs[run.first] = run
-            heapq.heappush(self._idle_heap, p)
+                for q in range(run.first, run.first + run.count):
+                    heapq.heappush(self._loose, q)  # every page of the run is idle now
+            else:
+                heapq.heappush(self._pinned, p)
         self.n_used -= len(pages)
         self.n_idle += len(pages)
 
@@ -269,7 +285,7 @@ class PageAllocator:
             self.n_idle += count
             self._idle_runs[first] = run
             for p in range(first, first + count):
-                heapq.heappush(self._idle_heap, p)
+                heapq.heappush(self._loose, p)
 
     def _unbusy(self, first: int, count: int) -> None:
         """A busy span is unmapped again (growth failed, or release succeeded)."""
@@ -331,7 +347,7 @@ class PageAllocator:
                     self.n_idle += r.count
                     self._idle_runs[r.first] = r
                     for p in range(r.first, r.first + r.count):
-                        heapq.heappush(self._idle_heap, p)
+                        heapq.heappush(self._loose, p)
             raise
         released = 0
         with self._lock:
@@ -513,7 +529,8 @@ class PageAllocator:
             self.n_idle, self.n_used, self.n_busy = s.count(IDLE), s.count(USED), s.count(BUSY)
             self.n_quarantined, self.n_unmapped = s.count(QUARANTINED), s.count(UNMAPPED)
             self._idle_runs.clear()
-            self._idle_heap.clear()
+            self._pinned.clear()
+            self._loose.clear()
             self._quarantined = {}
             p = 0
             while p < self.num_pages:  # what stays is quarantined, in the mapper's extents

@@ -225,3 +225,18 @@ def test_failed_growth_leaves_mapped_pages_idle_and_misses(host):
     assert kv.pages.state_of(3) == UNMAPPED and kv.pages.state_of(1) == IDLE
     kv.blocks.check()
     kv.close()
+
+
+def test_idle_pages_of_a_partly_used_run_are_reused_first(host):
+    kv, _ = make_cache(host, small_spec(), pages=12, max_reserved=12)
+    kv.alloc(3)  # the rest of page 0
+    low = kv.alloc(4 * 4)  # run [1, 5)
+    high = kv.alloc(4 * 4)  # run [5, 9)
+    assert kv.pages.run_of(1) == (1, 4) and kv.pages.run_of(5) == (5, 4)
+    kv.free(low)  # run [1, 5) wholly idle
+    kv.free([b for b in high if kv.page_of(b) != 5])  # run [5, 9) pinned by page 5
+    got = kv.alloc(4)
+    assert {kv.page_of(b) for b in got} == {6}, "a wholly idle run was broken into"
+    assert kv.trim() == 4, "the wholly idle run should still be releasable"
+    kv.blocks.check()
+    kv.close()
