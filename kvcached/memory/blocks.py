@@ -101,6 +101,7 @@ class BlockManager:
         self._buckets: list[dict[int, None]] = [{} for _ in range(self._full_class + 1)]
         self._lo = self._full_class  # no non-empty bucket below this
         self._free_in_held = 0
+        self._closed = False
         self._limit_pages = g.num_pages
         self._resize_pages = g.num_pages
         self.null_block: int | None = None
@@ -185,6 +186,8 @@ class BlockManager:
             self._free_nolock(block_ids)
 
     def _free_nolock(self, block_ids: list[int]) -> None:
+        if self._closed:
+            return  # torn down: nothing is handed out again, so nothing to file
         ids = block_ids if block_ids.__class__ is list else list(block_ids)
         state, lists = self._state, self._free
         bpp = self.blocks_per_page
@@ -375,6 +378,17 @@ class BlockManager:
         """Unmap every idle page that can go (see :meth:`PageAllocator.trim`);
         returns pages released."""
         return self._pages.trim()
+
+    def close(self) -> None:
+        """Stop handing out blocks (the cache is being torn down): every later
+        ``alloc`` is a miss and ``free`` does nothing. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._free_in_held = 0
+            for bucket in self._buckets:
+                bucket.clear()
+            self._class_of = [0] * len(self._class_of)
+            self._lo = self._full_class
 
     def page_of(self, block: int) -> int:
         """The page that holds ``block`` (in every layer and buffer)."""

@@ -18,10 +18,12 @@ from kvcached.memory.tensors import VirtualKVTensors
 log = get_logger("kvcached.memory")
 
 
-def _shutdown(pages: PageAllocator | None, tensors: VirtualKVTensors | None,
-              budget: PhysicalBudget | None) -> None:
+def _shutdown(blocks: BlockManager | None, pages: PageAllocator | None,
+              tensors: VirtualKVTensors | None, budget: PhysicalBudget | None) -> None:
     """Close in reverse order of construction. The address space is given
     back only when no page stays mapped (a quarantined page keeps it)."""
+    if blocks is not None:
+        blocks.close()
     clean = True
     if pages is not None:
         clean = pages.close()
@@ -103,7 +105,7 @@ class KVCache:
         if max_reserved is None:
             max_reserved = max(config.max_reserved_pages, min_reserved)
         owned_budget = None
-        tensors = pages = None
+        tensors = pages = blocks = None
         try:
             if budget is None:
                 budget = owned_budget = DriverFreeBudget(driver)
@@ -115,7 +117,7 @@ class KVCache:
             blocks = BlockManager(pages, reserve_null_block=reserve_null_block,
                                   thread_safe=thread_safe)
         except BaseException:
-            _shutdown(pages, tensors, owned_budget)  # undo in reverse
+            _shutdown(blocks, pages, tensors, owned_budget)  # undo in reverse
             raise
         self.budget = budget
         self.tensors = tensors
@@ -130,7 +132,7 @@ class KVCache:
         self.trim = blocks.trim
         self.set_limit = blocks.set_limit
         self.resize = blocks.resize
-        self._finalizer = weakref.finalize(self, _shutdown, pages, tensors, owned_budget)
+        self._finalizer = weakref.finalize(self, _shutdown, blocks, pages, tensors, owned_budget)
 
     @property
     def num_blocks(self) -> int:

@@ -208,7 +208,11 @@ def test_views_refuse_after_close(host):
     spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=1, head_dim=64, dtype=torch.float16)
     kv = KVCache(spec, driver=host, budget=ExactBudget(16 * MIB), num_blocks=64,
                  background=False, min_reserved=0, max_reserved=0)
+    live = kv.alloc(2)
     kv.close()
+    assert kv.alloc(1) is None, "a closed cache handed out a block of unmapped memory"
+    kv.free(live)
+    assert kv.alloc(1) is None
     kv.close()  # idempotent
     assert kv.closed
     with pytest.raises(MappingError):
