@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvcached.errors import BlockError, CapacityError
+from kvcached.errors import BlockError, CapacityError, ConfigError
 from kvcached.memory.pages import PageAllocator
 
 _LIVE, _NULL = 1, 2  # values of the per-block state byte (0: not live)
@@ -134,7 +134,7 @@ class BlockManager:
         if n <= 0:
             if n == 0:
                 return []
-            raise BlockError(f"alloc(n={n}): n must be >= 0")
+            raise ConfigError("n", n, "a number of blocks >= 0")
         if n <= self._free_in_held:
             # Fast path: the fullest page has more than n free blocks, so
             # one page serves the request (most decode and short prefill
@@ -331,7 +331,7 @@ class BlockManager:
     @staticmethod
     def _count_arg(n: object) -> int:
         if isinstance(n, bool) or not hasattr(n, "__index__"):
-            raise BlockError(f"alloc(n={n!r}): n must be a whole number of blocks")
+            raise ConfigError("n", n, "a whole number of blocks")
         return n.__index__()  # numpy and torch integer scalars
 
     def _free_error(self, ids: list[int], at: int) -> BlockError:
@@ -355,7 +355,7 @@ class BlockManager:
         if nbytes is None:
             pages = self._pages.num_pages
         elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise BlockError(f"set_limit(nbytes={nbytes!r}): a byte count >= 0, or None")
+            raise ConfigError("nbytes", nbytes, "a byte count >= 0, or None for the startup size")
         else:
             pages = min(self._pages.num_pages, nbytes // self.page_bytes)
         self._limit_pages = pages
@@ -367,7 +367,8 @@ class BlockManager:
         if num_blocks is None:
             pages = self._pages.num_pages
         elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise BlockError(f"resize(num_blocks={num_blocks!r}): a block count >= 0, or None")
+            raise ConfigError("num_blocks", num_blocks,
+                              "a block count >= 0, or None for the startup size")
         else:
             bpp = self.blocks_per_page
             pages = min(self._pages.num_pages, (num_blocks + bpp - 1) // bpp)

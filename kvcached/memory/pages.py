@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import threading
 
+from kvcached.errors import ConfigError
 from kvcached.log import get_logger
 from kvcached.memory.mapper import PageBackend
 
@@ -77,9 +78,8 @@ class PageAllocator:
         background: bool = True,
     ) -> None:
         if not 0 <= min_reserved <= max_reserved:
-            raise ValueError(
-                f"min_reserved={min_reserved}, max_reserved={max_reserved}: need "
-                "0 <= min_reserved <= max_reserved")
+            raise ConfigError("min_reserved/max_reserved", (min_reserved, max_reserved),
+                              "0 <= min_reserved <= max_reserved (KVCACHED_MIN/MAX_RESERVED_PAGES)")
         self.mapper = mapper
         self.budget = mapper.budget
         self.page_bytes = mapper.page_bytes
@@ -438,7 +438,7 @@ class PageAllocator:
         """Cap mapped pages at ``pages`` (``0 <= pages <= num_pages``). Lowering
         stops growth and releases idle runs; used pages stay until freed."""
         if not 0 <= pages <= self.num_pages:
-            raise ValueError(f"cap pages={pages}: must be in [0, {self.num_pages}]")
+            raise ConfigError("pages", pages, f"a page count in [0, {self.num_pages}]")
         with self._lock:
             self.cap_pages = pages
             shrink = self._needs_shrink()

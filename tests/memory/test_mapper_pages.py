@@ -240,3 +240,33 @@ def test_idle_pages_of_a_partly_used_run_are_reused_first(host):
     assert kv.trim() == 4, "the wholly idle run should still be releasable"
     kv.blocks.check()
     kv.close()
+
+
+def test_bad_arguments_name_themselves(host):
+    from kvcached.errors import BlockError, ConfigError
+
+    kv, _ = make_cache(host, small_spec(), pages=4)
+    for bad, name in ((-1, "n"), (1.5, "n"), (True, "n")):
+        with pytest.raises(ConfigError) as err:
+            kv.alloc(bad)
+        assert err.value.variable == name
+    with pytest.raises(ConfigError) as err:
+        kv.set_limit(-5)
+    assert err.value.variable == "nbytes"
+    with pytest.raises(ConfigError) as err:
+        kv.resize("10")
+    assert err.value.variable == "num_blocks"
+    with pytest.raises(BlockError, match="null block"):
+        kv.free([0])
+    with pytest.raises(BlockError, match="out of range"):
+        kv.free([kv.num_blocks])
+    with pytest.raises(BlockError, match="not an int"):
+        kv.free([1.0])
+    ids = kv.alloc(2)
+    with pytest.raises(BlockError, match="twice"):
+        kv.free([ids[0], ids[1], ids[0]])
+    assert all(kv.blocks.is_live(b) for b in ids), "a failed free changed something"
+    import numpy as np  # numpy / torch integer scalars are counts too
+
+    assert len(kv.alloc(np.int64(1))) == 1
+    kv.close()
