@@ -1,8 +1,10 @@
 """The block manager an engine's scheduler calls: block ids in, block ids out.
 
 Blocks live in pages (``page = block // blocks_per_page``); pages come from a
-:class:`~kvcached.memory.pages.PageAllocator`. Placement is fullest page first
-(best fit), so live blocks pack into few pages and emptied pages return whole,
+:class:`~kvcached.memory.pages.PageAllocator`. Placement is best fit: blocks
+come from the fullest held pages first (pages are filed by the power-of-two
+class of their free count, so the choice is O(1)), then from idle pages, then
+from new ones. Live blocks pack into few pages and emptied pages return whole,
 to be reused or unmapped.
 
 Three tiers of failure: running out is ``None`` from :meth:`BlockManager.alloc`
