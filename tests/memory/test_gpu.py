@@ -83,7 +83,8 @@ def _write_dense(kv: KVCache, table: torch.Tensor, lens: list[int], k: torch.Ten
 def _gather(view: torch.Tensor, row: torch.Tensor, n: int) -> torch.Tensor:
     """``(num_blocks, bs, H, D)`` view + block row -> ``(1, H, n, D)``."""
     x = view[row]  # (nblk, bs, H, D)
-    return x.reshape(-1, *x.shape[2:])[:n].transpose(0, 1).unsqueeze(0)
+    # contiguous, like the dense side, so SDPA picks the same kernel for both
+    return x.reshape(-1, *x.shape[2:])[:n].transpose(0, 1).unsqueeze(0).contiguous()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
