@@ -60,6 +60,11 @@ class BlockError(KVCachedError, ValueError):
     allocated, or out of range. Nothing was changed."""
 
 
+class CapacityError(KVCachedError):
+    """A KV cache cannot even start: not one page could be mapped (the
+    physical budget, the limit or the device allows no memory at all)."""
+
+
 class LedgerError(KVCachedError):
     """The per-GPU ledger file cannot be used (layout, version, permissions)."""
 

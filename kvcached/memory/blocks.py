@@ -1,0 +1,461 @@
+"""The block manager an engine's scheduler calls: block ids in, block ids out.
+
+Blocks live in pages (``page = block // blocks_per_page``); pages come from a
+:class:`~kvcached.memory.pages.PageAllocator`. Placement is best fit: blocks
+come from the fullest held pages first (pages are filed by the power-of-two
+class of their free count, so the choice is O(1)), then from idle pages, then
+from new ones. Live blocks pack into few pages and emptied pages return whole,
+to be reused or unmapped.
+
+Three tiers of failure: running out is ``None`` from :meth:`BlockManager.alloc`
+(a scheduling miss, retried later); a wrong id handed back raises
+:class:`~kvcached.errors.BlockError` and changes nothing; a broken invariant is
+an ``assert``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvcached.errors import BlockError, CapacityError, ConfigError
+from kvcached.memory.pages import PageAllocator
+
+_LIVE, _NULL = 1, 2  # values of the per-block state byte (0: not live)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """One consistent reading of a KV cache group, for the control layer.
+
+    Pages: ``pages_used`` hold live blocks, ``pages_reserved`` are mapped and
+    idle (the pre-mapped pool, and idle pages of a run that is partly used),
+    ``pages_quarantined`` failed to unmap and stay charged; ``pages_mapped``
+    is all three plus pages in flight. ``limit_bytes`` is the cap on mapped
+    bytes now in force (the startup size when no limit is set).
+    """
+
+    blocks_used: int
+    blocks_available: int
+    blocks_total: int
+    blocks_per_page: int
+    pages_used: int
+    pages_reserved: int
+    pages_quarantined: int
+    pages_mapped: int
+    pages_total: int
+    page_bytes: int
+    bytes_mapped: int
+    limit_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BlockManager:
+    """Allocates KV blocks of one group.
+
+    Thread-safe by default: one lock around ``alloc`` and ``free`` (page
+    growth, which calls the driver, runs under it, so concurrent engine
+    threads wait for a growing one; the pool thread never takes it). An
+    engine whose scheduler is the only caller passes ``thread_safe=False``
+    and saves the lock, which costs about as much as a one-block alloc.
+
+    Invariants:
+
+    * a block is *live* (returned by :meth:`alloc`, not yet freed) iff its
+      state byte is set; the null block 0, when reserved, is never handed out
+      and can never be freed;
+    * the manager holds a page iff the page holds at least one live block;
+      every block of a held page is live or in that page's free list;
+    * ``free blocks in held pages`` equals the sum of those free lists, and a
+      held page with ``k > 0`` free blocks is in bucket ``k.bit_length()``;
+    * :meth:`available_size` is what :meth:`alloc` will grant right now when
+      no other thread or process changes anything in between.
+    """
+
+    def __init__(self, pages: PageAllocator, *, reserve_null_block: bool = True,
+                 thread_safe: bool = True) -> None:
+        g = pages.mapper.geometry
+        self.thread_safe = thread_safe
+        if not thread_safe:
+            # One engine thread calls alloc/free (vLLM's and SGLang's schedulers
+            # do): skip the lock, which costs as much as the work for small
+            # requests. The pool thread never touches this object's state.
+            self.alloc = self._alloc_nolock  # type: ignore[method-assign]
+            self.free = self._free_nolock  # type: ignore[method-assign]
+        self._pages = pages
+        self._budget = pages.budget
+        self.blocks_per_page = bpp = g.blocks_per_page
+        self.num_blocks = g.num_blocks
+        self.page_bytes = pages.page_bytes
+        self._lock = threading.Lock()
+        self._state = bytearray(self.num_blocks)
+        self._free: list[list[int] | None] = [None] * g.num_pages
+        # Held pages with free blocks are filed by class: k free blocks is
+        # class k.bit_length() (1, 2-3, 4-7, ...), so placement is fullest class
+        # first and a free seldom moves a page between buckets.
+        self._full_class = bpp.bit_length()
+        self._class = [k.bit_length() for k in range(bpp + 1)]  # free count -> class
+        self._class_of = [0] * g.num_pages  # 0: not filed (full, or not held)
+        self._buckets: list[dict[int, None]] = [{} for _ in range(self._full_class + 1)]
+        self._lo = self._full_class  # no non-empty bucket below this
+        self._free_in_held = 0
+        self._closed = False
+        self._limit_pages = g.num_pages
+        self._resize_pages = g.num_pages
+        self.null_block: int | None = None
+        if reserve_null_block:
+            got = pages.take(1)
+            if got is None:
+                raise CapacityError(
+                    "kvcached could not map the first page (for the null block): a page "
+                    f"needs {self.page_bytes} bytes, the physical budget has "
+                    f"{self._budget.headroom()} bytes of headroom and the cap allows "
+                    f"{pages.cap_pages} pages; free device memory or raise "
+                    "KVCACHED_GPU_UTILIZATION (a driver failure is logged above)")
+            assert got == [0], f"the first page of a fresh allocator must be page 0, got {got}"
+            self._adopt(got)
+            taken = self._take(1)
+            assert taken == [0], f"the null block must be block 0, got {taken}"
+            self._state[0] = _NULL
+            self.null_block = 0
+
+    # -- hot path ---------------------------------------------------------------------------
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` block ids, or ``None`` when they cannot be had now (a
+        scheduling miss; nothing changed). ``alloc(0)`` is ``[]``."""
+        with self._lock:
+            return self._alloc_nolock(n)
+
+    def _alloc_nolock(self, n: int) -> list[int] | None:
+        if n.__class__ is not int:
+            n = self._count_arg(n)
+        if n <= 0:
+            if n == 0:
+                return []
+            raise ConfigError("n", n, "a number of blocks >= 0")
+        if n <= self._free_in_held:
+            # Fast path: the fullest page has more than n free blocks, so
+            # one page serves the request (most decode and short prefill
+            # calls). The same placement as _take, written out.
+            buckets = self._buckets
+            k = self._lo
+            bucket = buckets[k]
+            while not bucket:
+                k += 1
+                bucket = buckets[k]
+            # popitem, not next(iter()): a dict's first live entry can sit
+            # behind many deleted ones, its last cannot.
+            p = bucket.popitem()[0]
+            lst = self._free[p]
+            m = len(lst) - n
+            if m > 0:
+                c = self._class[m]
+                buckets[c][p] = None
+                if c != k:
+                    self._class_of[p] = c
+                    k = c
+                self._lo = k
+                self._free_in_held -= n
+                state = self._state
+                if n == 1:
+                    b = lst.pop()
+                    state[b] = 1  # _LIVE
+                    return [b]
+                out = lst[-n:]
+                del lst[-n:]
+                for b in out:
+                    state[b] = 1
+                return out
+            bucket[p] = None  # back where it was; _take will pick it again
+            self._lo = k
+        else:
+            bpp = self.blocks_per_page
+            pages = self._pages.take((n - self._free_in_held + bpp - 1) // bpp)
+            if pages is None:
+                return None
+            self._adopt(pages)
+        return self._take(n)
+
+    def free(self, block_ids: list[int]) -> None:
+        """Give blocks back. Raises :class:`BlockError`, changing nothing, if
+        any id is out of range, not live (never allocated, or freed already,
+        including twice in this call) or the null block."""
+        with self._lock:
+            self._free_nolock(block_ids)
+
+    def _free_nolock(self, block_ids: list[int]) -> None:
+        if self._closed:
+            return  # torn down: nothing is handed out again, so nothing to file
+        ids = block_ids if block_ids.__class__ is list else list(block_ids)
+        state, lists = self._state, self._free
+        bpp = self.blocks_per_page
+        if len(ids) == 1:
+            # One block: the general path below, written out for speed.
+            b = ids[0]
+            if b.__class__ is not int or not 0 <= b < self.num_blocks or state[b] != 1:
+                raise self._free_error(ids, 0)
+            state[b] = 0
+            p = b // bpp
+            lst = lists[p]
+            lst.append(b)
+            k = len(lst)
+            if k < bpp:
+                c = self._class[k]
+                old = self._class_of[p]
+                if c != old:
+                    if old:
+                        del self._buckets[old][p]
+                    self._buckets[c][p] = None
+                    self._class_of[p] = c
+                    if c < self._lo:
+                        self._lo = c
+                self._free_in_held += 1
+                return
+            touched: Iterable[int] = (p,)
+            done = 1
+        else:
+            nb = self.num_blocks
+            touched = {}  # page -> None; a dict store is cheaper than set.add
+            done = 0
+            for b in ids:
+                if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
+                    self._undo_free(ids, done)
+                    raise self._free_error(ids, done)
+                state[b] = 0
+                p = b // bpp
+                lists[p].append(b)
+                touched[p] = None
+                done += 1
+        # Refile each touched page by its new free count; emptied pages go back.
+        buckets, filed, cls = self._buckets, self._class_of, self._class
+        emptied = []
+        lo = self._lo
+        for p in touched:
+            k = len(lists[p])
+            if k == bpp:
+                emptied.append(p)
+                c = 0
+            else:
+                c = cls[k]
+            old = filed[p]
+            if c != old:
+                if old:
+                    del buckets[old][p]
+                if c:
+                    buckets[c][p] = None
+                    if c < lo:
+                        lo = c
+                filed[p] = c
+        self._lo = lo
+        self._free_in_held += done - len(emptied) * bpp
+        if emptied:
+            self._pages.give_back(emptied)
+
+    def _undo_free(self, ids: list[int], done: int) -> None:
+        """Put back the first ``done`` ids of a failed free, in reverse (each
+        page's list gets its last appended id back)."""
+        state, lists, bpp = self._state, self._free, self.blocks_per_page
+        for b in reversed(ids[:done]):
+            state[b] = _LIVE
+            lists[b // bpp].pop()
+
+    def available_size(self) -> int:
+        """Blocks :meth:`alloc` can grant now: free blocks in held pages, plus
+        whole idle pages, plus the pages the cap and the budget still allow.
+        O(1), no lock (a snapshot; exact when nothing changes concurrently)."""
+        pa = self._pages
+        unmapped = pa.n_unmapped
+        grow = pa.cap_pages - pa.num_pages + unmapped
+        if grow > unmapped:
+            grow = unmapped
+        room = self._budget.headroom() // self.page_bytes
+        if room < grow:
+            grow = room
+        if grow < 0:
+            grow = 0
+        return self._free_in_held + (pa.n_idle + grow) * self.blocks_per_page
+
+    # -- lock-held helpers ---------------------------------------------------------------------
+    def _adopt(self, pages: list[int]) -> None:
+        bpp = self.blocks_per_page
+        c = self._full_class
+        bucket = self._buckets[c]
+        for p in pages:
+            lst = self._free[p]
+            if lst is None:
+                first = p * bpp
+                lst = self._free[p] = list(range(first + bpp - 1, first - 1, -1))
+            assert len(lst) == bpp, f"page {p} came back with {len(lst)} of {bpp} blocks free"
+            bucket[p] = None
+            self._class_of[p] = c
+        if pages and c < self._lo:
+            self._lo = c
+        self._free_in_held += len(pages) * bpp
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` free blocks from held pages, fullest class of page first."""
+        out: list[int] = []
+        buckets, lists, filed = self._buckets, self._free, self._class_of
+        k = self._lo
+        left = n
+        while left:
+            bucket = buckets[k]
+            if not bucket:
+                k += 1
+                continue
+            p = bucket.popitem()[0]  # any page of the fullest class (see alloc)
+            lst = lists[p]
+            m = len(lst)
+            if m <= left:
+                out += lst
+                lst.clear()
+                filed[p] = 0
+                left -= m
+            else:
+                out += lst[-left:]
+                del lst[-left:]
+                k = (m - left).bit_length()
+                buckets[k][p] = None
+                filed[p] = k
+                left = 0
+        self._lo = k
+        self._free_in_held -= n
+        state = self._state
+        for b in out:
+            state[b] = _LIVE
+        return out
+
+    # -- errors ----------------------------------------------------------------------------------
+    @staticmethod
+    def _count_arg(n: object) -> int:
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise ConfigError("n", n, "a whole number of blocks")
+        return n.__index__()  # numpy and torch integer scalars
+
+    def _free_error(self, ids: list[int], at: int) -> BlockError:
+        b = ids[at]
+        where = f"free(): id #{at} ({b!r})"
+        if b.__class__ is not int:
+            return BlockError(f"{where} is not an int block id")
+        if not 0 <= b < self.num_blocks:
+            return BlockError(f"{where} is out of range [0, {self.num_blocks})")
+        if self._state[b] == _NULL:
+            return BlockError(f"{where} is the reserved null block; it is never freed")
+        if b in ids[:at]:
+            return BlockError(f"{where} appears twice in this call")
+        return BlockError(f"{where} is not allocated (never handed out, or freed already)")
+
+    # -- control ----------------------------------------------------------------------------------
+    def set_limit(self, nbytes: int | None) -> None:
+        """Cap mapped memory at ``nbytes`` (``None``: back to the startup
+        size). Lowering never takes a page that holds live blocks: growth
+        stops, idle pages are released now and used ones as they empty."""
+        if nbytes is None:
+            pages = self._pages.num_pages
+        elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ConfigError("nbytes", nbytes, "a byte count >= 0, or None for the startup size")
+        else:
+            pages = min(self._pages.num_pages, nbytes // self.page_bytes)
+        self._limit_pages = pages
+        self._pages.set_cap(min(self._limit_pages, self._resize_pages))
+
+    def resize(self, num_blocks: int | None) -> None:
+        """Cap the cache at the pages ``num_blocks`` blocks need (``None``:
+        the startup size); same lazy shrink as :meth:`set_limit`."""
+        if num_blocks is None:
+            pages = self._pages.num_pages
+        elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ConfigError("num_blocks", num_blocks,
+                              "a block count >= 0, or None for the startup size")
+        else:
+            bpp = self.blocks_per_page
+            pages = min(self._pages.num_pages, (num_blocks + bpp - 1) // bpp)
+        self._resize_pages = pages
+        self._pages.set_cap(min(self._limit_pages, self._resize_pages))
+
+    def trim(self) -> int:
+        """Unmap every idle page that can go (see :meth:`PageAllocator.trim`);
+        returns pages released."""
+        return self._pages.trim()
+
+    def close(self) -> None:
+        """Stop handing out blocks (the cache is being torn down): every later
+        ``alloc`` is a miss and ``free`` does nothing. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._free_in_held = 0
+            for bucket in self._buckets:
+                bucket.clear()
+            self._class_of = [0] * len(self._class_of)
+            self._lo = self._full_class
+
+    def page_of(self, block: int) -> int:
+        """The page that holds ``block`` (in every layer and buffer)."""
+        return block // self.blocks_per_page
+
+    def is_live(self, block: int) -> bool:
+        return self._state[block] == _LIVE
+
+    def usage(self) -> MemoryUsage:
+        with self._lock:
+            c = self._pages.counts()
+            # every used page is held here: its blocks are live or free
+            live = c["used"] * self.blocks_per_page - self._free_in_held
+            live -= self.null_block is not None
+            available = self.available_size()
+        mapped = c["idle"] + c["used"] + c["busy"] + c["quarantined"]
+        return MemoryUsage(
+            blocks_used=live,
+            blocks_available=available,
+            blocks_total=self.num_blocks - (self.null_block is not None),
+            blocks_per_page=self.blocks_per_page,
+            pages_used=c["used"],
+            pages_reserved=c["idle"],
+            pages_quarantined=c["quarantined"],
+            pages_mapped=mapped,
+            pages_total=self._pages.num_pages,
+            page_bytes=self.page_bytes,
+            bytes_mapped=mapped * self.page_bytes,
+            limit_bytes=c["cap"] * self.page_bytes,
+        )
+
+    def check(self) -> None:
+        """Verify every invariant against a full recount (tests, debugging;
+        O(blocks)). Raises ``AssertionError`` naming the broken one."""
+        with self._lock:
+            bpp = self.blocks_per_page
+            state = self._state
+            pa = self._pages
+            free_total = 0
+            held = 0
+            for p in range(pa.num_pages):
+                blocks = state[p * bpp:(p + 1) * bpp]
+                n_live = bpp - blocks.count(0)
+                ps = pa.state_of(p)
+                if n_live:
+                    assert ps == 2, f"page {p} holds {n_live} live blocks but is in state {ps}"
+                    held += 1
+                    lst = self._free[p]
+                    assert sorted(lst) == [p * bpp + i for i in range(bpp) if not blocks[i]], \
+                        f"page {p}: free list does not match its free blocks"
+                    k = len(lst)
+                    free_total += k
+                    c = k.bit_length()
+                    assert self._class_of[p] == c and (c == 0 or p in self._buckets[c]), \
+                        f"page {p} with {k} free blocks is filed under {self._class_of[p]}"
+                else:
+                    assert ps != 2, f"page {p} is held but holds no live block"
+            assert free_total == self._free_in_held, \
+                f"free blocks in held pages {self._free_in_held} != recount {free_total}"
+            assert all(not b for b in self._buckets[:self._lo]), "a bucket below _lo is in use"
+            assert sum(len(b) for b in self._buckets) == sum(
+                1 for p in range(pa.num_pages) if self._class_of[p]), "bucket membership drifted"
+            assert pa.counts() == pa.recount(), f"page counters {pa.counts()} != {pa.recount()}"
+            assert pa.n_used == held, f"allocator has {pa.n_used} used pages, manager holds {held}"
+            live = sum(1 for s in state if s == _LIVE)
+            used = pa.n_used * bpp - self._free_in_held - (self.null_block is not None)
+            assert used == live, f"blocks_used {used} differs from a recount {live}"

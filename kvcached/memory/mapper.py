@@ -1,0 +1,434 @@
+"""Physical memory under the virtual KV tensors, one *extent* at a time.
+
+An extent is a run of adjacent pages ``[first, first+count)`` mapped by one set
+of physical handles (one handle on ``CONTIGUOUS``, one per layer and buffer on
+``PER_LAYER``). The driver charges per handle, not per byte, so growing many
+pages as one extent is cheap; but a handle is mapped whole and unmapped whole,
+so an extent is also the unit of release: its pages come back together or not
+at all. Callers that want 2 MiB reclaim granularity map one page per extent.
+
+Rules this class keeps:
+
+* a page belongs to at most one extent; an extent is *live* (mapped, usable),
+  *in flight* (being mapped or unmapped by one thread) or *quarantined*;
+* growth goes ``grant -> create -> map -> set_access``; whatever fails is undone
+  in reverse, and bytes never created are refunded at once;
+* release goes ``synchronize -> unmap -> release -> refund``; a refund follows a
+  confirmed release only. A handle whose unmap or release failed keeps its
+  charge and leaves its extent quarantined (unusable, still counted as
+  mapped) until :meth:`PageMapper.retry_quarantined` finishes the job;
+* driver calls never run under the lock.
+
+This is the page-level API an integration can use on its own (a vLLM worker
+mapping the pages its scheduler chose): :meth:`PageMapper.map_pages` and
+:meth:`PageMapper.unmap_pages`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from kvcached.driver.base import Handle
+from kvcached.errors import DriverError, MappingError, OutOfPhysicalMemoryError
+from kvcached.log import get_logger
+from kvcached.memory.budget import PhysicalBudget
+from kvcached.memory.spec import PageGeometry
+from kvcached.memory.tensors import VirtualKVTensors
+from kvcached.units import MIB
+
+log = get_logger("kvcached.memory")
+
+DEFAULT_MAX_HANDLE_BYTES = 64 * MIB
+
+# handle states
+_CREATED, _MAPPED, _UNMAPPED, _RELEASED = range(4)
+
+
+class PageBackend(Protocol):
+    """What :class:`~kvcached.memory.pages.PageAllocator` needs from a mapper.
+
+    :class:`PageMapper` is the in-process implementation. Under tensor
+    parallelism the scheduler's process holds no KV tensors: an integration
+    passes the allocator a proxy with these members that asks every worker's
+    own :class:`PageMapper` to do the same call (all succeed, or the ones that
+    did are undone) and whose ``budget`` reports the smallest headroom of the
+    ranks.
+    """
+
+    budget: PhysicalBudget
+    geometry: PageGeometry
+    page_bytes: int
+    max_run_pages: int
+    mapped_pages: int
+
+    def map_run(self, first: int, count: int) -> bool: ...
+
+    def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]: ...
+
+    def retry_quarantined(
+        self, spans: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]: ...
+
+    def extent_of(self, page: int) -> tuple[int, int] | None: ...
+
+    def unmap_all(self) -> bool: ...
+
+
+class _Piece:
+    """One physical handle of an extent and how far along its life it is."""
+
+    __slots__ = ("va", "size", "handle", "state")
+
+    def __init__(self, va: int, size: int) -> None:
+        self.va = va
+        self.size = size
+        self.handle: Handle = None
+        self.state = -1  # not created
+
+
+class Extent:
+    """Pages ``[first, first+count)`` and their handles."""
+
+    __slots__ = ("first", "count", "pieces", "quarantined", "busy")
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first = first
+        self.count = count
+        self.pieces: list[_Piece] = []
+        self.quarantined = False
+        self.busy = True  # in flight until published
+
+    def __repr__(self) -> str:
+        state = "quarantined" if self.quarantined else "busy" if self.busy else "live"
+        return f"<Extent pages [{self.first}, {self.first + self.count}) {state}>"
+
+
+class PageMapper:
+    """Maps and unmaps pages of one :class:`VirtualKVTensors` against a budget.
+
+    ``max_handle_bytes`` caps one handle; extents longer than
+    :attr:`max_run_pages` are refused (``0`` turns coalescing off: one page per
+    extent). ``before_unmap`` runs once before each batch of unmaps; the default
+    waits for the device (``driver.synchronize``) so no kernel still reads the
+    pages.
+    """
+
+    def __init__(
+        self,
+        tensors: VirtualKVTensors,
+        budget: PhysicalBudget,
+        *,
+        max_handle_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
+        before_unmap: Callable[[], None] | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.driver = tensors.driver
+        self.geometry = g = tensors.geometry
+        self.budget = budget
+        self.page_bytes = g.page_bytes
+        self.max_run_pages = max(1, max_handle_bytes // g.handle_bytes_per_page)
+        self.before_unmap = before_unmap or self.driver.synchronize
+        self._lock = threading.Lock()
+        self._owner: list[Extent | None] = [None] * g.num_pages
+        self._quarantine: dict[int, Extent] = {}
+        self.mapped_pages = 0  # pages of live, in-flight and quarantined extents
+
+    # -- queries ------------------------------------------------------------------------
+    def extent_of(self, page: int) -> tuple[int, int] | None:
+        """``(first, count)`` of the extent holding ``page``, or ``None``."""
+        ext = self._owner[page]
+        return None if ext is None else (ext.first, ext.count)
+
+    def is_mapped(self, page: int) -> bool:
+        """Whether ``page`` is live: mapped, usable, not in flight."""
+        ext = self._owner[page]
+        return ext is not None and not ext.busy and not ext.quarantined
+
+    @property
+    def quarantined_pages(self) -> int:
+        with self._lock:
+            return sum(e.count for e in self._quarantine.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of handles created and not yet released (live, in-flight and
+        quarantined extents). Equals what this mapper holds charged."""
+        with self._lock:
+            seen: set[int] = set()
+            total = 0
+            for ext in self._owner:
+                if ext is not None and id(ext) not in seen:
+                    seen.add(id(ext))
+                    total += sum(p.size for p in ext.pieces
+                                 if p.state in (_CREATED, _MAPPED, _UNMAPPED))
+            return total
+
+    def quarantined_extents(self) -> list[tuple[int, int]]:
+        with self._lock:
+            return [(e.first, e.count) for e in self._quarantine.values()]
+
+    # -- growth -------------------------------------------------------------------------
+    def map_run(self, first: int, count: int) -> bool:
+        """Map pages ``[first, first+count)`` as one extent.
+
+        ``False`` when the budget denies it or the device is out of memory /
+        fails (the attempt is undone). Raises :class:`MappingError` for a range
+        outside the cache, longer than :attr:`max_run_pages`, or overlapping a
+        page that is already mapped."""
+        g = self.geometry
+        if not isinstance(first, int) or not isinstance(count, int) or count < 1 \
+                or first < 0 or first + count > g.num_pages:
+            raise MappingError(
+                f"map_run(first={first}, count={count}): needs 0 <= first, count >= 1, "
+                f"first + count <= {g.num_pages}")
+        if count > self.max_run_pages:
+            raise MappingError(
+                f"map_run(count={count}): at most {self.max_run_pages} pages per extent")
+        ext = Extent(first, count)
+        with self._lock:
+            owner = self._owner
+            for p in range(first, first + count):
+                if owner[p] is not None:
+                    raise MappingError(f"map_run: page {p} is already in {owner[p]!r}")
+            for p in range(first, first + count):
+                owner[p] = ext
+            self.mapped_pages += count
+        nbytes = count * self.page_bytes
+        try:
+            granted = self.budget.grant(nbytes)
+        except BaseException:
+            self._forget(ext)
+            raise
+        if not granted:
+            self._forget(ext)
+            return False
+        try:
+            self._build(ext)
+        except DriverError as exc:
+            level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
+            level("mapping pages [%d, %d) failed, undone: %s", first, first + count, exc)
+            self._undo(ext, nbytes)
+            return False
+        except BaseException:
+            self._undo(ext, nbytes)
+            raise
+        with self._lock:
+            ext.busy = False
+        return True
+
+    def _build(self, ext: Extent) -> None:
+        driver = self.driver
+        ranges = self.tensors.extent_ranges(ext.first, ext.count)
+        for va, size in ranges:
+            piece = _Piece(va, size)
+            piece.handle = driver.create(size)
+            piece.state = _CREATED
+            ext.pieces.append(piece)
+            driver.map(va, size, piece.handle)
+            piece.state = _MAPPED
+        for va, size in ranges:
+            driver.set_access(va, size)
+
+    def _undo(self, ext: Extent, granted: int) -> None:
+        """Unwind a half-built extent in reverse; refund what never became or
+        no longer is memory; quarantine whatever could not be undone."""
+        created = sum(p.size for p in ext.pieces)
+        clean = self._teardown(ext)
+        held = sum(p.size for p in ext.pieces if p.state != _RELEASED)
+        # `granted - created` was never allocated; released pieces were refunded
+        # by _teardown.
+        self._refund(granted - created)
+        if clean:
+            self._forget(ext)
+        else:
+            log.error("could not undo a failed growth of pages [%d, %d): %d bytes stay "
+                      "charged and quarantined until trim", ext.first, ext.first + ext.count, held)
+            with self._lock:
+                ext.quarantined = True
+                ext.busy = False
+                self._quarantine[ext.first] = ext
+
+    def map_pages(self, pages: Iterable[int]) -> bool:
+        """Map every page in ``pages`` (any order), adjacent ones as shared
+        extents of up to :attr:`max_run_pages`. All or nothing: on ``False``
+        every extent this call mapped is unmapped again."""
+        done: list[tuple[int, int]] = []
+        for first, count in runs(sorted(pages), self.max_run_pages):
+            if not self.map_run(first, count):
+                for f, c in reversed(done):
+                    self.unmap_run(f, c)
+                return False
+            done.append((first, count))
+        return True
+
+    # -- release ------------------------------------------------------------------------
+    def unmap_run(self, first: int, count: int) -> bool:
+        """Unmap and release pages ``[first, first+count)``, which must be a
+        union of whole live extents. ``True`` when every handle was released
+        and refunded; ``False`` when some extent is now quarantined."""
+        return all(self.unmap_runs([(first, count)]))
+
+    def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]:
+        """:meth:`unmap_run` for several ``(first, count)`` spans behind one
+        ``before_unmap``; one result per span. Validates every span before
+        touching any."""
+        claimed: list[list[Extent]] = []
+        try:
+            for first, count in spans:
+                claimed.append(self._claim(first, count))
+        except BaseException:
+            with self._lock:
+                for exts in claimed:
+                    for ext in exts:
+                        ext.busy = False
+            raise
+        if not claimed:
+            return []
+        self.before_unmap()
+        return [self._release(exts) for exts in claimed]
+
+    def unmap_pages(self, pages: Iterable[int]) -> bool:
+        """Unmap every page in ``pages``; they must cover whole extents."""
+        ids = sorted(pages)
+        return all(self.unmap_runs(runs(ids, len(ids) or 1)))
+
+    def _claim(self, first: int, count: int) -> list[Extent]:
+        with self._lock:
+            exts, p, end = [], first, first + count
+            while p < end:
+                ext = self._owner[p] if 0 <= p < len(self._owner) else None
+                if ext is None or ext.first != p or ext.busy or ext.quarantined \
+                        or p + ext.count > end:
+                    for e in exts:
+                        e.busy = False
+                    raise MappingError(
+                        f"unmap [{first}, {end}): page {p} does not start a live extent "
+                        f"that ends inside the range ({ext!r}); a handle is unmapped whole")
+                ext.busy = True
+                exts.append(ext)
+                p += ext.count
+            return exts
+
+    def _release(self, exts: list[Extent]) -> bool:
+        clean = True
+        for ext in exts:
+            if self._teardown(ext):
+                self._forget(ext)
+            else:
+                clean = False
+                with self._lock:
+                    ext.quarantined = True
+                    ext.busy = False
+                    self._quarantine[ext.first] = ext
+                log.warning("pages [%d, %d) quarantined: a handle could not be unmapped or "
+                            "released; its charge is kept and trim retries it",
+                            ext.first, ext.first + ext.count)
+        return clean
+
+    def _teardown(self, ext: Extent) -> bool:
+        """Unmap and release every piece of ``ext`` in reverse; refund what was
+        confirmed released. ``True`` when nothing is left. The caller has
+        already run ``before_unmap`` (or nothing was ever visible to kernels)."""
+        driver = self.driver
+        freed = 0
+        for piece in reversed(ext.pieces):
+            if piece.state == _MAPPED:
+                try:
+                    driver.unmap(piece.va, piece.size)
+                    piece.state = _UNMAPPED
+                except DriverError as exc:
+                    log.warning("unmap of %d bytes at %#x failed: %s", piece.size, piece.va, exc)
+                    continue
+            if piece.state in (_CREATED, _UNMAPPED):
+                try:
+                    driver.release(piece.handle)
+                    piece.state = _RELEASED
+                    freed += piece.size
+                except DriverError as exc:
+                    log.warning("release of a %d-byte handle failed: %s", piece.size, exc)
+        self._refund(freed)
+        return all(p.state == _RELEASED for p in ext.pieces)
+
+    def _refund(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self.budget.refund(nbytes)
+
+    def _forget(self, ext: Extent) -> None:
+        with self._lock:
+            owner = self._owner
+            for p in range(ext.first, ext.first + ext.count):
+                if owner[p] is ext:
+                    owner[p] = None
+            self._quarantine.pop(ext.first, None)
+            self.mapped_pages -= ext.count
+
+    def retry_quarantined(
+        self, spans: list[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int]]:
+        """Try again to unmap and release quarantined extents: those given as
+        ``(first, count)`` in ``spans``, or every one (``None``). Returns the
+        spans now released (their pages are free again)."""
+        with self._lock:
+            if spans is None:
+                spans = [(e.first, e.count) for e in self._quarantine.values() if not e.busy]
+            todo: list[Extent | None] = []
+            for first, count in spans:
+                ext = self._quarantine.get(first)
+                if ext is None or ext.busy or ext.count != count:
+                    todo.append(None)
+                else:
+                    ext.busy = True
+                    todo.append(ext)
+        done: list[tuple[int, int]] = []
+        if not any(todo):
+            return done
+        self.before_unmap()
+        for ext in todo:
+            if ext is None:
+                continue
+            if self._teardown(ext):
+                self._forget(ext)
+                done.append((ext.first, ext.count))
+                log.info("quarantined pages [%d, %d) released", ext.first, ext.first + ext.count)
+            else:
+                with self._lock:
+                    ext.busy = False
+        return done
+
+    def unmap_all(self) -> bool:
+        """Release every live and quarantined extent (shutdown). ``True`` when
+        nothing is left mapped."""
+        with self._lock:
+            exts = []
+            seen: set[int] = set()
+            for ext in self._owner:
+                if ext is not None and not ext.busy and not ext.quarantined \
+                        and ext.first not in seen:
+                    seen.add(ext.first)
+                    ext.busy = True
+                    exts.append(ext)
+        if exts:
+            self.before_unmap()
+            self._release(exts)
+        self.retry_quarantined()
+        self.budget.flush()
+        return self.mapped_pages == 0
+
+
+def runs(sorted_ids: list[int], max_len: int) -> list[tuple[int, int]]:
+    """Split ascending page ids into ``(first, count)`` runs of adjacent ids,
+    each at most ``max_len`` long. Raises :class:`MappingError` on duplicates."""
+    out: list[tuple[int, int]] = []
+    if not sorted_ids:
+        return out
+    first = prev = sorted_ids[0]
+    for p in sorted_ids[1:]:
+        if p == prev:
+            raise MappingError(f"page {p} is listed twice")
+        if p == prev + 1 and p - first < max_len:
+            prev = p
+            continue
+        out.append((first, prev - first + 1))
+        first = prev = p
+    out.append((first, prev - first + 1))
+    return out

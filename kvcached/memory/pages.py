@@ -1,0 +1,543 @@
+"""Which pages are mapped, which hold blocks, and how many more may be.
+
+:class:`PageAllocator` is the page-level policy over a
+:class:`~kvcached.memory.mapper.PageMapper`: it hands pages to the block manager
+(``take``), takes them back (``give_back``), keeps a small pool of pre-mapped
+idle pages ready, and enforces a cap on mapped pages (the instance limit).
+
+Invariants (checked by ``tests/memory``):
+
+* every page is in exactly one state: *unmapped*, *idle* (mapped, no blocks),
+  *used* (mapped, held by the block manager), *busy* (being mapped or unmapped
+  by one thread) or *quarantined* (an unmap or release failed; still charged);
+* the counters ``n_idle``, ``n_used``, ``n_busy``, ``n_quarantined`` and
+  ``n_unmapped`` equal a recount of the states, and sum to ``num_pages``;
+* pages are mapped in *runs* (extents, see the mapper); a run is released only
+  when every page in it is idle, so a used page is never unmapped;
+* growth stays within ``min(n_unmapped, cap - mapped, budget headroom)``;
+  lowering the cap never takes a used page, it only stops growth and releases
+  idle runs (now, and as more become idle);
+* driver calls never run under the lock, and the lock is never held while
+  taking another (the block manager's lock is always taken first).
+
+Idle pages are reused from runs that still hold a used page first, then from
+wholly idle runs, lowest id first; growth picks the lowest unmapped ids. The
+working set stays packed in few runs, and whole runs go idle, where they can be
+released: coalescing costs reclaim granularity only while a run is shared.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+
+from kvcached.errors import ConfigError
+from kvcached.log import get_logger
+from kvcached.memory.mapper import PageBackend
+
+log = get_logger("kvcached.memory")
+
+UNMAPPED, IDLE, USED, BUSY, QUARANTINED = range(5)
+_UNMAPPED_BYTE = bytes([UNMAPPED])
+
+# How often the background thread looks at the pool even when nobody woke it
+# (a lowered limit is honoured within this, should a wake-up be missed).
+MAINTENANCE_INTERVAL_S = 0.5
+
+
+class _Run:
+    """A mapped extent as the allocator sees it: its pages and how many are used."""
+
+    __slots__ = ("first", "count", "used")
+
+    def __init__(self, first: int, count: int, used: int) -> None:
+        self.first = first
+        self.count = count
+        self.used = used
+
+
+class PageAllocator:
+    """Page policy for one KV cache group; see the module docstring.
+
+    ``mapper`` is a :class:`~kvcached.memory.mapper.PageMapper` (or any
+    :class:`~kvcached.memory.mapper.PageBackend`, e.g. a tensor-parallel proxy).
+
+    ``min_reserved`` / ``max_reserved``: idle mapped pages kept ready
+    (``KVCACHED_MIN_RESERVED_PAGES`` / ``KVCACHED_MAX_RESERVED_PAGES``).
+    ``background=True`` refills and trims the pool on a daemon thread, off the
+    engine's hot path; ``False`` does the same work inline at the end of
+    ``take`` / ``give_back`` (deterministic, for tests and single-threaded use).
+    """
+
+    def __init__(
+        self,
+        mapper: PageBackend,
+        *,
+        min_reserved: int = 0,
+        max_reserved: int = 0,
+        background: bool = True,
+    ) -> None:
+        if not 0 <= min_reserved <= max_reserved:
+            raise ConfigError("min_reserved/max_reserved", (min_reserved, max_reserved),
+                              "0 <= min_reserved <= max_reserved (KVCACHED_MIN/MAX_RESERVED_PAGES)")
+        self.mapper = mapper
+        self.budget = mapper.budget
+        self.page_bytes = mapper.page_bytes
+        self.num_pages = n = mapper.geometry.num_pages
+        self.min_reserved = min_reserved
+        self.max_reserved = max_reserved
+        self._lock = threading.Lock()
+        self._state = bytearray(n)  # all UNMAPPED
+        self._run: list[_Run | None] = [None] * n
+        self._idle_runs: dict[int, _Run] = {}  # live runs with no used page
+        # Idle pages, lowest id first, in two heaps (plus stale entries, skipped
+        # on pop): those of runs that still hold a used page ("pinned", reused
+        # first) and those of wholly idle runs ("loose", reused last, so whole
+        # runs stay idle and can be released).
+        self._pinned: list[int] = []
+        self._loose: list[int] = []
+        self._quarantined: dict[int, int] = {}  # first page -> count, as the mapper has them
+        self._unmapped_lo = 0  # no unmapped page below this index
+        self.n_idle = 0
+        self.n_used = 0
+        self.n_busy = 0
+        self.n_quarantined = 0
+        self.n_unmapped = n
+        self.cap_pages = n
+        self._closed = False
+        self._refill_wanted = False
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.background = background
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="kvcached-pages",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- hot path -------------------------------------------------------------------------
+    def growable(self, room: int | None = None) -> int:
+        """Pages that may still be mapped now: unmapped, under the cap, and
+        within the budget's headroom (``room`` pages, if already read)."""
+        grow = self.cap_pages - (self.num_pages - self.n_unmapped)
+        if grow > self.n_unmapped:
+            grow = self.n_unmapped
+        if room is None:
+            room = self.budget.headroom() // self.page_bytes
+        if room < grow:
+            grow = room
+        return grow if grow > 0 else 0
+
+    def take(self, n: int) -> list[int] | None:
+        """``n`` pages for blocks (idle ones first, then newly mapped), or
+        ``None`` when that many cannot be had now. All or nothing."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self.n_idle >= n:
+                pages = self._pop_idle(n)
+                refill = self._after_take()
+                spans = None
+            else:
+                spans = []
+        if spans is None:
+            if refill:
+                self._refill()
+            return pages
+        # Slow path: growth. Read the budget outside the lock (it may sample
+        # the driver), then decide under it.
+        room = self.budget.headroom() // self.page_bytes
+        with self._lock:
+            grow = n - self.n_idle
+            if self._closed or grow > self.growable(room):
+                return None
+            pages = self._pop_idle(self.n_idle)
+            spans = self._pick_unmapped(grow)
+        mapped, failed = self._map_spans(spans)
+        with self._lock:
+            if not failed:
+                for first, count in spans:
+                    self._publish(first, count, USED)
+                    pages.extend(range(first, first + count))
+                refill = self._after_take()
+            else:
+                for first, count in mapped:
+                    self._publish(first, count, IDLE)
+                for first, count in failed:
+                    self._fail_span(first, count)
+                self._push_idle(pages)
+                pages = None
+                refill = False
+        if pages is None:
+            self._maybe_shrink_inline()
+        elif refill:
+            self._refill()
+        return pages
+
+    def give_back(self, pages: list[int]) -> None:
+        """Pages whose blocks are all free again become idle (and are released
+        later if the pool is over ``max_reserved`` or the cap)."""
+        with self._lock:
+            state = self._state
+            for p in pages:
+                if state[p] != USED:
+                    raise AssertionError(f"give_back: page {p} is not used (state {state[p]})")
+            self._push_idle(pages)
+            shrink = self._needs_shrink()
+        if shrink:
+            if self.background:
+                self._wake.set()
+            else:
+                self._shrink()
+
+    # -- lock-held helpers -----------------------------------------------------------------
+    def _pop_idle(self, n: int) -> list[int]:
+        """Take ``n`` idle pages: pinned runs' first, then loose runs' (once a
+        loose run gives a page, its other pages are pinned and come next)."""
+        state, run_of = self._state, self._run
+        pinned, loose = self._pinned, self._loose
+        out = []
+        while len(out) < n:
+            if pinned:
+                p = heapq.heappop(pinned)
+                if state[p] != IDLE or run_of[p].used == 0:
+                    continue  # stale: taken, released, or its run went loose
+            else:
+                p = heapq.heappop(loose)
+                if state[p] != IDLE or run_of[p].used != 0:
+                    continue  # stale: taken, released, or its run got pinned
+            state[p] = USED
+            run = run_of[p]
+            if run.used == 0:
+                del self._idle_runs[run.first]
+                for q in range(run.first, run.first + run.count):
+                    if q != p and state[q] == IDLE:
+                        heapq.heappush(pinned, q)
+            run.used += 1
+            out.append(p)
+        self.n_idle -= n
+        self.n_used += n
+        if len(pinned) + len(loose) > 2 * self.n_idle + 64:  # drop stale entries now and then
+            self._pinned = sorted({p for p in pinned if state[p] == IDLE and run_of[p].used})
+            self._loose = sorted({p for p in loose if state[p] == IDLE and not run_of[p].used})
+        return out
+
+    def _push_idle(self, pages: list[int]) -> None:
+        """Used pages become idle (their blocks are all free)."""
+        state, run_of = self._state, self._run
+        for p in pages:
+            state[p] = IDLE
+            run = run_of[p]
+            run.used -= 1
+            if run.used == 0:
+                self._idle_runs[run.first] = run
+                for q in range(run.first, run.first + run.count):
+                    heapq.heappush(self._loose, q)  # every page of the run is idle now
+            else:
+                heapq.heappush(self._pinned, p)
+        self.n_used -= len(pages)
+        self.n_idle += len(pages)
+
+    def _after_take(self) -> bool:
+        """Ask for a refill when the pool ran low. ``True``: the caller must
+        run it inline (``background=False``) once it has let go of the lock."""
+        if self.n_idle < self.min_reserved and not self._refill_wanted:
+            self._refill_wanted = True
+            if self.background:
+                self._wake.set()
+                return False
+            return True
+        return False
+
+    def _pick_unmapped(self, n: int) -> list[tuple[int, int]]:
+        """Mark the ``n`` lowest unmapped pages busy, as runs the mapper can
+        map as one extent each."""
+        state = self._state
+        max_run = self.mapper.max_run_pages
+        spans = []
+        pos = self._unmapped_lo
+        left = n
+        while left:
+            first = state.find(_UNMAPPED_BYTE, pos)
+            assert first >= 0, "n_unmapped counts more unmapped pages than exist"
+            end = first + 1
+            limit = min(first + min(left, max_run), self.num_pages)
+            while end < limit and state[end] == UNMAPPED:
+                end += 1
+            state[first:end] = bytes([BUSY]) * (end - first)
+            spans.append((first, end - first))
+            left -= end - first
+            pos = end
+        self._unmapped_lo = pos  # every page in [old lo, pos) is now not unmapped
+        self.n_unmapped -= n
+        self.n_busy += n
+        return spans
+
+    def _publish(self, first: int, count: int, to: int) -> None:
+        """A busy span was mapped: it becomes a run of used or idle pages."""
+        run = _Run(first, count, count if to == USED else 0)
+        self._state[first:first + count] = bytes([to]) * count
+        for p in range(first, first + count):
+            self._run[p] = run
+        self.n_busy -= count
+        if to == USED:
+            self.n_used += count
+        else:
+            self.n_idle += count
+            self._idle_runs[first] = run
+            for p in range(first, first + count):
+                heapq.heappush(self._loose, p)
+
+    def _unbusy(self, first: int, count: int) -> None:
+        """A busy span is unmapped again (growth failed, or release succeeded)."""
+        self._state[first:first + count] = _UNMAPPED_BYTE * count
+        for p in range(first, first + count):
+            self._run[p] = None
+        self.n_busy -= count
+        self.n_unmapped += count
+        if first < self._unmapped_lo:
+            self._unmapped_lo = first
+
+    def _fail_span(self, first: int, count: int) -> None:
+        """A busy span did not get mapped: unmapped again, or quarantined when
+        the mapper could not undo its attempt."""
+        if self.mapper.extent_of(first) is None:
+            self._unbusy(first, count)
+        else:
+            self._quarantine(first, count)
+
+    def _quarantine(self, first: int, count: int) -> None:
+        """A busy span the mapper could not release (or undo): quarantined."""
+        self._state[first:first + count] = bytes([QUARANTINED]) * count
+        self.n_busy -= count
+        self.n_quarantined += count
+        self._quarantined[first] = count
+
+    def _needs_shrink(self) -> bool:
+        over = self.num_pages - self.n_unmapped - self.cap_pages
+        return bool(self._idle_runs) and (over > 0 or self.n_idle > self.max_reserved)
+
+    # -- driver work, outside the lock ------------------------------------------------------
+    def _map_spans(self, spans: list[tuple[int, int]]) -> tuple[list, list]:
+        """Map each busy span; stop at the first that fails (the rest would
+        most likely fail the same way). Returns ``(mapped, not_mapped)``."""
+        for i, (first, count) in enumerate(spans):
+            try:
+                ok = self.mapper.map_run(first, count)
+            except BaseException:
+                with self._lock:
+                    for f, c in spans[:i]:
+                        self._publish(f, c, IDLE)
+                    for f, c in spans[i:]:
+                        self._fail_span(f, c)
+                raise
+            if not ok:
+                return spans[:i], spans[i:]
+        return spans, []
+
+    def _release_runs(self, chosen: list[_Run]) -> int:
+        """Unmap runs already marked busy; returns pages released."""
+        spans = [(r.first, r.count) for r in chosen]
+        try:
+            results = self.mapper.unmap_runs(spans)
+        except BaseException:
+            with self._lock:  # nothing was touched: the runs are idle again
+                for r in chosen:
+                    self._state[r.first:r.first + r.count] = bytes([IDLE]) * r.count
+                    self.n_busy -= r.count
+                    self.n_idle += r.count
+                    self._idle_runs[r.first] = r
+                    for p in range(r.first, r.first + r.count):
+                        heapq.heappush(self._loose, p)
+            raise
+        released = 0
+        with self._lock:
+            for r, ok in zip(chosen, results, strict=True):
+                if ok:
+                    self._unbusy(r.first, r.count)
+                    released += r.count
+                else:
+                    self._quarantine(r.first, r.count)
+        self.budget.flush()
+        return released
+
+    def _claim_idle_runs(self, want_pages: int | None) -> list[_Run]:
+        """Mark idle runs busy for release, highest first, until ``want_pages``
+        pages are covered (``None``: every idle run). Lock held."""
+        chosen: list[_Run] = []
+        got = 0
+        for first in sorted(self._idle_runs, reverse=True):
+            if want_pages is not None and got >= want_pages:
+                break
+            r = self._idle_runs.pop(first)
+            self._state[r.first:r.first + r.count] = bytes([BUSY]) * r.count
+            self.n_idle -= r.count
+            self.n_busy += r.count
+            got += r.count
+            chosen.append(r)
+        return chosen
+
+    def _shrink(self) -> int:
+        """Release idle runs while over the cap or above ``max_reserved``."""
+        with self._lock:
+            over = self.num_pages - self.n_unmapped - self.cap_pages
+            excess = self.n_idle - self.max_reserved
+            want = max(over, excess)
+            if want <= 0 or not self._idle_runs:
+                return 0
+            chosen = self._claim_idle_runs(want)
+        return self._release_runs(chosen)
+
+    def _refill(self) -> int:
+        """Map idle pages up to ``min_reserved`` (within cap and budget)."""
+        with self._lock:
+            self._refill_wanted = False
+            if self._closed:
+                return 0
+            want = self.min_reserved - self.n_idle
+        if want <= 0:
+            return 0
+        room = self.budget.headroom() // self.page_bytes
+        with self._lock:
+            want = min(self.min_reserved - self.n_idle, self.growable(room))
+            if want <= 0 or self._closed:
+                return 0
+            spans = self._pick_unmapped(want)
+        mapped, failed = self._map_spans(spans)
+        with self._lock:
+            for first, count in mapped:
+                self._publish(first, count, IDLE)
+            for first, count in failed:
+                self._fail_span(first, count)
+        return sum(c for _, c in mapped)
+
+    def _maybe_shrink_inline(self) -> None:
+        if not self.background and self._needs_shrink():
+            self._shrink()
+
+    def maintain(self) -> None:
+        """Release what is over the cap or the pool's maximum, then refill the
+        pool if a take asked for it. The background thread calls this; with
+        ``background=False`` ``take`` and ``give_back`` do."""
+        self._shrink()
+        if self._refill_wanted:
+            self._refill()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(MAINTENANCE_INTERVAL_S)
+            self._wake.clear()
+            if self._closed:
+                break
+            try:
+                self.maintain()
+            except Exception:  # the pool thread must outlive one bad round
+                log.exception("page pool maintenance failed; retrying on the next round")
+
+    # -- control ------------------------------------------------------------------------------
+    def set_cap(self, pages: int) -> None:
+        """Cap mapped pages at ``pages`` (``0 <= pages <= num_pages``). Lowering
+        stops growth and releases idle runs; used pages stay until freed."""
+        if not 0 <= pages <= self.num_pages:
+            raise ConfigError("pages", pages, f"a page count in [0, {self.num_pages}]")
+        with self._lock:
+            self.cap_pages = pages
+            shrink = self._needs_shrink()
+        if shrink:
+            if self.background:
+                self._wake.set()
+            else:
+                self._shrink()
+
+    def trim(self) -> int:
+        """Unmap every idle run now and retry quarantined ones. Returns the
+        pages released. Idle pages of a run that still has a used page stay."""
+        with self._lock:
+            chosen = self._claim_idle_runs(None)
+        released = self._release_runs(chosen) if chosen else 0
+        return released + self.retry_quarantined()
+
+    def retry_quarantined(self) -> int:
+        """Retry the release of every quarantined run; returns pages freed."""
+        with self._lock:
+            spans = list(self._quarantined.items())
+            self._quarantined.clear()
+            for first, count in spans:
+                self._state[first:first + count] = bytes([BUSY]) * count
+                self.n_quarantined -= count
+                self.n_busy += count
+        if not spans:
+            return 0
+        try:
+            done = set(self.mapper.retry_quarantined(spans))
+        except BaseException:
+            with self._lock:
+                for first, count in spans:
+                    self._quarantine(first, count)
+            raise
+        released = 0
+        with self._lock:
+            for first, count in spans:
+                if (first, count) in done:
+                    self._unbusy(first, count)
+                    released += count
+                else:
+                    self._quarantine(first, count)
+        self.budget.flush()
+        return released
+
+    def counts(self) -> dict[str, int]:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return {"idle": self.n_idle, "used": self.n_used, "busy": self.n_busy,
+                    "quarantined": self.n_quarantined, "unmapped": self.n_unmapped,
+                    "cap": self.cap_pages}
+
+    def recount(self) -> dict[str, int]:
+        """Counters recomputed from the page states (tests, debugging)."""
+        with self._lock:
+            s = self._state
+            return {"idle": s.count(IDLE), "used": s.count(USED), "busy": s.count(BUSY),
+                    "quarantined": s.count(QUARANTINED), "unmapped": s.count(UNMAPPED),
+                    "cap": self.cap_pages}
+
+    def state_of(self, page: int) -> int:
+        return self._state[page]
+
+    def run_of(self, page: int) -> tuple[int, int] | None:
+        run = self._run[page]
+        return None if run is None else (run.first, run.count)
+
+    def close(self) -> bool:
+        """Stop the pool thread and release every page (shutdown). Returns
+        ``True`` when nothing stays mapped. Idempotent."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+        if self._thread is not None:
+            self._wake.set()
+            self._thread.join(timeout=10)
+            self._thread = None
+        if already:
+            return self.mapper.mapped_pages == 0
+        clean = self.mapper.unmap_all()
+        with self._lock:
+            for p in range(self.num_pages):
+                if self._state[p] != UNMAPPED and self.mapper.extent_of(p) is None:
+                    self._state[p] = UNMAPPED
+                    self._run[p] = None
+            s = self._state
+            self.n_idle, self.n_used, self.n_busy = s.count(IDLE), s.count(USED), s.count(BUSY)
+            self.n_quarantined, self.n_unmapped = s.count(QUARANTINED), s.count(UNMAPPED)
+            self._idle_runs.clear()
+            self._pinned.clear()
+            self._loose.clear()
+            self._quarantined = {}
+            p = 0
+            while p < self.num_pages:  # what stays is quarantined, in the mapper's extents
+                span = self.mapper.extent_of(p)
+                if span is None:
+                    p += 1
+                    continue
+                self._quarantined[span[0]] = span[1]
+                p = span[0] + span[1]
+        return clean

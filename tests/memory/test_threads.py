@@ -1,0 +1,118 @@
+"""The background pool thread against engine threads and a control thread:
+no deadlock (every thread finishes within a timeout), no lost page, no lost
+block, no leaked charge; with slow and failing driver calls to widen races."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
+
+from kvcached.driver.faulty import FaultyDriver
+from kvcached.errors import BlockError
+from kvcached.units import MIB
+
+RUN_S = 2.0
+JOIN_S = 30.0
+
+
+def test_pool_thread_engine_threads_and_control_under_contention(host):
+    faulty = FaultyDriver(host, seed=5,
+                          delay_s={"create": 0.0003, "map": 0.0002, "unmap": 0.0003})
+    cache, budget = make_cache(faulty, small_spec(2, 2), pages=24, budget_pages=18,
+                               background=True, min_reserved=2, max_reserved=4,
+                               max_handle_bytes=64 * MIB)
+    for call in ("create", "map", "set_access", "unmap", "release"):
+        faulty.set_probability(call, 0.03)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    owned: list[list[int]] = [[], []]
+    stats = {"allocs": 0, "misses": 0, "frees": 0, "controls": 0}
+
+    def engine(idx: int) -> None:
+        rng = random.Random(idx)
+        mine = owned[idx]
+        try:
+            while not stop.is_set():
+                if rng.random() < 0.55:
+                    got = cache.alloc(rng.randint(1, 9))
+                    if got is None:
+                        stats["misses"] += 1
+                        continue
+                    write_pattern(cache, got)
+                    mine.extend(got)
+                    stats["allocs"] += 1
+                elif mine:
+                    rng.shuffle(mine)
+                    k = rng.randint(1, len(mine))
+                    cache.free(mine[:k])
+                    del mine[:k]
+                    stats["frees"] += 1
+                if rng.random() < 0.1:
+                    check_pattern(cache, list(mine))
+                    if mine:  # another thread's double free must not go through
+                        try:
+                            cache.free([mine[0], mine[0]])
+                        except BlockError:
+                            pass
+                        else:
+                            raise AssertionError("a double free was accepted")
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    def control() -> None:
+        rng = random.Random(9)
+        pb = cache.geometry.page_bytes
+        try:
+            while not stop.is_set():
+                r = rng.random()
+                if r < 0.4:
+                    cache.set_limit(rng.choice([None, rng.randint(4, 24) * pb]))
+                elif r < 0.7:
+                    cache.trim()
+                else:
+                    cache.available_size()
+                    cache.usage()
+                stats["controls"] += 1
+                time.sleep(0.005)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=engine, args=(i,), daemon=True) for i in range(2)]
+    threads.append(threading.Thread(target=control, daemon=True))
+    for t in threads:
+        t.start()
+    time.sleep(RUN_S)
+    stop.set()
+    for t in threads:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck: deadlock"
+    assert not errors, errors
+    assert stats["allocs"] > 20 and stats["frees"] > 10 and stats["controls"] > 10, stats
+    assert faulty.injected, "no fault was injected; the test lost its teeth"
+
+    # Quiesce the pool thread, then everything must add up.
+    faulty.enabled = False
+    cache.set_limit(None)
+    deadline = time.monotonic() + JOIN_S
+    while time.monotonic() < deadline:  # a release in flight may still fail late
+        while cache.pages.n_busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cache.trim()
+        if not cache.pages.n_busy and not cache.pages.n_quarantined:
+            break
+    live = owned[0] + owned[1]
+    assert len(set(live)) == len(live), "a block was handed to two threads"
+    cache.blocks.check()
+    assert cache.usage().blocks_used == len(live)
+    check_pattern(cache, live)
+    assert cache.mapper.quarantined_pages == 0
+    held = cache.mapper.held_bytes()
+    assert budget.used == held == host.own_bytes(), "a page or its charge was lost"
+    thread = cache.pages._thread
+    cache.free(live)
+    cache.close()
+    assert thread is not None and not thread.is_alive(), "close left the pool thread running"
+    assert budget.used == 0 and host.own_bytes() == 0
