@@ -72,7 +72,9 @@ def worker(rank: int, args, directory: str, ready, go, queue) -> None:
                          gpu_utilization=args.gpu_utilization)
     pool = ledger.register_pool(f"gpu-bench-{rank % 2}")
     calibrator = Calibrator(ledger, driver, interval_s=args.calibration_interval)
-    nslots = info.total_bytes // SLOT
+    # Every handle takes a whole 64 MiB slot, so a worker of small handles needs far
+    # more slots than total // SLOT to fill the device; address space is cheap.
+    nslots = 32 * (info.total_bytes // SLOT)
     va = driver.reserve(nslots * SLOT)
     free_slots = list(range(nslots))
     held: dict[int, tuple[object, int]] = {}
@@ -97,7 +99,9 @@ def worker(rank: int, args, directory: str, ready, go, queue) -> None:
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
         size = rng.choice(SIZES)
-        if not free_slots or not pool.grant(size):
+        if not free_slots:
+            raise RuntimeError(f"worker {rank} ran out of address-space slots ({nslots})")
+        if not pool.grant(size):
             stats["denials"] += 1
             stats["phases"] += 1
             if held:
