@@ -249,6 +249,35 @@ class LedgerFile:
         os.close(self.fd)
 
 
+def open_path(path: str) -> LedgerFile:
+    """Open the existing ledger file at ``path`` (never create one), checked like
+    :func:`open_file` but for the device id, which the header names."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise _open_error(exc, path, "opening") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LedgerError(f"{path} is not a regular file; {_WHAT_TO_DO}")
+        raw = os.pread(fd, layout.HEADER_SIZE, 0)
+        check_header(raw, st.st_size, path, None)
+        return LedgerFile(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def list_ledgers(directory: str) -> list[str]:
+    """Paths of the ledger files in ``directory`` (sorted; none if it is missing)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names
+                  if n.startswith("kvcached-ledger-") and ".tmp" not in n)
+
+
 def open_file(directory: str, device_id: str, initial: Callable[[], Initial]) -> LedgerFile:
     """Open (creating if missing) the ledger of ``device_id`` in ``directory``.
 

@@ -254,6 +254,14 @@ class Ledger:
             )
         return ledger
 
+    @classmethod
+    def open_existing(cls, path: str) -> Ledger:
+        """Open the ledger file at ``path`` to read it and set limits (``kvctl``):
+        never creates one, needs no driver; :meth:`calibrate` is unavailable."""
+        from kvcached.ledger.file import open_path
+
+        return cls(open_path(path), None)
+
     # -- the data lock ----------------------------------------------------------------
     def _lock_data(self) -> None:
         self._tlock.acquire()

@@ -1,0 +1,321 @@
+"""A kvcached instance inside one engine process: its pools, its snapshot, its limit.
+
+Every process that holds KV pools has one :class:`Instance` (see
+:func:`get_instance`), named by ``KVCACHED_IPC_NAME`` or a distinct default
+(:mod:`kvcached.control.naming`). The instance
+
+* publishes a snapshot of its pools for ``kvctl`` every :data:`TICK_S`;
+* watches its limit on every device it uses (the per-GPU ledger's instance
+  record, written by ``kvctl limit`` or :func:`kvcached.control.set_limit`) and,
+  while the instance's charge on a device is above it, asks its pools there to
+  release idle memory (reserved pages, unreferenced prefix-cache blocks). In-use
+  blocks are never taken; new growth past the limit is denied by the ledger
+  itself. Raising the limit lets the pools grow again up to their startup size.
+
+Pools are anything that satisfies :class:`PoolSource`: a plain
+:class:`~kvcached.memory.cache.KVCache` through :class:`KVCachePool`, or an
+engine integration's own planner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kvcached.control.naming import instance_name
+from kvcached.control.snapshot import SnapshotPublisher
+from kvcached.log import get_logger
+
+log = get_logger("kvcached.control")
+
+#: Seconds between two passes of the control thread: publish, then enforce limits.
+TICK_S = 0.2
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """One pool at one moment, as published for ``kvctl``."""
+
+    name: str
+    gpu: str
+    backend: str
+    blocks_used: int = 0
+    blocks_total: int = 0
+    block_bytes: int = 0
+    pages_mapped: int = 0
+    pages_reserved: int = 0
+    bytes_mapped: int = 0
+    bytes_reserved: int = 0
+    prefix_cache_bytes: int = 0
+    virtual_bytes: int = 0
+    misses: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@runtime_checkable
+class PoolSource(Protocol):
+    """What an instance needs from one KV pool."""
+
+    def pool_usage(self) -> PoolUsage:
+        """A consistent reading of the pool (cheap; called every tick)."""
+
+    def apply_limit(self, limit_bytes: int | None) -> None:
+        """The instance's limit on this pool's device changed (``None``:
+        unlimited). Cap growth accordingly; grow back when it rises."""
+
+    def reclaim(self, nbytes: int) -> int:
+        """Release up to (at least, where whole pages make it so) ``nbytes`` of
+        idle memory: reserved pages first, then unreferenced prefix-cache
+        blocks, never blocks in use. Returns the bytes released."""
+
+
+class LimitWatch(Protocol):
+    """The pool's account on its device's ledger (:class:`kvcached.ledger.PoolBudget`)."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def limit_revision(self) -> int: ...
+
+    def instance_charged(self) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+class KVCachePool:
+    """:class:`PoolSource` for a :class:`~kvcached.memory.cache.KVCache`.
+
+    ``evict_cached(nbytes) -> int`` is the engine's hook to drop unreferenced
+    prefix-cache blocks (it frees their blocks into the cache and returns the
+    bytes it expects released); ``prefix_cache_bytes()`` reports what they hold.
+    """
+
+    def __init__(self, cache: Any, name: str = "kv", *,
+                 evict_cached: Callable[[int], int] | None = None,
+                 prefix_cache_bytes: Callable[[], int] | None = None) -> None:
+        self.cache = cache
+        self.name = name
+        self._evict_cached = evict_cached
+        self._prefix_cache_bytes = prefix_cache_bytes
+        info = cache.driver.info()
+        self.gpu, self.backend = info.pci_bus_id, info.backend
+        self.misses = 0
+
+    def pool_usage(self) -> PoolUsage:
+        u = self.cache.usage()
+        return PoolUsage(
+            name=self.name, gpu=self.gpu, backend=self.backend,
+            blocks_used=u.blocks_used, blocks_total=u.blocks_total,
+            block_bytes=u.page_bytes // max(1, u.blocks_per_page),
+            pages_mapped=u.pages_mapped, pages_reserved=u.pages_reserved,
+            bytes_mapped=u.bytes_mapped, bytes_reserved=u.pages_reserved * u.page_bytes,
+            prefix_cache_bytes=self._prefix_cache_bytes() if self._prefix_cache_bytes else 0,
+            virtual_bytes=u.pages_total * u.page_bytes, misses=self.misses,
+        )
+
+    def apply_limit(self, limit_bytes: int | None) -> None:
+        self.cache.set_limit(limit_bytes or None)
+
+    def reclaim(self, nbytes: int) -> int:
+        before = self.cache.usage().bytes_mapped
+        self.cache.trim()
+        released = before - self.cache.usage().bytes_mapped
+        if released < nbytes and self._evict_cached is not None:
+            self._evict_cached(nbytes - released)
+            self.cache.trim()
+            released = before - self.cache.usage().bytes_mapped
+        return max(0, released)
+
+
+@dataclass
+class _Member:
+    source: PoolSource
+    watch: LimitWatch | None
+    revision_seen: int = -1
+
+
+class Instance:
+    """This process' part of a kvcached instance. Use :func:`get_instance`."""
+
+    def __init__(self, name: str, engine: str = "kvcached", engine_version: str = "",
+                 tick_s: float = TICK_S, start: bool = True) -> None:
+        from kvcached import __version__
+
+        self.name = name
+        self.engine = engine
+        self.engine_version = engine_version
+        self.started_at = time.time()
+        self._kvcached_version = __version__
+        self._members: list[_Member] = []
+        self._lock = threading.Lock()
+        self._publisher = SnapshotPublisher(name)
+        self._tick_s = tick_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reclaimed_bytes = 0
+        self.publish()
+        if start:
+            self._thread = threading.Thread(target=self._run, name="kvcached-control",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- pools ------------------------------------------------------------------------------
+    def add_pool(self, source: PoolSource, watch: LimitWatch | None = None) -> None:
+        """Track ``source``; ``watch`` is its ledger account (limits are read from it)."""
+        with self._lock:
+            self._members.append(_Member(source, watch))
+        self.enforce()
+        self.publish()
+
+    def remove_pool(self, source: PoolSource) -> None:
+        with self._lock:
+            self._members = [m for m in self._members if m.source is not source]
+        self.publish()
+
+    @property
+    def pools(self) -> list[PoolSource]:
+        with self._lock:
+            return [m.source for m in self._members]
+
+    # -- snapshot ---------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            members = list(self._members)
+        pools = []
+        for m in members:
+            entry = m.source.pool_usage().as_dict()
+            if m.watch is not None:
+                limit = m.watch.limit
+                entry["limit_bytes"] = limit or None
+                entry["limit_revision"] = m.watch.limit_revision
+            pools.append(entry)
+        return {
+            "instance": self.name, "pid": os.getpid(), "engine": self.engine,
+            "engine_version": self.engine_version, "kvcached_version": self._kvcached_version,
+            "started_at": self.started_at, "updated_at": time.time(),
+            "reclaimed_bytes": self.reclaimed_bytes, "pools": pools,
+        }
+
+    def publish(self) -> None:
+        self._publisher.publish(self.snapshot())
+
+    # -- limits -----------------------------------------------------------------------------
+    def enforce(self) -> int:
+        """One pass: pass limit changes to the pools, and release idle memory on
+        every device where the instance is over its limit. Returns bytes released."""
+        with self._lock:
+            members = list(self._members)
+        released = 0
+        by_gpu: dict[str, list[_Member]] = {}
+        for m in members:
+            if m.watch is None:
+                continue
+            revision = m.watch.limit_revision
+            if revision != m.revision_seen:
+                m.revision_seen = revision
+                limit = m.watch.limit
+                m.source.apply_limit(limit or None)
+                log.info("instance %s: limit %s (revision %d) on %s", self.name,
+                         limit or "none", revision, m.source.pool_usage().gpu)
+            by_gpu.setdefault(m.source.pool_usage().gpu, []).append(m)
+        for group in by_gpu.values():
+            watch = group[0].watch
+            assert watch is not None
+            limit = watch.limit
+            if not limit:
+                continue
+            for m in group:  # batched refunds first: they are memory already released
+                with contextlib.suppress(Exception):
+                    m.watch.flush()  # type: ignore[union-attr]
+            over = watch.instance_charged() - limit
+            for m in group:
+                if over <= 0:
+                    break
+                got = m.source.reclaim(over)
+                with contextlib.suppress(Exception):
+                    m.watch.flush()  # type: ignore[union-attr]
+                over -= got
+                released += got
+        self.reclaimed_bytes += released
+        return released
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            try:
+                self.enforce()
+                self.publish()
+            except Exception:  # the control thread must outlive one bad pass
+                log.exception("instance %s: control pass failed", self.name)
+
+    def close(self) -> None:
+        """Stop the control thread and remove the snapshot. Idempotent."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._publisher.close()
+
+
+_instance: Instance | None = None
+_instance_lock = threading.Lock()
+
+
+def get_instance(engine: str = "kvcached", engine_version: str = "") -> Instance:
+    """This process' instance, created on first use (named by
+    :func:`kvcached.control.naming.instance_name`)."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = Instance(instance_name(engine), engine, engine_version)
+        return _instance
+
+
+def _forget_after_fork() -> None:
+    global _instance, _instance_lock
+    _instance = None
+    _instance_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def open_kv_cache(spec: Any, *, engine: str = "kvcached", engine_version: str = "",
+                  name: str = "kv", evict_cached: Callable[[int], int] | None = None,
+                  prefix_cache_bytes: Callable[[], int] | None = None, **kwargs: Any) -> Any:
+    """A :class:`~kvcached.memory.cache.KVCache` charged to this device's ledger
+    under this process' instance, and registered with the instance (snapshot,
+    limits). ``kwargs`` go to ``KVCache`` (``driver``, ``num_blocks``, ...).
+    Close the cache, then :func:`close_kv_cache`, when the engine stops."""
+    from kvcached.driver import get_driver
+    from kvcached.ledger import open_pool_budget
+    from kvcached.memory.cache import KVCache
+
+    instance = get_instance(engine, engine_version)
+    driver = kwargs.pop("driver", None) or get_driver()
+    budget = open_pool_budget(driver, instance.name)
+    try:
+        cache = KVCache(spec, driver=driver, budget=budget, **kwargs)
+    except BaseException:
+        budget.close()
+        raise
+    source = KVCachePool(cache, name, evict_cached=evict_cached,
+                         prefix_cache_bytes=prefix_cache_bytes)
+    cache.control_source = source
+    instance.add_pool(source, budget)
+    return cache
+
+
+def close_kv_cache(cache: Any) -> None:
+    """Undo :func:`open_kv_cache`: leave the instance, unmap, close the budget."""
+    source = getattr(cache, "control_source", None)
+    if source is not None and _instance is not None:
+        _instance.remove_pool(source)
+    cache.close()
+    cache.budget.close()

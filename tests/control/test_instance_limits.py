@@ -1,0 +1,100 @@
+"""An instance in this process: snapshot of its pools, and limits from outside."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvcached.control.instance import Instance, KVCachePool
+from kvcached.control.limits import ledger_snapshots, set_limit
+from kvcached.control.snapshot import read_snapshots
+from kvcached.driver.host import HostDriver
+from kvcached.errors import InstanceNotFoundError
+from kvcached.ledger import Ledger
+from kvcached.ledger.snapshot import LimitStatus
+from kvcached.memory.cache import KVCache
+from kvcached.memory.spec import KVCacheSpec
+from kvcached.units import MIB
+
+SPEC = KVCacheSpec(num_layers=2, block_size=16, num_heads=4, head_dim=64, dtype=torch.float16)
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    from kvcached import config
+
+    config.reload_config()
+    driver = HostDriver(index=31, capacity=512 * MIB)
+    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
+    budget = ledger.register_pool("limit-test")
+    # One handle per page: a coalesced extent is released only when all its pages
+    # are idle, which would blur the exact byte counts this test checks.
+    cache = KVCache(SPEC, driver=driver, budget=budget, capacity_bytes=256 * MIB,
+                    min_reserved=2, max_reserved=4, max_handle_bytes=0)
+    instance = Instance("limit-test", engine="test", tick_s=0.05)
+    source = KVCachePool(cache)
+    instance.add_pool(source, budget)
+    yield cache, instance, str(tmp_path)
+    instance.close()
+    cache.close()
+    budget.close()
+    ledger.close()
+
+
+def wait_until(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def test_snapshot_shows_the_pool(setup):
+    cache, instance, _ = setup
+    ids = cache.alloc(300)
+    assert ids is not None
+    assert wait_until(lambda: any(
+        s.instance == "limit-test" and s.data["pools"][0]["blocks_used"] == 300
+        for s in read_snapshots()))
+    cache.free(ids)
+
+
+def test_lower_limit_releases_idle_pages_within_seconds_and_raise_regrows(setup):
+    cache, instance, directory = setup
+    page = cache.geometry.page_bytes
+    ids = cache.alloc(256 * 10)  # ten full pages
+    assert ids is not None
+    cache.free(ids[256 * 2:])  # two pages stay in use
+    result = set_limit("limit-test", 3 * page, directory=directory, wait_s=5)
+    assert result.status == LimitStatus.APPLIED, result
+    charged = ledger_snapshots(directory)[0].instance("limit-test").charged
+    assert charged <= 3 * page
+    assert cache.usage().blocks_used == 512  # in-use blocks untouched
+    assert cache.alloc(256 * 4) is None  # growth past the limit is a miss
+    assert set_limit("limit-test", None, directory=directory).status == LimitStatus.APPLIED
+    assert wait_until(lambda: cache.alloc(256 * 4) is not None)
+    assert cache.usage().bytes_mapped > 3 * page
+
+
+def test_stale_and_conflicting_revisions_are_reported(setup):
+    _, _, directory = setup
+    set_limit("limit-test", 128 * MIB, directory=directory)
+    second = set_limit("limit-test", 64 * MIB, directory=directory)
+    rev = second.devices[0].revision
+    assert rev == 2
+    assert set_limit("limit-test", 32 * MIB, revision=1,
+                     directory=directory).status == LimitStatus.STALE
+    assert set_limit("limit-test", 32 * MIB, revision=rev,
+                     directory=directory).status == LimitStatus.CONFLICT
+    assert set_limit("limit-test", 64 * MIB, revision=rev,
+                     directory=directory).status == LimitStatus.APPLIED
+
+
+def test_unknown_instance(setup):
+    _, _, directory = setup
+    with pytest.raises(InstanceNotFoundError, match="no-such"):
+        set_limit("no-such", 64 * MIB, directory=directory)
