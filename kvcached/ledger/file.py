@@ -249,6 +249,20 @@ class LedgerFile:
         os.close(self.fd)
 
 
+def _checked(fd: int, path: str, device_id: str | None) -> LedgerFile:
+    """``fd`` as a :class:`LedgerFile` once its header fits; closed if it does not."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LedgerError(f"{path} is not a regular file; {_WHAT_TO_DO}")
+        raw = os.pread(fd, layout.HEADER_SIZE, 0)
+        check_header(raw, st.st_size, path, device_id)
+        return LedgerFile(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def open_path(path: str) -> LedgerFile:
     """Open the existing ledger file at ``path`` (never create one), checked like
     :func:`open_file` but for the device id, which the header names."""
@@ -256,16 +270,7 @@ def open_path(path: str) -> LedgerFile:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
         raise _open_error(exc, path, "opening") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise LedgerError(f"{path} is not a regular file; {_WHAT_TO_DO}")
-        raw = os.pread(fd, layout.HEADER_SIZE, 0)
-        check_header(raw, st.st_size, path, None)
-        return LedgerFile(path, fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    return _checked(fd, path, None)
 
 
 def list_ledgers(directory: str) -> list[str]:
@@ -298,14 +303,5 @@ def open_file(directory: str, device_id: str, initial: Callable[[], Initial]) ->
                 continue  # another process linked its file first: open that one
         except OSError as exc:
             raise _open_error(exc, path, "opening") from exc
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise LedgerError(f"{path} is not a regular file; {_WHAT_TO_DO}")
-            raw = os.pread(fd, layout.HEADER_SIZE, 0)
-            check_header(raw, st.st_size, path, device_id)
-            return LedgerFile(path, fd)
-        except BaseException:
-            os.close(fd)
-            raise
+        return _checked(fd, path, device_id)
     raise LedgerError(f"{path} keeps appearing and disappearing; is something removing it?")
