@@ -185,6 +185,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVCACHED_HOST_CAPACITY", "host_capacity", "", _optional_size,
              "New. Capacity of the `host` backend's device (`8G`, `512M`, bytes). "
              "Unset: half of physical RAM."),
+    Variable("KVCACHED_HOST_DEVICE", "host_device", "0", _count,
+             "New. Which device (`host-N`) the `host` backend is: processes on one host "
+             "device share its capacity and its ledger; another N is a separate budget."),
     Variable("KVCACHED_LEDGER_DIR", "ledger_dir", "/dev/shm", _directory,
              "New. Directory of the per-GPU ledger files; every process sharing a GPU "
              "must use the same one."),
@@ -209,6 +212,7 @@ class Config:
     log_level: str
     driver: str
     host_capacity: int | None
+    host_device: int
     ledger_dir: str
     calibration_interval_s: float
 

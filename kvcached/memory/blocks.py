@@ -279,6 +279,11 @@ class BlockManager:
             grow = 0
         return self._free_in_held + (pa.n_idle + grow) * self.blocks_per_page
 
+    def ready_size(self) -> int:
+        """Blocks :meth:`alloc` can grant now without mapping a page: free
+        blocks in held pages plus whole idle (already mapped) pages."""
+        return self._free_in_held + self._pages.n_idle * self.blocks_per_page
+
     # -- lock-held helpers ---------------------------------------------------------------------
     def _adopt(self, pages: list[int]) -> None:
         bpp = self.blocks_per_page

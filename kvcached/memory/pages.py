@@ -410,6 +410,27 @@ class PageAllocator:
                 self._fail_span(first, count)
         return sum(c for _, c in mapped)
 
+    def map_idle(self, want: int) -> int:
+        """Map up to ``want`` new pages as idle, within the cap and the budget;
+        returns how many were mapped (it stops at the first denial). For an
+        integration that must have pages granted before it commits to using
+        them (vLLM's planner grants before the scheduler's capacity check)."""
+        if want <= 0:
+            return 0
+        room = self.budget.headroom() // self.page_bytes
+        with self._lock:
+            want = min(want, self.growable(room))
+            if want <= 0 or self._closed:
+                return 0
+            spans = self._pick_unmapped(want)
+        mapped, failed = self._map_spans(spans)
+        with self._lock:
+            for first, count in mapped:
+                self._publish(first, count, IDLE)
+            for first, count in failed:
+                self._fail_span(first, count)
+        return sum(c for _, c in mapped)
+
     def _maybe_shrink_inline(self) -> None:
         if not self.background and self._needs_shrink():
             self._shrink()

@@ -1,0 +1,145 @@
+"""kvcached in vLLM: the ``vllm.general_plugins`` entry point and the patch.
+
+vLLM calls :func:`plugin` once in every process it runs (the API server, the
+engine core, every worker; spawned or forked). Unless ``ENABLE_KVCACHED`` is
+true it returns at once: nothing of vLLM is touched, nothing is logged. With
+it, :func:`apply` checks the vLLM version (only :data:`SUPPORTED_SERIES`;
+anything else leaves vLLM native with one ``[kvcached]`` warning) and
+installs each patch group when its vLLM module finishes importing (at once if
+it already has), so the API server, which never imports the model runner,
+pays nothing for it.
+
+The patch itself, process by process (docs/vllm-integration.md):
+
+* API server: resolves the instance name once (``KVCACHED_IPC_NAME``, or a
+  distinct ``vllm-<pid>``) and exports it, so its engine core and workers
+  inherit it;
+* engine core (:mod:`.engine`): KV sizing in whole pages, the block pool over
+  kvcached's planner, capacity checks that grant before they count, page ops
+  attached to each step, limits and reclaim from ``kvctl``;
+* workers (:mod:`.worker`): KV tensors over a virtual buffer, page ops applied
+  before each step, startup memory checks that ignore other engines.
+
+With ``KVCACHED_AUTOPATCH=0`` the entry point does nothing and whoever embeds
+vLLM calls :func:`apply` in each process instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+#: vLLM release series whose internals the patch groups were written against.
+SUPPORTED_SERIES: tuple[str, ...] = ("0.32",)
+
+_FALSE = ("", "0", "false", "no", "off")
+_applied = False
+
+
+def _series(version: str) -> str:
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    return f"{match.group(1)}.{match.group(2)}" if match else version
+
+
+def plugin() -> None:
+    """The ``vllm.general_plugins`` entry point (see the module docstring)."""
+    # The cheap test first: a vLLM started without kvcached parses nothing of ours.
+    if os.environ.get("ENABLE_KVCACHED", "").strip().lower() in _FALSE:
+        return
+    from kvcached.config import get_config
+
+    config = get_config()  # a bad KVCACHED_* value stops vLLM here, naming the variable
+    if not config.enabled or not config.autopatch:
+        return
+    apply()
+
+
+def groups() -> tuple:
+    """Every patch group, in install order."""
+    from kvcached.integrations.vllm import engine, worker
+    from kvcached.integrations.vllm.patching import PatchGroup
+
+    return (
+        PatchGroup("worker_utils", "vllm.v1.worker.utils", worker.check_utils,
+                   worker.install_utils),
+        PatchGroup("worker_base", "vllm.v1.worker.worker_base", worker.check_worker_base,
+                   worker.install_worker_base),
+        PatchGroup("gpu_model_runner", "vllm.v1.worker.gpu_model_runner", worker.check_runner,
+                   worker.install_runner),
+        PatchGroup("gpu_attn_utils", "vllm.v1.worker.gpu.attn_utils", worker.check_runner,
+                   worker.install_runner),
+        PatchGroup("gpu_worker", "vllm.v1.worker.gpu_worker", worker.check_gpu_worker,
+                   worker.install_gpu_worker),
+        PatchGroup("xpu_worker", "vllm.v1.worker.xpu_worker", worker.check_request_memory,
+                   worker.install_request_memory),
+        PatchGroup("cpu_worker", "vllm.v1.worker.cpu_worker", worker.check_cpu_worker,
+                   worker.install_cpu_worker),
+        PatchGroup("kv_cache_utils", "vllm.v1.core.kv_cache_utils", engine.check_kv_cache_utils,
+                   engine.install_kv_cache_utils),
+        PatchGroup("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
+                   engine.check_coordinator, engine.install_coordinator),
+        PatchGroup("kv_cache_manager", "vllm.v1.core.kv_cache_manager",
+                   engine.check_kv_cache_manager, engine.install_kv_cache_manager),
+        PatchGroup("scheduler", "vllm.v1.core.sched.scheduler", engine.check_scheduler,
+                   engine.install_scheduler),
+        PatchGroup("engine_core", "vllm.v1.engine.core", engine.check_engine_core,
+                   engine.install_engine_core),
+    )
+
+
+def apply() -> bool:
+    """Install the patch in this process (idempotent). Returns whether
+    kvcached is on here."""
+    global _applied
+    from kvcached.integrations.vllm.patching import STATE, install_group
+    from kvcached.log import get_logger
+
+    with STATE.lock:
+        if _applied:
+            return STATE.active
+        _applied = True
+    log = get_logger("integrations.vllm")
+    try:
+        from vllm import __version__ as version
+    except ImportError:
+        log.warning("ENABLE_KVCACHED is set but vLLM cannot be imported here")
+        return False
+    STATE.vllm_version = version
+    if _series(version) not in SUPPORTED_SERIES:
+        STATE.off_reason = f"vLLM {version} is not supported"
+        # One line per server, not per process: its children inherit it silently.
+        level = log.warning if _top_level_process() else log.debug
+        level("vLLM %s is not supported (supported: %s); vLLM runs without kvcached", version,
+              ", ".join(f"{s}.x" for s in SUPPORTED_SERIES))
+        return False
+    from kvcached.control.naming import instance_name
+
+    instance_name("vllm")  # resolved here, inherited by every process this one starts
+    STATE.active = True
+    table = groups()
+    # Modules vLLM has already imported are checked all together first, so a
+    # mismatch leaves this process wholly native rather than half patched.
+    loaded = [g for g in table if g.module in sys.modules]
+    for group in loaded:
+        try:
+            reason = group.check(sys.modules[group.module])
+        except Exception as exc:  # a class or function the check looks for is gone
+            reason = repr(exc)
+        if reason is not None:
+            STATE.switch_off(f"{group.module} changed: {reason}")
+            return False
+    from kvcached.integrations.import_hook import when_imported
+
+    for group in table:
+        when_imported(group.module, lambda module, g=group: install_group(g, module))
+    return STATE.active
+
+
+def _top_level_process() -> bool:
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
+
+
+__all__ = ["SUPPORTED_SERIES", "apply", "plugin"]

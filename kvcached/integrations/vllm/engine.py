@@ -1,0 +1,391 @@
+"""Patches in vLLM's engine core: KV sizing, the block pool, capacity, steps.
+
+* ``EngineCore._initialize_kv_caches``: while vLLM builds its KV cache
+  configs, ``num_blocks`` is rounded up to whole pages (the wrapped
+  ``get_kv_cache_config_from_groups`` / ``may_override_num_blocks``); then the
+  workers describe their buffers (``kvcached_describe``) and the engine core
+  opens one ledger pool per rank and builds the :class:`StepPlanner`, before
+  vLLM builds its scheduler.
+* ``kv_cache_coordinator.BlockPool`` builds a ``KvcachedBlockPool`` over that
+  planner (vLLM's only construction site), which joins the control layer.
+* ``KVCacheManager.allocate_slots`` notes the blocks vLLM keeps back
+  (``reserved_blocks``, the watermark) and the coordinator's
+  ``get_num_blocks_to_allocate``, inside that call only, reserves the exact
+  need before vLLM compares it with ``get_num_free_blocks()``.
+* ``Scheduler.schedule`` serves posted control requests, then attaches the
+  step's page ops to its ``SchedulerOutput``; ``Scheduler.update_from_output``
+  refunds what the step's output confirms.
+* ``EngineCoreProc`` flushes page ops to the workers whenever it is about to
+  wait idle, and serves control requests on ``WAKEUP``;
+  ``EngineCore.reset_prefix_cache`` flushes the released pages at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from types import ModuleType
+from typing import Any
+
+from kvcached.errors import KVCachedError
+from kvcached.integrations.vllm.patching import STATE, Patcher, check_params, original
+from kvcached.integrations.vllm.worker import refusal_reason
+from kvcached.log import get_logger
+from kvcached.units import format_bytes
+
+log = get_logger("integrations.vllm")
+
+
+class _Engine:
+    """This process' engine-core state."""
+
+    rounding_page_size: int | None = None  # set while vLLM sizes the KV cache
+    forced_blocks: int | None = None
+    pending: Any = None  # an EngineContext waiting for vLLM to build its block pool
+    block_size = 16
+
+
+ENGINE = _Engine()
+_NATIVE_BLOCK_POOL: Any = None
+_POOL_PARAMS = ("self", "num_gpu_blocks", "enable_caching", "hash_block_size",
+                "enable_kv_cache_events", "metrics_collector", "medium")
+ALLOCATE_SLOTS_PARAMS = (
+    "self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+    "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+    "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs",
+    "skip_zeroing_group_ids")
+
+
+class _ReportedMemInfo:
+    """The ledger's sampler in the engine core, which has no device: what a
+    worker reported. Used only if the engine core creates the ledger file
+    (the workers normally have) and to check the safety margin."""
+
+    def __init__(self, free: int, total: int) -> None:
+        self.free, self.total = free, total
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.free, self.total
+
+
+def _context_of(scheduler: Any) -> Any:
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    return getattr(getattr(manager, "block_pool", None), "kvcached", None)
+
+
+# -- sizing ----------------------------------------------------------------------------------
+def _get_kv_cache_config_from_groups(vllm_config: Any, kv_cache_groups: Any,
+                                     available_memory: int) -> Any:
+    orig = original(_get_kv_cache_config_from_groups)
+    config = orig(vllm_config, kv_cache_groups, available_memory)
+    page_size = ENGINE.rounding_page_size
+    if page_size is None or not STATE.active or not config.kv_cache_tensors:
+        return config
+    from kvcached.integrations.vllm.geometry import PlanError, blocks_per_page, tensor_shapes
+
+    try:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        bpp = blocks_per_page(tensor_shapes(config, layout), page_size)
+    except PlanError:
+        return config  # the workers find the same and stay native
+    if config.num_blocks % bpp == 0:
+        return config
+    ENGINE.forced_blocks = -(-config.num_blocks // bpp) * bpp
+    try:
+        return orig(vllm_config, kv_cache_groups, available_memory)
+    finally:
+        ENGINE.forced_blocks = None
+
+
+def _may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
+    num_blocks = original(_may_override_num_blocks)(vllm_config, num_blocks)
+    forced = ENGINE.forced_blocks
+    return num_blocks if forced is None else forced
+
+
+def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+    orig = original(_initialize_kv_caches)
+    if not STATE.active:
+        return orig(self, vllm_config)
+    reason = refusal_reason(vllm_config)
+    if reason is not None:
+        log.warning("vLLM %s engine core: kvcached does not serve this configuration (%s); "
+                    "vLLM runs with its own KV cache", STATE.vllm_version, reason)
+        return orig(self, vllm_config)
+    from kvcached.config import get_config
+
+    ENGINE.rounding_page_size = get_config().page_size
+    try:
+        kv_cache_config = orig(self, vllm_config)
+    finally:
+        ENGINE.rounding_page_size = None
+    descs = self.collective_rpc("kvcached_describe")
+    oks = [bool(d.get("ok")) for d in descs]
+    if not any(oks):
+        log.warning("vLLM %s engine core: the workers keep native KV caches (%s); vLLM runs "
+                    "with its own KV cache", STATE.vllm_version, descs[0].get("reason"))
+        return kv_cache_config
+    if not all(oks):
+        raise KVCachedError(f"kvcached holds the KV cache of some workers only: {descs}")
+    ENGINE.block_size = vllm_config.cache_config.block_size
+    context = build_context(kv_cache_config, descs)
+    context.bind_engine(self)
+    context.planner.rpc = lambda ops: self.collective_rpc("kvcached_apply_page_ops",
+                                                          args=(ops,))
+    ENGINE.pending = context
+    return kv_cache_config
+
+
+def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
+    """Ledger pools for every rank, the planner, and the control instance."""
+    from kvcached.config import get_config
+    from kvcached.control.instance import get_instance
+    from kvcached.integrations.vllm.control import EngineContext
+    from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+    from kvcached.ledger import Ledger
+    from kvcached.memory.composite_budget import CompositeBudget
+
+    first = descs[0]
+    keys = ("num_pages", "blocks_per_page", "page_bytes", "granularity")
+    for d in descs[1:]:
+        if any(d[k] != first[k] for k in keys):
+            raise KVCachedError(f"ranks disagree on the KV pages: {first} vs {d}")
+    if first["num_pages"] * first["blocks_per_page"] != kv_cache_config.num_blocks:
+        raise KVCachedError(
+            f"the workers' {first['num_pages']} pages of {first['blocks_per_page']} blocks are "
+            f"not vLLM's {kv_cache_config.num_blocks} blocks")
+    config = get_config()
+    instance = get_instance(engine="vllm", engine_version=STATE.vllm_version)
+    ledgers: dict[str, Any] = {}
+    pools: list[Any] = []
+    try:
+        for d in descs:
+            device = d["device_id"]
+            if device not in ledgers:
+                ledgers[device] = Ledger.open(device, _ReportedMemInfo(d["free"], d["total"]))
+            pools.append(ledgers[device].register_pool(instance.name))
+        budget = CompositeBudget(pools, devices=[d["device_id"] for d in descs])
+        geometry = planner_geometry(first["num_pages"], first["blocks_per_page"],
+                                    first["page_bytes"], first["granularity"])
+        planner = StepPlanner(geometry, budget, world_size=len(descs),
+                              min_reserved=config.min_reserved_pages,
+                              max_reserved=config.max_reserved_pages)
+    except BaseException:
+        for pool in pools:
+            with contextlib.suppress(Exception):
+                pool.close()
+        raise
+    return EngineContext(planner, instance=instance, devices=[d["device_id"] for d in descs],
+                         backend=first["backend"], pools=pools, ledgers=list(ledgers.values()))
+
+
+# -- the block pool ------------------------------------------------------------------------------
+def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``BlockPool(...)`` in the coordinator: a ``KvcachedBlockPool`` when
+    the engine core prepared a planner of that many blocks, else native."""
+    native = _NATIVE_BLOCK_POOL
+    context = ENGINE.pending
+    if context is None or not STATE.active:
+        return native(*args, **kwargs)
+    params = inspect.signature(native.__init__).bind(None, *args, **kwargs)
+    params.apply_defaults()
+    values = dict(params.arguments)
+    values.pop("self", None)
+    if values["num_gpu_blocks"] != context.planner.num_blocks:
+        return native(*args, **kwargs)
+    from kvcached.config import get_config
+    from kvcached.integrations.vllm.block_pool import KvcachedBlockPool
+
+    ENGINE.pending = None
+    max_tokens = get_config().max_cached_tokens
+    cap = max_tokens // ENGINE.block_size if max_tokens >= 0 else -1
+    pool = KvcachedBlockPool(context.planner, cap_blocks=cap, **values)
+    pool.kvcached = context
+    context.attach_pool(pool)
+    planner = context.planner
+    g = planner.geometry
+    devices = sorted(set(context.devices))
+    log.info(
+        "vLLM %s engine core: block pool, allocate_slots, schedule, update_from_output, "
+        "reset_prefix_cache patched; %d blocks of %d tokens, %d pages of %d blocks (%s per "
+        "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, instance %s",
+        STATE.vllm_version, planner.num_blocks, ENGINE.block_size, g.num_pages,
+        g.blocks_per_page, format_bytes(g.page_bytes), format_bytes(g.num_pages * g.page_bytes),
+        len(context.devices), "" if len(context.devices) == 1 else "s", ",".join(devices),
+        "unlimited" if cap < 0 else cap * ENGINE.block_size, context.instance.name)
+    return pool
+
+
+def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
+    need = original(_get_num_blocks_to_allocate)(self, *args, **kwargs)
+    pool = self.block_pool
+    extra = getattr(pool, "alloc_extra", None)
+    if extra is not None:
+        pool.planner.reserve(need + extra)
+    return need
+
+
+_WAITING: tuple[Any, ...] = ()
+
+
+def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
+                    new_computed_blocks=None, num_lookahead_tokens=0,
+                    num_external_computed_tokens=0, delay_cache_blocks=False,
+                    num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
+                    has_scheduled_reqs=True, skip_zeroing_group_ids=()):  # noqa: ANN001, ANN202
+    orig = original(_allocate_slots)
+    pool = self.block_pool
+    kvcached = getattr(pool, "kvcached", None) is not None
+    if kvcached:
+        # vLLM applies the watermark only to waiting or preempted requests, and
+        # only when others are scheduled (kv_cache_manager.allocate_slots).
+        watermark = self.watermark_blocks if has_scheduled_reqs and \
+            request.status in _WAITING else 0
+        pool.alloc_extra = reserved_blocks + watermark
+    try:
+        return orig(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                    num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                    num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                    has_scheduled_reqs, skip_zeroing_group_ids)
+    finally:
+        if kvcached:
+            pool.alloc_extra = None
+
+
+# -- steps ----------------------------------------------------------------------------------------
+def _schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+    orig = original(_schedule)
+    context = _context_of(self)
+    if context is None:
+        return orig(self, *args, **kwargs)
+    context.serve_control()
+    output = orig(self, *args, **kwargs)
+    ops, step = context.planner.ops_for_step()
+    output.kvcached_step = step
+    if ops is not None:
+        output.kvcached_ops = ops
+    return output
+
+
+def _update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+    context = _context_of(self)
+    if context is not None:
+        step = getattr(scheduler_output, "kvcached_step", 0)
+        if step:
+            context.planner.step_done(step, scheduler_output.total_num_scheduled_tokens > 0)
+    return original(_update_from_output)(self, scheduler_output, model_runner_output)
+
+
+# -- the engine core loop -----------------------------------------------------------------------
+def _reset_prefix_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(_reset_prefix_cache)(self, *args, **kwargs)
+    context = _context_of(self.scheduler)
+    if context is not None:
+        context.flush_if_idle()
+    return result
+
+
+def _handle_client_request(self: Any, request_type: Any, request: Any) -> None:
+    original(_handle_client_request)(self, request_type, request)
+    context = _context_of(getattr(self, "scheduler", None))
+    if context is not None:
+        context.serve_control()
+        context.flush_if_idle()
+
+
+def _process_input_queue(self: Any) -> Any:
+    context = _context_of(getattr(self, "scheduler", None))
+    if context is not None and not self.has_work():
+        context.serve_control()
+        context.flush_if_idle()
+    return original(_process_input_queue)(self)
+
+
+def _shutdown(self: Any) -> None:
+    context = _context_of(getattr(self, "scheduler", None))
+    try:
+        original(_shutdown)(self)
+    finally:
+        if context is not None:
+            with contextlib.suppress(Exception):
+                context.close()
+
+
+# -- patch groups --------------------------------------------------------------------------------
+def check_kv_cache_utils(module: ModuleType) -> str | None:
+    return check_params(module, "get_kv_cache_config_from_groups",
+                        ("vllm_config", "kv_cache_groups", "available_memory")) or \
+        check_params(module, "may_override_num_blocks", ("vllm_config", "num_blocks"))
+
+
+def install_kv_cache_utils(patcher: Patcher, module: ModuleType) -> None:
+    patcher.replace(module, "get_kv_cache_config_from_groups", _get_kv_cache_config_from_groups)
+    patcher.replace(module, "may_override_num_blocks", _may_override_num_blocks)
+
+
+def check_coordinator(module: ModuleType) -> str | None:
+    pool = getattr(module, "BlockPool", None)
+    if pool is None:
+        return "kv_cache_coordinator has no BlockPool"
+    return check_params(original(pool), "__init__", _POOL_PARAMS) or check_params(
+        module.KVCacheCoordinator, "get_num_blocks_to_allocate",
+        ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens",
+         "total_computed_tokens", "num_local_computed_tokens", "num_tokens_main_model",
+         "apply_admission_cap", "prefill_end"))
+
+
+def install_coordinator(patcher: Patcher, module: ModuleType) -> None:
+    global _NATIVE_BLOCK_POOL
+    _NATIVE_BLOCK_POOL = patcher.replace(module, "BlockPool", _make_block_pool)
+    patcher.replace(module.KVCacheCoordinator, "get_num_blocks_to_allocate",
+                    _get_num_blocks_to_allocate)
+
+
+def check_kv_cache_manager(module: ModuleType) -> str | None:
+    reason = check_params(module.KVCacheManager, "allocate_slots", ALLOCATE_SLOTS_PARAMS)
+    if reason is not None:
+        return reason
+    theirs = inspect.signature(original(module.KVCacheManager.allocate_slots)).parameters
+    ours = inspect.signature(_allocate_slots).parameters
+    for name in ALLOCATE_SLOTS_PARAMS:
+        if theirs[name].default != ours[name].default:
+            return f"allocate_slots' default of {name} is {theirs[name].default!r}"
+    return None
+
+
+def install_kv_cache_manager(patcher: Patcher, module: ModuleType) -> None:
+    global _WAITING
+    from vllm.v1.request import RequestStatus
+
+    _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    patcher.replace(module.KVCacheManager, "allocate_slots", _allocate_slots)
+
+
+def check_scheduler(module: ModuleType) -> str | None:
+    cls = module.Scheduler
+    return check_params(cls, "schedule", ("self", "throttle_prefills")) or check_params(
+        cls, "update_from_output", ("self", "scheduler_output", "model_runner_output"))
+
+
+def install_scheduler(patcher: Patcher, module: ModuleType) -> None:
+    patcher.replace(module.Scheduler, "schedule", _schedule)
+    patcher.replace(module.Scheduler, "update_from_output", _update_from_output)
+
+
+def check_engine_core(module: ModuleType) -> str | None:
+    core, proc = module.EngineCore, module.EngineCoreProc
+    return (check_params(core, "_initialize_kv_caches", ("self", "vllm_config"))
+            or check_params(core, "reset_prefix_cache",
+                            ("self", "reset_running_requests", "reset_connector"))
+            or check_params(core, "shutdown", ("self",))
+            or check_params(proc, "_handle_client_request", ("self", "request_type", "request"))
+            or check_params(proc, "_process_input_queue", ("self",)))
+
+
+def install_engine_core(patcher: Patcher, module: ModuleType) -> None:
+    core, proc = module.EngineCore, module.EngineCoreProc
+    patcher.replace(core, "_initialize_kv_caches", _initialize_kv_caches)
+    patcher.replace(core, "reset_prefix_cache", _reset_prefix_cache)
+    patcher.replace(core, "shutdown", _shutdown)
+    patcher.replace(proc, "_handle_client_request", _handle_client_request)
+    patcher.replace(proc, "_process_input_queue", _process_input_queue)

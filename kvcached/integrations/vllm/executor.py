@@ -1,0 +1,142 @@
+"""A vLLM worker's side of kvcached: the virtual KV buffer and its pages.
+
+:class:`PageExecutor` owns this rank's reservation (one
+:class:`~kvcached.memory.ranges.RangeKVTensors` of exactly the bytes vLLM asked
+for) and a :class:`~kvcached.memory.mapper.PageMapper` over it. It decides
+nothing: the engine core plans and charges every page, and the executor
+applies the ops it receives, in order, before the step that needs them.
+
+* Page 0 (vLLM's null block, written by dummy and warm-up runs before any
+  plan exists) is mapped at start and never unmapped.
+* Unmaps come before a step's first kernel too; the mapper synchronizes the
+  device first, so no earlier step still reads the page.
+* A map the device refuses although the ledger granted it (the ledger is an
+  estimate) is retried for :data:`MAP_RETRY_S`, while calibration catches up,
+  then reported as failed; the caller raises, since the step is already
+  decided and a kernel must never touch an unmapped page.
+* The worker calibrates its device's ledger (it is the process that can ask
+  the driver), without owning a pool there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcached.driver.base import Driver
+from kvcached.errors import CapacityError
+from kvcached.log import get_logger
+from kvcached.memory.composite_budget import PrechargedBudget
+from kvcached.memory.mapper import PageMapper
+from kvcached.memory.planned import MAP, UNMAP, PageOp
+from kvcached.memory.ranges import PageLanes, RangeKVTensors
+from kvcached.units import MIB
+
+log = get_logger("integrations.vllm")
+
+#: How long a worker keeps retrying a map the device refused.
+MAP_RETRY_S = 5.0
+
+
+class PageExecutor:
+    """See the module docstring. One per worker process (per KV allocation)."""
+
+    def __init__(self, driver: Driver, lanes: PageLanes, *, calibrate: bool = True) -> None:
+        self.driver = driver
+        self.lanes = lanes
+        self.tensors = RangeKVTensors(driver, lanes)
+        self.budget = PrechargedBudget()
+        self.mapper = PageMapper(self.tensors, self.budget,
+                                 max_handle_bytes=lanes.num_pages * lanes.handle_bytes_per_page)
+        self.calibrator = None
+        self.failed_maps = 0
+        self.maps = 0
+        self.unmaps = 0
+        try:
+            if not self.mapper.map_run(0, 1):
+                raise CapacityError(
+                    f"kvcached could not map the first page of the KV cache "
+                    f"({lanes.page_bytes / MIB:.1f} MiB, the null block's) on {driver!r}")
+            if calibrate:
+                from kvcached.ledger import open_ledger
+
+                ledger = open_ledger(driver)
+                self.calibrator = ledger.calibrator(driver).start()
+        except BaseException:
+            self.close()
+            raise
+
+    def buffer(self) -> torch.Tensor:
+        """vLLM's backing buffer: ``lanes.size`` bytes of ``int8`` over the reservation."""
+        return self.tensors.buffer(torch.int8)
+
+    def apply(self, ops: Sequence[PageOp]) -> bool:
+        """Apply ``ops`` in order (runs of unmaps share one device sync).
+        ``False`` when a map failed even after retrying (the ops before it are
+        applied, the rest not)."""
+        mapper = self.mapper
+        i, n = 0, len(ops)
+        while i < n:
+            kind, first, count = ops[i]
+            if kind == UNMAP:
+                spans = []
+                while i < n and ops[i][0] == UNMAP:
+                    spans.append((ops[i][1], ops[i][2]))
+                    i += 1
+                for (f, c), ok in zip(spans, mapper.unmap_runs(spans), strict=True):
+                    if not ok:
+                        log.warning("pages [%d, %d) could not be released; kept quarantined",
+                                    f, f + c)
+                self.unmaps += len(spans)
+                continue
+            assert kind == MAP, f"invariant: a page op is map or unmap, not {kind!r}"
+            if not self._map(first, count):
+                return False
+            self.maps += 1
+            i += 1
+        return True
+
+    def _map(self, first: int, count: int) -> bool:
+        mapper = self.mapper
+        deadline = time.monotonic() + MAP_RETRY_S
+        while True:
+            if mapper.quarantined_pages:
+                mapper.retry_quarantined()
+            if mapper.map_run(first, count):
+                return True
+            self.failed_maps += 1
+            if time.monotonic() >= deadline:
+                log.error("device refused %.1f MiB the ledger granted (pages [%d, %d)) for "
+                          "%.0f s", count * self.lanes.page_bytes / MIB, first, first + count,
+                          MAP_RETRY_S)
+                return False
+            time.sleep(0.05)
+
+    def describe(self) -> dict[str, Any]:
+        """What the engine core needs to plan and charge this rank."""
+        info = self.driver.info()
+        free, total = self.driver.mem_info()
+        lanes = self.lanes
+        return {
+            "ok": True, "device_id": info.pci_bus_id, "backend": info.backend,
+            "index": info.index, "free": int(free), "total": int(total),
+            "granularity": lanes.granularity, "num_pages": lanes.num_pages,
+            "blocks_per_page": lanes.blocks_per_page, "page_bytes": lanes.page_bytes,
+            "lanes": len(lanes.lanes), "size": lanes.size,
+            "handle_bytes_per_page": lanes.handle_bytes_per_page,
+        }
+
+    @property
+    def mapped_pages(self) -> int:
+        return self.mapper.mapped_pages
+
+    def close(self) -> None:
+        """Unmap everything and give the address space back (shutdown). Idempotent."""
+        if self.calibrator is not None:
+            self.calibrator.stop()
+            self.calibrator = None
+        if self.mapper.unmap_all():
+            self.tensors.close()

@@ -1,0 +1,191 @@
+"""The engine core's side of kvcached in vLLM: blocks, pages, and page ops per step.
+
+:class:`StepPlanner` holds the memory layer's page policy and block manager
+over a :class:`~kvcached.memory.planned.PlannedPages` backend, so every page
+decision becomes an op that rides to the workers on vLLM's own step queue:
+
+* **Grant before the check.** :meth:`reserve` maps (plans and grants) idle
+  pages until the blocks ready without growth cover what vLLM is about to
+  ask for; vLLM's capacity check then runs against an exact figure, and
+  ``get_new_blocks`` never needs to grow (so it cannot fail). A denial only
+  stops the growth: the check fails and vLLM's scheduler waits or preempts.
+* **Map before use.** The ops planned while ``schedule()`` runs are attached
+  to that step's ``SchedulerOutput`` (:meth:`ops_for_step`); every worker
+  applies them before the step's first kernel.
+* **Refund after confirmation.** The bytes of a step's unmaps are refunded
+  when that step's output is processed (:meth:`step_done`): with one rank its
+  reply is the confirmation; with several, a step that ran a forward pass is
+  (its collectives need every rank past its ops), and the refunds of other
+  steps wait for the next such step or an idle flush.
+* **Idle flush.** When no step will come, :meth:`flush` sends the queued ops
+  through ``collective_rpc``, which returns once every rank applied them.
+
+Unmaps need no step fence here: a worker applies ops in queue order and
+synchronizes its device before any unmap, so every earlier step that could
+read the page has finished by then.
+
+Not thread-safe: only the engine core's thread calls it. Other threads (the
+control layer's) post requests with :meth:`post_control` and wake the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from kvcached.log import get_logger
+from kvcached.memory.blocks import BlockManager
+from kvcached.memory.budget import PhysicalBudget
+from kvcached.memory.mapper import DEFAULT_MAX_HANDLE_BYTES
+from kvcached.memory.pages import PageAllocator
+from kvcached.memory.planned import PageOp, PlannedPages
+from kvcached.memory.spec import KVLayout, PageGeometry
+
+log = get_logger("integrations.vllm")
+
+
+def planner_geometry(num_pages: int, blocks_per_page: int, page_bytes: int,
+                     granularity: int) -> PageGeometry:
+    """A :class:`PageGeometry` with the planner's numbers: ``num_pages`` pages
+    of ``blocks_per_page`` blocks and ``page_bytes`` bytes per rank."""
+    if page_bytes % blocks_per_page:
+        raise ValueError(f"page_bytes={page_bytes} is not a whole number of "
+                         f"{blocks_per_page} blocks")
+    return PageGeometry(layout=KVLayout.CONTIGUOUS, num_layers=1,
+                        buffer_block_bytes=(page_bytes // blocks_per_page,),
+                        blocks_per_page=blocks_per_page, num_pages=num_pages,
+                        granularity=granularity)
+
+
+class StepPlanner:
+    """See the module docstring.
+
+    ``budget`` charges every rank (a :class:`~kvcached.memory.CompositeBudget`
+    of the ranks' ledger pools); ``world_size`` is the number of ranks that
+    apply each op; ``rpc(ops)`` sends ops to every rank and returns once all
+    applied them (set by the engine core once its executor exists).
+    """
+
+    def __init__(self, geometry: PageGeometry, budget: PhysicalBudget, *,
+                 world_size: int = 1, min_reserved: int = 0, max_reserved: int = 0,
+                 max_run_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
+                 rpc: Callable[[list[PageOp]], object] | None = None) -> None:
+        self.geometry = geometry
+        self.budget = budget
+        self.world_size = world_size
+        self.blocks_per_page = geometry.blocks_per_page
+        self.num_blocks = geometry.num_blocks
+        self.page_bytes = geometry.page_bytes
+        self.rpc = rpc
+        self.backend = PlannedPages(geometry, budget,
+                                    max_run_pages=max(1, max_run_bytes // geometry.page_bytes))
+        self.pages = PageAllocator(self.backend, min_reserved=min_reserved,
+                                   max_reserved=max(min_reserved, max_reserved), background=False)
+        self.blocks = BlockManager(self.pages, reserve_null_block=True, thread_safe=False)
+        self.alloc = self.blocks.alloc
+        self.free = self.blocks.free
+        self.ready_blocks = self.blocks.ready_size
+        self.steps = 0
+        self.misses = 0
+        self._inflight: deque[tuple[int, int]] = deque()  # (step, bytes to refund)
+        self._control_lock = threading.Lock()
+        self._control: dict[str, object] = {}
+        self.closed = False
+
+    # -- capacity ------------------------------------------------------------------------
+    def reserve(self, target: int) -> bool:
+        """Make ``target`` blocks ready without growth, mapping (planning and
+        granting) idle pages as needed. ``False`` when the budget, the cap or
+        the virtual size stopped the growth short (a miss: vLLM's own check
+        then fails and its scheduler waits or preempts)."""
+        short = target - self.blocks.ready_size()
+        if short <= 0:
+            return True
+        want = -(-short // self.blocks_per_page)
+        got = self.pages.map_idle(want)
+        if got < want:
+            self.misses += 1
+            return False
+        return True
+
+    def live_blocks(self) -> int:
+        """Blocks handed out and not freed (the null block excluded)."""
+        pa = self.pages
+        return (pa.n_used + pa.n_idle) * self.blocks_per_page - self.blocks.ready_size() - 1
+
+    def growable_blocks(self) -> int:
+        """Blocks that could still be mapped now (cap, virtual size, budget)."""
+        return self.pages.growable() * self.blocks_per_page
+
+    def mapped_bytes(self) -> int:
+        """Bytes per rank of every planned mapping (sent or queued)."""
+        return self.backend.mapped_pages * self.page_bytes
+
+    # -- steps -----------------------------------------------------------------------------
+    def ops_for_step(self) -> tuple[list[PageOp] | None, int]:
+        """End of ``schedule()``: release idle pages beyond the reserve (a
+        queued map of a page nobody used is simply cancelled), then take the
+        queued ops for this step. Returns ``(ops or None, step number)``."""
+        self.pages.maintain()
+        ops, refund = self.backend.take_ops()
+        self.steps += 1
+        if ops:
+            self._inflight.append((self.steps, refund))
+            return ops, self.steps
+        return None, self.steps
+
+    def step_done(self, step: int, forward: bool) -> None:
+        """The output of step ``step`` was processed: refund what every rank
+        has now confirmed (see the module docstring)."""
+        if not (forward or self.world_size == 1):
+            return
+        inflight = self._inflight
+        while inflight and inflight[0][0] <= step:
+            self.backend.confirm(inflight.popleft()[1])
+
+    @property
+    def pending(self) -> bool:
+        return self.backend.pending
+
+    def flush(self) -> bool:
+        """Send queued ops to every rank now and wait (idle engine). Returns
+        whether anything was sent. Everything carried earlier is confirmed too:
+        the RPC is queued behind it."""
+        if not self.backend.pending or self.rpc is None or self.closed:
+            return False
+        ops, refund = self.backend.take_ops()
+        self.rpc(ops)
+        while self._inflight:
+            self.backend.confirm(self._inflight.popleft()[1])
+        self.backend.confirm(refund)
+        self.budget.flush()
+        return True
+
+    # -- requests from other threads ---------------------------------------------------------
+    def post_control(self, kind: str, value: object) -> None:
+        """Post a request for the engine thread's next :meth:`take_control`:
+        ``("limit", (device, bytes or None))`` or ``("reclaim", bytes)``
+        (requests of a kind merge: limits per device, the largest reclaim)."""
+        with self._control_lock:
+            if kind == "reclaim":
+                value = max(int(value), int(self._control.get("reclaim", 0)))  # type: ignore[arg-type]
+            elif kind == "limit":
+                device, limit = value  # type: ignore[misc]
+                limits = dict(self._control.get("limit", {}))  # type: ignore[call-overload]
+                limits[device] = limit
+                value = limits
+            self._control[kind] = value
+
+    def take_control(self) -> dict[str, object]:
+        if not self._control:  # unlocked peek: the common case costs nothing
+            return {}
+        with self._control_lock:
+            control, self._control = self._control, {}
+        return control
+
+    def close(self) -> None:
+        """Stop handing out blocks (engine shutdown). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.blocks.close()

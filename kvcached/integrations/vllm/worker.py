@@ -1,0 +1,334 @@
+"""Patches in vLLM's worker processes: KV allocation, page ops, startup checks.
+
+* ``allocate_kv_cache`` (``vllm.v1.worker.utils``, imported by name into the
+  V1 model runner and the V2 ``attn_utils``) is replaced by :func:`allocate_kv_cache`:
+  during ``initialize_from_config`` it returns vLLM's own per-layer views
+  (``create_kv_cache_views``) over a kvcached virtual buffer of the same size,
+  so shapes, strides, dtypes and storage offsets are native. Any other call
+  (the V1 runner's minimal cache for CUDA-graph profiling) stays native.
+* ``WorkerWrapperBase.execute_model`` applies the step's page ops
+  (``scheduler_output.kvcached_ops``) before vLLM runs the step; under tensor
+  parallelism every rank agrees on the outcome of a growth step with one MIN
+  all-reduce on vLLM's TP CPU group, so no rank fails alone.
+* ``kvcached_describe`` and ``kvcached_apply_page_ops`` are added to
+  ``WorkerWrapperBase`` for the engine core's ``collective_rpc``.
+* Startup: ``request_memory`` no longer refuses to start because another
+  process uses the device; the GPU worker profiles as with
+  ``--kv-cache-memory-bytes`` (no free-memory assertion) and reports the
+  virtual capacity ``total x KVCACHED_GPU_UTILIZATION``; the CPU worker reports
+  ``VLLM_CPU_KVCACHE_SPACE`` (or the host backend's capacity) without
+  comparing it with the node's free memory. Physical memory is the ledger's
+  business from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from types import ModuleType
+from typing import Any
+
+from kvcached.errors import KVCachedError
+from kvcached.integrations.vllm.patching import STATE, Patcher, check_params, original
+from kvcached.log import get_logger
+from kvcached.units import format_bytes
+
+log = get_logger("integrations.vllm")
+
+ALLOCATE_PARAMS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+
+
+class _Worker:
+    """This process' worker-side state."""
+
+    executor: Any = None
+    allocating = False  # inside initialize_from_config: the real KV allocation
+    rank = 0
+    world_size = 1
+    native_reason: str | None = None
+    vllm_config: Any = None
+
+
+WORKER = _Worker()
+
+
+def refusal_reason(vllm_config: Any) -> str | None:
+    """Why kvcached cannot serve this vLLM configuration (``None``: it can).
+    The engine core and every worker evaluate it alike, so they agree."""
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        return "pipeline parallelism is not supported"
+    if getattr(parallel, "nnodes", 1) > 1:
+        return "tensor parallelism across nodes is not supported"
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1 or \
+            getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        return "context parallelism is not supported"
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        return "KV connectors (--kv-transfer-config) register KV memory of their own"
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
+        return "HiSparse keeps its own host KV pool"
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False) or \
+            getattr(cache, "enable_sleep_mode", False):
+        return "sleep mode (--enable-sleep-mode) uses its own memory pool"
+    return None
+
+
+def _driver_for(device: Any) -> Any:
+    import torch
+
+    from kvcached.config import get_config
+    from kvcached.driver import get_driver
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return get_driver(get_config().host_device, "host")
+    if device.type == "cuda":
+        backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return get_driver(index, backend)
+    raise KVCachedError(f"no kvcached backend for torch device {device}")
+
+
+def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
+                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
+    """vLLM's ``allocate_kv_cache`` over a kvcached virtual buffer (see the
+    module docstring); vLLM's own allocation whenever kvcached is not serving."""
+    native = _ORIGINAL_ALLOCATE
+    if not (STATE.active and WORKER.allocating and kv_cache_config.kv_cache_tensors) \
+            or WORKER.native_reason is not None:
+        return native(kv_cache_config, device, layout, kernel_block_sizes)
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    from kvcached.config import get_config
+    from kvcached.integrations.vllm.executor import PageExecutor
+    from kvcached.integrations.vllm.geometry import PlanError, plan_lanes
+
+    try:
+        lanes = plan_lanes(kv_cache_config, layout, get_config().page_size)
+        driver = _driver_for(device)
+    except (PlanError, KVCachedError) as exc:
+        WORKER.native_reason = str(exc)
+        log.warning("vLLM %s worker rank %d: KV cache stays native: %s", STATE.vllm_version,
+                    WORKER.rank, exc)
+        return native(kv_cache_config, device, layout, kernel_block_sizes)
+    if WORKER.executor is not None:  # a second real allocation (re-initialisation)
+        WORKER.executor.close()
+    executor = PageExecutor(driver, lanes)
+    WORKER.executor = executor
+    buf = executor.buffer()
+    kv_caches: dict[str, Any] = {}
+    layers = 0
+    for tensor in kv_cache_config.kv_cache_tensors:
+        # The same walk as vLLM's allocate_kv_cache (vllm/v1/worker/utils.py).
+        layer_name = tensor.layers[0]
+        group_id, group = next(
+            (i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            if layer_name in g.layer_names)
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[layer_name]
+        layers += len(tensor.layers)
+        if not spec.has_layer_views:
+            kv_caches.update((name, buf) for name in tensor.layers)
+            continue
+        kernel_block_size = None
+        if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+            kernel_block_size = kernel_block_sizes[group_id]
+        views = create_kv_cache_views(buf, spec, kv_cache_config.num_blocks_of(tensor), layout,
+                                      tensor, kernel_block_size=kernel_block_size)
+        kv_caches.update(zip(tensor.layers, views, strict=True))
+    info = driver.info()
+    n = len(kv_cache_config.kv_cache_tensors)
+    log.info(
+        "vLLM %s worker rank %d: allocate_kv_cache patched; %d KV tensor%s, %d layers, %s, "
+        "%d pages of %d blocks (%s each), virtual %s (%s %s)", STATE.vllm_version, WORKER.rank,
+        n, "" if n == 1 else "s", layers, getattr(layout, "name", layout), lanes.num_pages,
+        lanes.blocks_per_page, format_bytes(lanes.page_bytes), format_bytes(lanes.size),
+        info.backend, info.pci_bus_id)
+    return kv_caches
+
+
+_ORIGINAL_ALLOCATE: Any = None
+
+
+# -- WorkerWrapperBase -----------------------------------------------------------------------
+def _initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
+    orig = original(_initialize_from_config)
+    if not STATE.active:
+        return orig(self, kv_cache_configs)
+    vllm_config = self.vllm_config
+    WORKER.vllm_config = vllm_config
+    WORKER.rank = getattr(self, "rpc_rank", 0)
+    WORKER.world_size = vllm_config.parallel_config.tensor_parallel_size
+    reason = refusal_reason(vllm_config)
+    if reason is not None:
+        WORKER.native_reason = reason
+        return orig(self, kv_cache_configs)
+    WORKER.allocating = True
+    try:
+        return orig(self, kv_cache_configs)
+    finally:
+        WORKER.allocating = False
+
+
+def _apply_ops(ops: list[Any]) -> None:
+    """Apply page ops on this rank; with several ranks, agree on the outcome."""
+    executor = WORKER.executor
+    if executor is None:
+        raise KVCachedError("page ops reached a worker whose KV cache kvcached does not hold")
+    ok = executor.apply(ops)
+    if WORKER.world_size > 1 and any(op[0] == "map" for op in ops):
+        import torch
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        ok = bool(flag.item())
+    if not ok:
+        raise KVCachedError(
+            "a device refused KV memory the ledger granted; the step cannot run without it "
+            "(another process took the memory outside kvcached's budget, or "
+            "KVCACHED_GPU_UTILIZATION leaves too small a safety margin)")
+
+
+def _execute_model(self: Any, scheduler_output: Any) -> Any:
+    ops = getattr(scheduler_output, "kvcached_ops", None)
+    if ops:
+        _apply_ops(ops)
+    return original(_execute_model)(self, scheduler_output)
+
+
+def _kvcached_describe(self: Any) -> dict[str, Any]:
+    if WORKER.executor is None or not STATE.active:
+        return {"ok": False, "reason": WORKER.native_reason or STATE.off_reason
+                or "the worker's KV cache is not kvcached's"}
+    desc = WORKER.executor.describe()
+    desc["rank"] = WORKER.rank
+    return desc
+
+
+def _kvcached_apply_page_ops(self: Any, ops: list[Any]) -> int:
+    _apply_ops(ops)
+    return WORKER.executor.mapped_pages
+
+
+# -- startup memory checks ---------------------------------------------------------------------
+def _request_memory(init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0) -> int:
+    """vLLM's ``request_memory`` without the refusal to start when another
+    process already uses the device: with kvcached the KV cache takes no
+    memory at start, and the ledger shares what is free."""
+    if not STATE.active:
+        return original(_request_memory)(init_snapshot, cache_config, external_weight_memory)
+    requested = math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
+    return max(1, requested - max(0, external_weight_memory))
+
+
+def _gpu_determine_available_memory(self: Any) -> int:
+    """Profile as with ``--kv-cache-memory-bytes`` (which compiles the model but
+    asserts nothing about the device's free memory) and report the virtual
+    capacity ``total x KVCACHED_GPU_UTILIZATION`` minus this process' own
+    peak use, unless the user gave a KV size."""
+    orig = original(_gpu_determine_available_memory)
+    cache = self.cache_config
+    if not STATE.active or refusal_reason(self.vllm_config) is not None \
+            or cache.kv_cache_memory_bytes:
+        return orig(self)
+    import torch
+
+    from kvcached.config import get_config
+
+    total = self.init_snapshot.total_memory
+    cache.kv_cache_memory_bytes = max(1, int(total * get_config().gpu_utilization))
+    try:
+        orig(self)
+    finally:
+        cache.kv_cache_memory_bytes = None
+    own = 0
+    with contextlib.suppress(Exception):
+        own = torch.cuda.max_memory_reserved(self.device)
+    return max(1, int(total * get_config().gpu_utilization) - own)
+
+
+def _cpu_determine_available_memory(self: Any) -> int:
+    """The CPU worker's size without its check against the node's free memory."""
+    orig = original(_cpu_determine_available_memory)
+    if not STATE.active or refusal_reason(self.vllm_config) is not None:
+        return orig(self)
+    if self._should_warm_up_model():
+        self.model_runner.warming_up_model()
+    size = self.cache_config.kv_cache_memory_bytes
+    if not size:
+        from kvcached.config import get_config
+        from kvcached.driver import get_driver
+
+        size = get_driver(get_config().host_device, "host").info().total_bytes
+    log.debug("vLLM CPU worker: virtual KV cache of %s", format_bytes(size))
+    return size
+
+
+# -- patch groups --------------------------------------------------------------------------------
+def check_utils(module: ModuleType) -> str | None:
+    return check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS) or check_params(
+        module, "request_memory", ("init_snapshot", "cache_config", "external_weight_memory"))
+
+
+def install_utils(patcher: Patcher, module: ModuleType) -> None:
+    global _ORIGINAL_ALLOCATE
+    _ORIGINAL_ALLOCATE = patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
+    patcher.replace(module, "request_memory", _request_memory)
+
+
+def check_runner(module: ModuleType) -> str | None:
+    return check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS)
+
+
+def install_runner(patcher: Patcher, module: ModuleType) -> None:
+    global _ORIGINAL_ALLOCATE
+    previous = patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
+    if _ORIGINAL_ALLOCATE is None:
+        _ORIGINAL_ALLOCATE = previous
+
+
+def check_worker_base(module: ModuleType) -> str | None:
+    cls = module.WorkerWrapperBase
+    return check_params(cls, "initialize_from_config", ("self", "kv_cache_configs")) or \
+        check_params(cls, "execute_model", ("self", "scheduler_output"))
+
+
+def install_worker_base(patcher: Patcher, module: ModuleType) -> None:
+    cls = module.WorkerWrapperBase
+    patcher.replace(cls, "initialize_from_config", _initialize_from_config)
+    patcher.replace(cls, "execute_model", _execute_model)
+    patcher.add(cls, "kvcached_describe", _kvcached_describe)
+    patcher.add(cls, "kvcached_apply_page_ops", _kvcached_apply_page_ops)
+
+
+def check_request_memory(module: ModuleType) -> str | None:
+    return check_params(module, "request_memory",
+                        ("init_snapshot", "cache_config", "external_weight_memory"))
+
+
+def install_request_memory(patcher: Patcher, module: ModuleType) -> None:
+    patcher.replace(module, "request_memory", _request_memory)
+
+
+def check_gpu_worker(module: ModuleType) -> str | None:
+    return check_request_memory(module) or check_params(
+        module.Worker, "determine_available_memory", ("self",))
+
+
+def install_gpu_worker(patcher: Patcher, module: ModuleType) -> None:
+    install_request_memory(patcher, module)
+    patcher.replace(module.Worker, "determine_available_memory", _gpu_determine_available_memory)
+
+
+def check_cpu_worker(module: ModuleType) -> str | None:
+    return check_params(module.CPUWorker, "determine_available_memory", ("self",)) or \
+        check_params(module.CPUWorker, "_should_warm_up_model", ("self",))
+
+
+def install_cpu_worker(patcher: Patcher, module: ModuleType) -> None:
+    patcher.replace(module.CPUWorker, "determine_available_memory",
+                    _cpu_determine_available_memory)
