@@ -115,14 +115,20 @@ class EngineContext:
         control = planner.take_control()
         if not control:
             return
+        start = planner.mapped_bytes()
         if "limit" in control:
             self._limits.update(control["limit"])  # type: ignore[arg-type]
-            planner.blocks.set_limit(self._cap_bytes())
+            planner.blocks.set_limit(self._cap_bytes())  # releases idle pages over the cap
         if "reclaim" in control and self.pool is not None:
-            self.reclaimed = self.pool.reclaim(int(control["reclaim"]))  # type: ignore[arg-type]
-            if self.idle():
-                planner.flush()
-            self._reclaim_done.set()
+            # The amount was computed before a limit posted with it took effect:
+            # count what the cap released already.
+            wanted = int(control["reclaim"]) - (start - planner.mapped_bytes())  # type: ignore[call-overload]
+            if wanted > 0:
+                self.pool.reclaim(wanted)
+        self.reclaimed = max(0, start - planner.mapped_bytes())
+        if self.idle():
+            planner.flush()
+        self._reclaim_done.set()
 
     def _cap_bytes(self) -> int | None:
         """The smallest limit over devices, in bytes per rank (``None``: none)."""

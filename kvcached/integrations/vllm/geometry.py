@@ -168,10 +168,16 @@ def plan_lanes(kv_cache_config: Any, layout: Any, page_size: int,
     sizes = {t.size for t in tensors}
     if len(sizes) != 1:
         raise PlanError(f"KV tensors of different sizes {sorted(sizes)}")
-    size = sizes.pop()
-    shapes = tensor_shapes(kv_cache_config, layout)
+    return lanes_of(tensor_shapes(kv_cache_config, layout), sizes.pop(),
+                    kv_cache_config.num_blocks, page_size, granularity,
+                    layout_name=getattr(layout, "name", str(layout)))
+
+
+def lanes_of(shapes: Sequence[TensorShape], size: int, num_blocks: int, page_size: int,
+             granularity: int = PLAN_GRANULARITY, layout_name: str = "") -> PageLanes:
+    """The :class:`PageLanes` of tensors laid out as ``shapes`` in a buffer of
+    ``size`` bytes holding ``num_blocks`` blocks (no vLLM needed)."""
     bpp = blocks_per_page(shapes, page_size, granularity)
-    num_blocks = kv_cache_config.num_blocks
     if num_blocks % bpp:
         raise PlanError(f"num_blocks={num_blocks} is not a multiple of {bpp} blocks per page")
     num_pages = num_blocks // bpp
@@ -186,7 +192,7 @@ def plan_lanes(kv_cache_config: Any, layout: Any, page_size: int,
                 n0 != n1 or s1 - s0 != n0 for (s0, n0), (s1, n1) in zip(first, second, strict=True)):
             raise PlanError(
                 f"pages do not repeat at a fixed stride in every lane ({first[:4]} then "
-                f"{second[:4]}): layout {getattr(layout, 'name', layout)} is not paged")
+                f"{second[:4]}): layout {layout_name} is not paged")
     try:
         lanes = PageLanes(size=size, lanes=tuple(first), num_pages=num_pages,
                           blocks_per_page=bpp, granularity=granularity)

@@ -1,0 +1,238 @@
+"""The vLLM integration's parts that need no vLLM: page geometry of vLLM's
+layouts, the engine core's StepPlanner, the worker's PageExecutor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached.driver.host import HostDriver
+from kvcached.integrations.vllm import executor as executor_module
+from kvcached.integrations.vllm.executor import PageExecutor
+from kvcached.integrations.vllm.geometry import (
+    PlanError,
+    TensorShape,
+    blocks_per_page,
+    lanes_of,
+    merge_runs,
+    strided_runs,
+)
+from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+from kvcached.memory.planned import MAP, UNMAP
+from kvcached.units import KIB, MIB
+
+G = 2 * MIB
+HOST_INDEX = 29  # apart from device 0, which other suites share
+
+
+class CountingBudget:
+    """A budget of ``capacity`` bytes that records every call."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.flushes = 0
+
+    def grant(self, n: int) -> bool:
+        if self.used + n > self.capacity:
+            return False
+        self.used += n
+        return True
+
+    def refund(self, n: int) -> None:
+        assert 0 <= n <= self.used
+        self.used -= n
+
+    def headroom(self) -> int:
+        return self.capacity - self.used
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def close(self) -> None:
+        pass
+
+
+# -- geometry ----------------------------------------------------------------------------------
+def test_strided_runs_join_inner_axes_and_enumerate_outer_ones() -> None:
+    # [L=2, B=3, C=4 bytes], layer-outermost: each layer is one run of 12 bytes.
+    assert strided_runs(0, (2, 3, 4), (100, 4, 1)) == [(0, 12), (100, 12)]
+    # The same blocks block-outermost with a 10-byte block stride: a run per block.
+    assert strided_runs(5, (1, 3, 4), (4, 10, 1)) == [(5, 4), (15, 4), (25, 4)]
+    with pytest.raises(PlanError):
+        strided_runs(0, (2, 4), (8, 2))
+
+
+def test_merge_runs_rounds_out_and_joins() -> None:
+    assert merge_runs([(10, 5), (0, 3), (14, 10)]) == [(0, 3), (10, 14)]
+    assert merge_runs([(1, 2), (5, 2), (9, 1)], granularity=4) == [(0, 12)]
+
+
+def _layer_outer(layers: int, heads: int, tokens: int, cell: int, blocks: int) -> TensorShape:
+    page = heads * tokens * cell
+    return TensorShape(0, (layers, blocks, heads, tokens, cell),
+                       (blocks * page, page, tokens * cell, cell, 1), page)
+
+
+def test_lanes_of_a_layer_outermost_cache_are_per_layer_regions() -> None:
+    t = _layer_outer(2, 2, 32, 128, 512)  # 8 KiB per layer and block
+    assert blocks_per_page([t], 2 * MIB) == 256
+    lanes = lanes_of([t], 2 * 512 * 8 * KIB, 512, 2 * MIB)
+    assert lanes.lanes == ((0, G), (2 * G, G)) and lanes.num_pages == 2
+    assert lanes.page_bytes == 4 * MIB
+
+
+def test_lanes_of_a_block_outermost_cache_are_whole_block_runs() -> None:
+    page = 8 * KIB
+    t = TensorShape(0, (2, 512, 2, 32, 128), (page, 2 * page, 32 * 128, 128, 1), page)
+    lanes = lanes_of([t], 512 * 2 * page, 512, 2 * MIB)
+    assert lanes.lanes == ((0, 2 * G),) and lanes.blocks_per_page == 256
+
+
+def test_lanes_of_a_heads_outer_layout_are_per_layer_and_head() -> None:
+    # LHBNC: [L, H, B, N, C]; a block of one head is 4 KiB, so 512 blocks a page.
+    head_block = 32 * 128
+    t = TensorShape(0, (2, 1024, 2, 32, 128),
+                    (2 * 1024 * head_block, head_block, 1024 * head_block, 128, 1), 8 * KIB)
+    lanes = lanes_of([t], 2 * 2 * 1024 * head_block, 1024, 2 * MIB)
+    assert lanes.blocks_per_page == 512 and len(lanes.lanes) == 4
+    assert all(span == G for _, span in lanes.lanes)
+
+
+def test_lanes_refuse_blocks_that_do_not_fill_pages() -> None:
+    t = _layer_outer(2, 2, 32, 128, 300)
+    with pytest.raises(PlanError, match="multiple"):
+        lanes_of([t], 2 * 300 * 8 * KIB, 300, 2 * MIB)
+
+
+# -- the planner ---------------------------------------------------------------------------------
+def make_planner(num_pages: int = 16, budget_pages: int = 16, world_size: int = 1,
+                 min_reserved: int = 0, max_reserved: int = 0) -> tuple[StepPlanner, CountingBudget]:
+    g = planner_geometry(num_pages, 8, 4 * MIB, G)
+    budget = CountingBudget(budget_pages * g.page_bytes)
+    sent: list = []
+    planner = StepPlanner(g, budget, world_size=world_size, min_reserved=min_reserved,
+                          max_reserved=max_reserved, rpc=sent.append)
+    planner.sent = sent  # type: ignore[attr-defined]
+    return planner, budget
+
+
+def test_reserve_grants_before_the_check_and_misses_when_denied() -> None:
+    planner, budget = make_planner(budget_pages=4)
+    assert planner.ready_blocks() == 7  # page 0 minus the null block
+    assert planner.reserve(20)
+    assert planner.ready_blocks() >= 20 and budget.used == 3 * planner.page_bytes
+    assert not planner.reserve(40)  # the budget stops at 4 pages: a miss
+    assert planner.misses == 1 and planner.ready_blocks() == 31
+    ids = planner.alloc(31)
+    assert ids is not None and planner.live_blocks() == 31
+
+
+def test_ops_ride_the_step_and_refund_after_its_output() -> None:
+    planner, budget = make_planner()
+    planner.reserve(15)
+    ids = planner.alloc(15)
+    ops, step = planner.ops_for_step()
+    assert ops == [(MAP, 1, 1)] and step == 1
+    planner.free(ids)  # pages empty; no reserve kept: released
+    ops, step = planner.ops_for_step()
+    assert ops == [(UNMAP, 1, 1)] and step == 2
+    assert budget.used == 2 * planner.page_bytes
+    planner.step_done(2, forward=True)
+    assert budget.used == planner.page_bytes
+
+
+def test_with_several_ranks_only_a_forward_step_confirms() -> None:
+    planner, budget = make_planner(world_size=2)
+    planner.reserve(15)
+    ids = planner.alloc(15)
+    planner.ops_for_step()
+    planner.free(ids)
+    _, step = planner.ops_for_step()
+    planner.step_done(step, forward=False)
+    assert budget.used == 2 * planner.page_bytes, "no collective proved the ranks applied it"
+    planner.step_done(step + 1, forward=True)
+    assert budget.used == planner.page_bytes
+
+
+def test_idle_flush_sends_ops_and_confirms_everything() -> None:
+    planner, budget = make_planner(world_size=2)
+    planner.reserve(15)
+    ids = planner.alloc(15)
+    planner.ops_for_step()
+    planner.free(ids)
+    assert planner.pending
+    assert planner.flush()
+    assert planner.sent == [[(UNMAP, 1, 1)]]  # type: ignore[attr-defined]
+    assert budget.used == planner.page_bytes and budget.flushes >= 1
+    assert not planner.flush()
+
+
+def test_unused_reserve_beyond_the_maximum_is_cancelled_at_the_end_of_schedule() -> None:
+    planner, budget = make_planner(max_reserved=1)
+    planner.reserve(40)  # five pages planned for a request that then missed
+    assert planner.pages.n_idle == 5 and budget.used == 6 * planner.page_bytes
+    ops, _ = planner.ops_for_step()
+    # The five pages were one run, over the maximum: released whole, and since
+    # their map never left, cancelled with nothing sent and everything refunded.
+    assert ops is None and planner.backend.cancelled == 1
+    assert planner.pages.n_idle == 0 and budget.used == planner.page_bytes
+
+
+def test_control_requests_merge_until_served() -> None:
+    planner, _ = make_planner()
+    planner.post_control("reclaim", 10)
+    planner.post_control("reclaim", 4)
+    planner.post_control("limit", ("gpu-a", 100))
+    planner.post_control("limit", ("gpu-b", None))
+    assert planner.take_control() == {"reclaim": 10, "limit": {"gpu-a": 100, "gpu-b": None}}
+    assert planner.take_control() == {}
+
+
+# -- the worker's executor -----------------------------------------------------------------------
+@pytest.fixture
+def host():
+    driver = HostDriver(HOST_INDEX, capacity=16 * MIB)
+    yield driver
+    driver.close()
+
+
+def _lanes():
+    t = _layer_outer(2, 2, 32, 128, 2048)
+    return lanes_of([t], 2 * 2048 * 8 * KIB, 2048, 2 * MIB)
+
+
+def test_executor_maps_page0_and_applies_ops_in_order(host) -> None:
+    lanes = _lanes()
+    ex = PageExecutor(host, lanes, calibrate=False)
+    try:
+        buf = ex.buffer()
+        assert buf.dtype == torch.int8 and buf.numel() == lanes.size
+        assert ex.mapped_pages == 1 and host.own_bytes() == lanes.page_bytes
+        buf[:16].fill_(3)  # page 0 is mapped: the null block is writable
+        assert ex.apply([(MAP, 1, 2), (UNMAP, 1, 2), (MAP, 1, 1)])
+        assert ex.mapped_pages == 2
+        off = lanes.run_ranges(1, 1)[1][0]
+        buf[off:off + 64].fill_(9)
+        assert int(buf[off + 63]) == 9
+        assert ex.apply([(UNMAP, 1, 1)])
+        assert int(buf[off]) == 0 and host.own_bytes() == lanes.page_bytes
+        desc = ex.describe()
+        assert desc["ok"] and desc["num_pages"] == lanes.num_pages
+        assert desc["device_id"] == f"host-{HOST_INDEX}" and desc["backend"] == "host"
+    finally:
+        ex.close()
+    assert host.own_bytes() == 0
+
+
+def test_executor_reports_a_map_the_device_refuses(host, monkeypatch) -> None:
+    monkeypatch.setattr(executor_module, "MAP_RETRY_S", 0.1)
+    lanes = _lanes()
+    ex = PageExecutor(host, lanes, calibrate=False)
+    try:
+        # 16 MiB of capacity, 4 MiB pages: page 0 plus 3 more fit, not 4.
+        assert not ex.apply([(MAP, 1, 4)])
+        assert ex.failed_maps >= 1 and ex.mapped_pages == 1
+        assert ex.apply([(MAP, 1, 3)])
+    finally:
+        ex.close()
