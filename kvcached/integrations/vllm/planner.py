@@ -31,6 +31,7 @@ control layer's) post requests with :meth:`post_control` and wake the engine.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -43,6 +44,9 @@ from kvcached.memory.planned import PageOp, PlannedPages
 from kvcached.memory.spec import KVLayout, PageGeometry
 
 log = get_logger("integrations.vllm")
+
+#: At most one line about allocation misses per this many seconds.
+MISS_LOG_S = 30.0
 
 
 def planner_geometry(num_pages: int, blocks_per_page: int, page_bytes: int,
@@ -88,6 +92,7 @@ class StepPlanner:
         self.ready_blocks = self.blocks.ready_size
         self.steps = 0
         self.misses = 0
+        self._miss_logged = -MISS_LOG_S
         self._inflight: deque[tuple[int, int]] = deque()  # (step, bytes to refund)
         self._control_lock = threading.Lock()
         self._control: dict[str, object] = {}
@@ -106,6 +111,12 @@ class StepPlanner:
         got = self.pages.map_idle(want)
         if got < want:
             self.misses += 1
+            now = time.monotonic()
+            if now - self._miss_logged >= MISS_LOG_S:
+                self._miss_logged = now
+                log.info("KV memory is full (budget, limit or virtual size): %d allocation "
+                         "misses so far; vLLM's scheduler makes requests wait or preempts",
+                         self.misses)
             return False
         return True
 

@@ -57,12 +57,28 @@ ENGINE_PATCHED = re.compile(r"\[kvcached\].*vLLM \S+ engine core: .*patched.*blo
 WORKER_PATCHED = re.compile(r"\[kvcached\].*vLLM \S+ worker rank \d+: .*allocate_kv_cache patched")
 
 
+def kvcached_options(workdir: Path, name: str, **kwargs: object) -> ServerOptions:
+    """A kvcached server on a ledger directory and host device of its own, so
+    nothing else on the machine shares its budget."""
+    env = {"KVCACHED_LEDGER_DIR": str(workdir / f"{name}-ledger"),
+           "KVCACHED_HOST_DEVICE": "41"}
+    (workdir / f"{name}-ledger").mkdir(parents=True, exist_ok=True)
+    return ServerOptions(kvcached=True, ipc_name=name, extra_env=env, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="session")
 def kvcached_case(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
-    return run_basic_case(
-        "kvcached", tiny_llama_dir, vllm_workdir,
-        ServerOptions(kvcached=True, ipc_name="ci-vllm-basic"),
-    )
+    return run_basic_case("kvcached", tiny_llama_dir, vllm_workdir,
+                          kvcached_options(vllm_workdir, "ci-vllm-basic"))
+
+
+@pytest.fixture(scope="session")
+def kvcached_tp2_case(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
+    """Two tensor-parallel CPU workers: one planner, two executors, every page
+    op applied by both ranks (which agree on each growth step over vLLM's TP
+    CPU group)."""
+    return run_basic_case("kvcached-tp2", tiny_llama_dir, vllm_workdir,
+                          kvcached_options(vllm_workdir, "ci-vllm-tp2", tensor_parallel=2))
 
 
 def test_server_ready(kvcached_case: CaseRecord) -> None:
@@ -115,3 +131,26 @@ def test_clean_exit_and_nothing_left(kvcached_case: CaseRecord) -> None:
 
 def test_no_error_signatures(kvcached_case: CaseRecord) -> None:
     assert kvcached_case.error_signatures == [], kvcached_case.error_signatures
+
+
+def test_tp2_serves_like_native_tp2(native_tp2_case: CaseRecord,
+                                    kvcached_tp2_case: CaseRecord) -> None:
+    """With two ranks kvcached gives native TP=2's tokens and prefix hits for
+    every sequential request; both workers hold the KV cache; the server
+    serves every phase, resets, stops cleanly and logs no error."""
+    tp2 = kvcached_tp2_case
+    assert tp2.start_error is None, tp2.start_error
+    lines = tp2.kvcached_lines
+    assert any(ENGINE_PATCHED.search(line) and "2 ranks" in line for line in lines), lines
+    for rank in (0, 1):
+        assert any(re.search(rf"worker rank {rank}: .*allocate_kv_cache patched", line)
+                   for line in lines), (rank, lines)
+    for phase in GEN_PHASES + APC_PHASES:
+        assert all(c.ok for c in tp2.phase(phase)), phase
+    for phase in ("gen_seq", *APC_ROUNDS):
+        assert all(same_tokens(native_tp2_case.phase(phase), tp2.phase(phase))), phase
+    for phase in APC_PHASES:
+        assert cached_tokens(tp2.phase(phase)) == cached_tokens(native_tp2_case.phase(phase))
+    assert tp2.reset_ok is True and tp2.alive_after_load is True
+    assert tp2.stop is not None and tp2.stop.clean and tp2.stop.leftover_pids == ()
+    assert tp2.error_signatures == [], tp2.error_signatures

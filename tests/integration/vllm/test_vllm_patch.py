@@ -21,6 +21,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvcached.config import reload_config
+from kvcached.integrations.vllm import engine, worker
+from kvcached.integrations.vllm.geometry import plan_lanes
+from kvcached.integrations.vllm.patching import STATE, PatchGroup, install_group
+from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+from kvcached.memory.planned import MAP
+from kvcached.units import MIB
 from tests.engines import require_engine_version
 
 VLLM_VERSION = require_engine_version(
@@ -31,6 +38,8 @@ VLLM_VERSION = require_engine_version(
 _env = dict(os.environ)
 try:
     import torch
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
     from vllm.v1.core.kv_cache_utils import (
         get_kv_cache_config_from_groups,
@@ -41,19 +50,10 @@ try:
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.request import Request
     from vllm.v1.worker import utils as worker_utils
-    from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
 finally:
     os.environ.clear()
     os.environ.update(_env)
 
-from kvcached.config import reload_config
-from kvcached.integrations.vllm import engine, worker
-from kvcached.integrations.vllm.geometry import plan_lanes
-from kvcached.integrations.vllm.patching import STATE, PatchGroup, install_group
-from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
-from kvcached.memory.planned import MAP
-from kvcached.units import MIB
 
 HOST_INDEX = 31
 BLOCK = 32

@@ -1,0 +1,286 @@
+"""The seed PR's elastic and limit cases on two kvcached vLLM CPU servers.
+
+Two servers, A then B, share one small host device (``KVCACHED_HOST_DEVICE``,
+``KVCACHED_HOST_CAPACITY``) and one ledger directory, and are started without
+``KVCACHED_IPC_NAME``, so each must name itself (``vllm-<pid>``). Their KV
+usage is read from the ledger (each instance's charged bytes), sampled every
+0.1 s while loads run.
+
+Elastic phases: (1) A gets its load; (2) A's prefix cache is reset; (3) B gets
+its load and its prefix cache is reset; (4) both get their loads at the same
+time (more than the device holds: requests wait or are preempted, none fails).
+Three greedy probes per server run before and after.
+
+Limit phases, on B (A idle beside it): fill its prefix cache; lower its limit
+to its idle usage plus a quarter of what the fill added; wait for usage to be
+within it with no requests; 100 short and 4 long requests under the lower
+limit; restore the limit and fill again with new prompts.
+
+One :class:`ElasticRecord` holds everything the checks need.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vllm_cases import token_prompt
+from vllm_log import find_error_signatures, kvcached_lines
+from vllm_server import Completion, ServerError, ServerOptions, StopResult, VllmServer
+
+HOST_DEVICE = 37  # a host device of these servers alone
+CAPACITY_MIB = 96
+#: The ledger keeps total x (1 - this) free as its safety margin; the host
+#: backend's pages are 4 MiB here, and a grant not yet mapped when a
+#: calibration samples is counted twice until the next one.
+UTILIZATION = 0.8
+LOAD_REQUESTS = 32
+LOAD_PROMPT = 2500
+LOAD_OUTPUT = 64
+PROBE_TOKENS = 32
+LIMIT_FILL = 24
+LIMIT_FILL_PROMPT = 1500
+LIMIT_WAIT_S = 5.0
+
+
+def elastic_options(ledger_dir: Path) -> ServerOptions:
+    return ServerOptions(
+        kvcached=True,
+        max_num_seqs=LOAD_REQUESTS,
+        extra_env={
+            "KVCACHED_LEDGER_DIR": str(ledger_dir),
+            "KVCACHED_HOST_DEVICE": str(HOST_DEVICE),
+            "KVCACHED_HOST_CAPACITY": f"{CAPACITY_MIB}M",
+            "KVCACHED_GPU_UTILIZATION": str(UTILIZATION),
+            "KVCACHED_MIN_RESERVED_PAGES": "1",
+            "KVCACHED_MAX_RESERVED_PAGES": "2",
+        },
+    )
+
+
+@dataclass
+class ServerRecord:
+    name: str = ""  # the instance name the server chose
+    pid: int = 0
+    ready_s: float | None = None
+    start_error: str | None = None
+    probes_before: list[list[int]] = field(default_factory=list)
+    probes_after: list[list[int]] = field(default_factory=list)
+    alive: bool | None = None
+    stop: StopResult | None = None
+    error_signatures: list[str] = field(default_factory=list)
+    kvcached_lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ElasticRecord:
+    a: ServerRecord = field(default_factory=ServerRecord)
+    b: ServerRecord = field(default_factory=ServerRecord)
+    budget: int = 0
+    a_idle: int = 0
+    a_peak: int = 0
+    free_at_a_peak: int = 0
+    a_after_reset: int = 0
+    b_idle: int = 0
+    b_peak: int = 0
+    a_requests: list[Completion] = field(default_factory=list)
+    b_requests: list[Completion] = field(default_factory=list)
+    contended: list[Completion] = field(default_factory=list)
+    contended_peak: int = 0
+    contended_misses: dict[str, int] = field(default_factory=dict)
+    resets: list[bool] = field(default_factory=list)
+    # limit phases (on B)
+    limit_idle: int = 0
+    limit_filled: int = 0
+    limit_fill_ok: bool | None = None
+    limit: int = 0
+    limit_status: list[str] = field(default_factory=list)
+    limit_released_s: float | None = None
+    limit_load: list[Completion] = field(default_factory=list)
+    limit_peak_under_load: int = 0
+    limit_regrown: int = 0
+    limit_refill_ok: bool | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class UsageSampler:
+    """Samples each instance's charged bytes from the ledger every 0.1 s."""
+
+    def __init__(self, ledger_dir: Path) -> None:
+        self.ledger_dir = str(ledger_dir)
+        self.peaks: dict[str, int] = {}
+        self.totals_at_peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> tuple[dict[str, int], int]:
+        """``({instance: charged}, budget)`` now."""
+        from kvcached.control.limits import ledger_snapshots
+
+        usage: dict[str, int] = {}
+        budget = 0
+        for snap in ledger_snapshots(self.ledger_dir):
+            budget = snap.header.budget
+            for inst in snap.instances:
+                usage[inst.name] = usage.get(inst.name, 0) + inst.charged
+        return usage, budget
+
+    def __enter__(self) -> UsageSampler:
+        self.peaks, self.totals_at_peak = {}, {}
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(0.1)
+
+    def sample(self) -> None:
+        usage, _ = self.read()
+        total = sum(usage.values())
+        for name, used in usage.items():
+            if used > self.peaks.get(name, -1):
+                self.peaks[name] = used
+                self.totals_at_peak[name] = total
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.sample()
+
+
+def misses() -> dict[str, int]:
+    """Allocation misses per instance, from the snapshots the engines publish."""
+    from kvcached.control.snapshot import read_snapshots
+
+    out: dict[str, int] = {}
+    for snap in read_snapshots(cleanup=False):
+        for pool in snap.data.get("pools", []):
+            out[snap.instance] = out.get(snap.instance, 0) + int(pool.get("misses", 0))
+    return out
+
+
+def load_prompts(seed: int) -> list[list[int]]:
+    return [token_prompt(seed + i, LOAD_PROMPT) for i in range(LOAD_REQUESTS)]
+
+
+PROBES = [token_prompt(8000 + i, 40 + 20 * i) for i in range(3)]
+
+
+def probe(server: VllmServer) -> list[list[int]]:
+    return [c.token_ids for c in server.complete_all(PROBES, PROBE_TOKENS, concurrent=False)]
+
+
+def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
+                     set_limit: Callable[[str, int | None], str]) -> ElasticRecord:
+    """Run every elastic and limit phase; never raises for a server failure
+    (recorded in ``error``). ``set_limit(name, bytes or None)`` lowers or
+    restores an instance's limit and returns its status."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+    rec = ElasticRecord()
+    options = elastic_options(ledger_dir)
+    a = VllmServer(model_dir, workdir / "elastic-a.log", options)
+    b = VllmServer(model_dir, workdir / "elastic-b.log", options)
+    sampler = UsageSampler(ledger_dir)
+    try:
+        a.start()
+        time.sleep(2.0)  # A first, then B
+        b.start()
+        for server, r in ((a, rec.a), (b, rec.b)):
+            try:
+                r.ready_s = server.wait_ready(400)
+            except ServerError as exc:
+                r.start_error = str(exc)
+                raise
+            r.pid = server.proc.pid if server.proc else 0
+            r.probes_before = probe(server)
+        usage, rec.budget = sampler.read()
+        rec.a.name, rec.b.name = f"vllm-{rec.a.pid}", f"vllm-{rec.b.pid}"
+        rec.a_idle, rec.b_idle = usage.get(rec.a.name, 0), usage.get(rec.b.name, 0)
+        with sampler:  # (1) A's load
+            rec.a_requests = a.complete_all(load_prompts(100_000), LOAD_OUTPUT,
+                                            ignore_eos=True)
+        rec.a_peak = sampler.peaks.get(rec.a.name, 0)
+        rec.free_at_a_peak = rec.budget - sampler.totals_at_peak.get(rec.a.name, 0)
+        rec.resets.append(a.reset_prefix_cache())  # (2)
+        time.sleep(0.5)
+        rec.a_after_reset = sampler.read()[0].get(rec.a.name, 0)
+        with sampler:  # (3) B's load
+            rec.b_requests = b.complete_all(load_prompts(200_000), LOAD_OUTPUT,
+                                            ignore_eos=True)
+        rec.b_peak = sampler.peaks.get(rec.b.name, 0)
+        rec.resets.append(b.reset_prefix_cache())
+        with sampler:  # (4) both at once
+            results: dict[str, list[Completion]] = {}
+            threads = [
+                threading.Thread(target=lambda s=s, k=k, seed=seed: results.__setitem__(
+                    k, s.complete_all(load_prompts(seed), LOAD_OUTPUT, ignore_eos=True)))
+                for s, k, seed in ((a, "a", 300_000), (b, "b", 400_000))
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            rec.contended = results.get("a", []) + results.get("b", [])
+        rec.contended_peak = max(sampler.totals_at_peak.values(), default=0)
+        rec.contended_misses = misses()
+        rec.resets.append(a.reset_prefix_cache())
+        rec.resets.append(b.reset_prefix_cache())
+        run_limit_phases(b, rec, sampler, set_limit)
+        for server, r in ((a, rec.a), (b, rec.b)):
+            r.probes_after = probe(server)
+            r.alive = server.alive()
+    except ServerError as exc:
+        rec.error = str(exc)
+    finally:
+        for server, r in ((a, rec.a), (b, rec.b)):
+            if server.proc is not None:
+                r.stop = server.stop()
+            r.error_signatures = find_error_signatures(server.log_text(before_stop=True))
+            r.kvcached_lines = kvcached_lines(server.log_text())
+        (workdir / "elastic.json").write_text(json.dumps(rec.to_json(), indent=1, default=str))
+    return rec
+
+
+def run_limit_phases(server: VllmServer, rec: ElasticRecord, sampler: UsageSampler,
+                     set_limit: Callable[[str, int | None], str]) -> None:
+    name = rec.b.name
+    rec.limit_idle = sampler.read()[0].get(name, 0)
+    fill = [token_prompt(500_000 + i, LIMIT_FILL_PROMPT) for i in range(LIMIT_FILL)]
+    done = [c for i in range(0, LIMIT_FILL, 8)
+            for c in server.complete_all(fill[i:i + 8], 1, concurrent=True)]
+    rec.limit_fill_ok = all(c.ok for c in done)
+    rec.limit_filled = sampler.read()[0].get(name, 0)
+    rec.limit = rec.limit_idle + (rec.limit_filled - rec.limit_idle) // 4
+    rec.limit_status.append(set_limit(name, rec.limit))
+    start = time.monotonic()
+    while time.monotonic() - start < 30:
+        if sampler.read()[0].get(name, 0) <= rec.limit:
+            rec.limit_released_s = time.monotonic() - start
+            break
+        time.sleep(0.1)
+    with sampler:
+        short = [token_prompt(600_000 + i, 150) for i in range(100)]
+        for i in range(0, len(short), 8):
+            rec.limit_load += server.complete_all(short[i:i + 8], 16, concurrent=True)
+        for i in range(4):
+            rec.limit_load.append(server.complete(token_prompt(700_000 + i, 1200), 16))
+    rec.limit_peak_under_load = sampler.peaks.get(name, 0)
+    rec.limit_status.append(set_limit(name, None))
+    refill = [token_prompt(800_000 + i, LIMIT_FILL_PROMPT) for i in range(LIMIT_FILL)]
+    done = [c for i in range(0, LIMIT_FILL, 8)
+            for c in server.complete_all(refill[i:i + 8], 1, concurrent=True)]
+    rec.limit_refill_ok = all(c.ok for c in done)
+    rec.limit_regrown = sampler.read()[0].get(name, 0)
+
