@@ -103,6 +103,42 @@ def _may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
     return num_blocks if forced is None else forced
 
 
+def _resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]],
+                             kv_cache_specs: Any = None) -> Any:
+    """vLLM's layout choice, with ``KVCACHED_CONTIGUOUS_LAYOUT`` as a preference:
+    ``true`` takes the attention backends' most preferred block-outermost layout
+    (every layer of a block side by side, one handle per page), ``false`` their
+    most preferred layer-outermost one, ``auto`` (and any layout the user set,
+    by ``VLLM_KV_CACHE_LAYOUT`` or in the config) is vLLM's own choice. A
+    preference no backend supports is said once and vLLM's choice kept."""
+    orig = original(_resolve_kv_cache_layout)
+    from vllm import envs
+
+    from kvcached.config import get_config
+
+    want = get_config().contiguous_layout
+    if (not STATE.active or want is None or envs.VLLM_KV_CACHE_LAYOUT is not None
+            or vllm_config.cache_config.kv_cache_layout is not None or not supported_layouts):
+        return orig(vllm_config, supported_layouts, kv_cache_specs)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    names = [n for n in supported_layouts[0] if n in KVCacheLayout.__members__
+             and KVCacheLayout[n].is_block_outermost == want]
+    for name in names:  # the backends' order of preference
+        filtered = [[n for n in per_worker if n == name] for per_worker in supported_layouts]
+        if all(filtered):
+            try:
+                return orig(vllm_config, filtered, kv_cache_specs)
+            except ValueError:  # vLLM's own constraints (mixed page sizes, ...) refuse it
+                vllm_config.cache_config.kv_cache_layout = None
+    layout = orig(vllm_config, supported_layouts, kv_cache_specs)
+    log.info("KVCACHED_CONTIGUOUS_LAYOUT=%s: the attention backends support no %s KV "
+             "layout (%s); keeping vLLM's %s", str(want).lower(),
+             "block-outermost" if want else "layer-outermost", ", ".join(supported_layouts[0]),
+             layout.name)
+    return layout
+
+
 def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     orig = original(_initialize_kv_caches)
     if not STATE.active:
@@ -379,7 +415,9 @@ def check_engine_core(module: ModuleType) -> str | None:
                             ("self", "reset_running_requests", "reset_connector"))
             or check_params(core, "shutdown", ("self",))
             or check_params(proc, "_handle_client_request", ("self", "request_type", "request"))
-            or check_params(proc, "_process_input_queue", ("self",)))
+            or check_params(proc, "_process_input_queue", ("self",))
+            or check_params(module, "resolve_kv_cache_layout",
+                            ("vllm_config", "supported_layouts", "kv_cache_specs")))
 
 
 def install_engine_core(patcher: Patcher, module: ModuleType) -> None:
@@ -389,3 +427,4 @@ def install_engine_core(patcher: Patcher, module: ModuleType) -> None:
     patcher.replace(core, "shutdown", _shutdown)
     patcher.replace(proc, "_handle_client_request", _handle_client_request)
     patcher.replace(proc, "_process_input_queue", _process_input_queue)
+    patcher.replace(module, "resolve_kv_cache_layout", _resolve_kv_cache_layout)

@@ -319,3 +319,25 @@ def test_a_changed_signature_switches_kvcached_off(kvcached_on) -> None:
         assert not hasattr(fake.allocate_kv_cache, "__kvcached_original__")
     finally:
         STATE.off_reason = None
+
+
+# -- KVCACHED_CONTIGUOUS_LAYOUT as a layout preference -------------------------------------------------
+@pytest.mark.parametrize(("want", "supported", "expect"), [
+    ("auto", ["LBNHC", "LBHNC", "BLHNC"], "LBNHC"),
+    ("true", ["LBNHC", "LBHNC", "BLHNC"], "BLHNC"),
+    ("false", ["BLHNC", "LBHNC"], "LBHNC"),
+    ("true", ["LBHNC"], "LBHNC"),  # the CPU backend: nothing block-outermost, vLLM's kept
+])
+def test_contiguous_layout_picks_among_what_the_backends_support(
+        kvcached_on, monkeypatch, want, supported, expect) -> None:
+    from vllm.v1.attention.backends import utils as backend_utils
+
+    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", want)
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    reload_config()
+    monkeypatch.setattr(engine._resolve_kv_cache_layout, "__kvcached_original__",
+                        backend_utils.resolve_kv_cache_layout, raising=False)
+    config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None),
+                             kv_transfer_config=None)
+    layout = engine._resolve_kv_cache_layout(config, [supported, list(supported)], [SPEC])
+    assert layout.name == expect and config.cache_config.kv_cache_layout == expect

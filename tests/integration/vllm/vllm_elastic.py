@@ -39,7 +39,7 @@ CAPACITY_MIB = 96
 #: calibration samples is counted twice until the next one.
 UTILIZATION = 0.8
 LOAD_REQUESTS = 32
-LOAD_PROMPT = 2500
+LOAD_PROMPT = 3500
 LOAD_OUTPUT = 64
 PROBE_TOKENS = 32
 LIMIT_FILL = 24
