@@ -65,7 +65,8 @@ class SlotAllocator:
         self.evictor: Callable[[int], int] | None = None
         self.agreement = RoundAgreement(self.local_available_tokens, None,
                                         local_request=lambda: self._evict_wanted)
-        self.misses = 0
+        self.misses = 0  # allocations and reservations that returned None / False
+        self.local_failures = 0  # of which this rank's block manager said no
         self.evicted_tokens = 0
 
     # -- counts ------------------------------------------------------------------------------
@@ -103,6 +104,8 @@ class SlotAllocator:
         take = n if n <= len(stash) else len(stash)
         rest = n - take
         got = self.blocks.alloc(rest) if rest else []
+        if got is None:
+            self.local_failures += 1
         if not self.agreement.agree(got is not None):
             if got:
                 self.blocks.free(got)  # another rank missed: undo ours, as every rank does
@@ -150,6 +153,8 @@ class SlotAllocator:
         if short <= 0:
             return True
         got = self.blocks.alloc(short)
+        if got is None:
+            self.local_failures += 1
         if not self.agreement.agree(got is not None):
             if got:
                 self.blocks.free(got)
