@@ -406,3 +406,28 @@ def test_patch_installs_every_group_on_the_real_sglang():
     assert proc.returncode == 0, proc.stderr[-3000:]
     states = dict(eval(proc.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own repr
     assert states["pools"] == states["scheduler"] == "installed", states
+
+
+# -- startup: the cache is sized from a virtual budget --------------------------------
+
+
+def test_profiling_ignores_memory_other_engines_hold(monkeypatch, pools_group, tmp_path):
+    """``_profile_available_bytes`` (patched) sizes the pool as if the device
+    were this engine's alone: another engine charging most of the device on
+    its ledger neither shrinks the cache nor makes SGLang refuse to start."""
+    from kvcached.driver import get_driver
+    from kvcached.ledger import open_pool_budget
+
+    conf = _configurator(monkeypatch, 1)
+    driver = get_driver(0)
+    total = driver.info().total_bytes
+    alone = conf._profile_available_bytes(pre_model_load_memory=total)
+    assert alone == int(total * 0.5)
+    other = open_pool_budget(driver, "other-engine", calibrate=False)
+    try:
+        grab = other.headroom() // (2 * MIB) * (2 * MIB)
+        assert other.grant(grab)
+        assert conf._profile_available_bytes(pre_model_load_memory=total) == alone
+    finally:
+        other.refund(grab)
+        other.close()
