@@ -280,7 +280,11 @@ def reserve_for_extend(slots: Any, allocator: Any, tree_cache: Any, reqs: list[A
     if pages <= 0:
         return True
     allocator.evict_to_free_tokens(tree_cache, pages * slots.page_size)
-    ok = slots.available_tokens() >= pages * slots.page_size and slots.reserve(pages)
+    if slots.available_tokens() < pages * slots.page_size:
+        slots.misses += 1  # the same verdict on every rank: no collective
+        ok = False
+    else:
+        ok = slots.reserve(pages)
     if not ok and getattr(slots, "prefill_guard", False):
         raise KVCacheMiss(list(reqs))
     return ok

@@ -207,6 +207,30 @@ def test_without_the_group_or_for_a_draft_worker_sglang_builds_its_own(monkeypat
                                       kvcache=pool, need_sort=False)) is PagedTokenToKVPoolAllocator
 
 
+def test_hybrid_linear_pool_gets_an_elastic_full_attention_pool():
+    """SGLang's hybrid linear-attention pool builds its full-attention pool
+    from the class the configurator resolved; the allocator finds it."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    pool = HybridLinearKVPool(size=4096, dtype=torch.float16, page_size=1, head_num=8,
+                              head_dim=128, full_attention_layer_ids=[1, 3], device="cpu",
+                              mamba_pool=None,
+                              full_kv_pool_class=pools.ElasticMHATokenToKVPool)
+    kv = pools.elastic_kv_of(pool)
+    try:
+        assert kv is pool.full_kv_pool.kvcached and kv is not None
+        alloc = pools.token_allocator(4096, dtype=torch.float16, device="cpu", kvcache=pool,
+                                      need_sort=False)
+        assert type(alloc) is pools.ElasticTokenToKVPoolAllocator
+        loc = alloc.alloc(10)
+        k = torch.randn(10, 8, 128, dtype=torch.float16)
+        pool.set_kv_buffer(_Layer(3), loc, k, -k)  # global layer 3 = full-attention layer 1
+        assert torch.equal(kv.cache.tensors.key_view(1).view(-1, 8, 128)[loc], k)
+        assert torch.equal(pool.get_value_buffer(3)[loc], -k)
+    finally:
+        kv.close()
+
+
 # -- data through kvcached pages -----------------------------------------------------
 
 
@@ -331,36 +355,81 @@ def _req(rid: str, retractions: int) -> Req:
     return req
 
 
-def test_a_prefill_that_cannot_reserve_is_requeued_with_its_history():
-    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=2)
-    slots = alloc.kvcached_slots
-    try:
-        fresh, retracted, third = _req("a", 0), _req("b", 2), _req("c", 0)
-        scheduler = NS(waiting_queue=[fresh, retracted, third], chunked_req=None)
-        snapshot = groups.AdmissionSnapshot(scheduler)
-        # What admission does: take the batch off the queue, and touch the
-        # flags (SGLang's adder resets is_retracted when it admits a request).
-        batch = [fresh, retracted]
-        scheduler.waiting_queue = [third]
+class _Batch:
+    """Stands in for ScheduleBatch: prepare_for_extend is where SGLang allocates."""
+
+    def __init__(self, reqs: list, allocator, tree) -> None:
+        self.reqs, self.token_to_kv_pool_allocator, self.tree_cache = reqs, allocator, tree
+        self.allocated = None
+
+    def is_dllm(self) -> bool:
+        return False
+
+    def prepare_for_extend(self) -> None:
+        pages = sum(-(-r.extend_end // 4) for r in self.reqs)
+        self.allocated = self.token_to_kv_pool_allocator.alloc(pages * 4)
+        assert self.allocated is not None, "SGLang would raise 'Out of memory' here"
+
+
+class _Scheduler:
+    """Stands in for SGLang's Scheduler around the methods the group wraps:
+    admission takes two requests off the queue and, as SGLang's adder does,
+    clears ``is_retracted`` of what it admits."""
+
+    def __init__(self, allocator, reqs: list) -> None:
+        self.token_to_kv_pool_allocator = allocator
+        self.tree_cache = NS(evictable_size=lambda: 0, evict=None,
+                             supports_prefix_sharing=lambda: False)
+        self.waiting_queue = list(reqs)
+        self.chunked_req = None
+
+    def get_next_batch_to_run(self, running_batch, last_batch):
+        return self._get_new_batch_prefill_raw(None, running_batch=running_batch)
+
+    def _get_new_batch_prefill_raw(self, prefill_delayer_single_pass, running_batch):
+        batch, self.waiting_queue = self.waiting_queue[:2], self.waiting_queue[2:]
         for r in batch:
             r.is_retracted = False
-            r.prefix_len, r.extend_end = 0, 40  # 10 pages each: more than 2 kvcached pages hold
-        slots.prefill_guard = True
-        with pytest.raises(groups.KVCacheMiss) as miss:
-            groups.reserve_for_extend(slots, alloc, None, batch)
-        assert slots.stashed == 0 and kv.blocks.available_size() == 2 * kv.cache.blocks_per_page - 1
-        snapshot.requeue(scheduler, miss.value.reqs)
-        assert scheduler.waiting_queue == [fresh, retracted, third]
-        assert (fresh.is_retracted, fresh.retracted_stain, fresh.retraction_count) == (False, False, 0)
-        assert (retracted.is_retracted, retracted.retracted_stain, retracted.retraction_count) == (
-            True, True, 2)
-        # A batch that fits is reserved and then served from the reservation.
-        for r in batch:
-            r.extend_end = 4
-        assert groups.reserve_for_extend(slots, alloc, None, batch)
-        assert slots.stashed == 2
+        new = _Batch(batch, self.token_to_kv_pool_allocator, self.tree_cache)
+        new.prepare_for_extend()
+        return new, running_batch
+
+
+@pytest.fixture
+def scheduler_group():
+    module = NS(Scheduler=_Scheduler, ScheduleBatch=_Batch)
+    patcher = Patcher()
+    groups._install_scheduler(patcher, module)
+    yield
+    patcher.undo()
+
+
+def test_a_prefill_that_cannot_reserve_waits_with_its_retraction_history(scheduler_group):
+    """The scheduler group's wrappers around admission: a batch whose pages
+    cannot be reserved goes back to the head of the queue, each real ``Req``
+    with its retraction history as it was; once memory is there it runs."""
+    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=2)  # 7 pages of 4 tokens usable
+    try:
+        fresh, retracted, third = _req("a", 0), _req("b", 2), _req("c", 0)
+        for r in (fresh, retracted, third):
+            r.prefix_len, r.extend_end = 0, 16  # 4 pages each: two do not fit
+        sched = _Scheduler(alloc, [fresh, retracted, third])
+        running = object()
+        assert sched.get_next_batch_to_run(running, None) == (None, running)
+        assert sched.waiting_queue == [fresh, retracted, third]
+        assert (fresh.is_retracted, fresh.retracted_stain, fresh.retraction_count) == (
+            False, False, 0)
+        assert (retracted.is_retracted, retracted.retracted_stain,
+                retracted.retraction_count) == (True, True, 2)
+        slots = alloc.kvcached_slots
+        assert slots.stashed == 0 and slots.n_live == 0 and slots.misses == 1
+        # Memory came back (another engine left): the same batch now runs.
+        kv.budget.capacity *= 4
+        batch, _ = sched.get_next_batch_to_run(running, None)
+        assert batch.reqs == [fresh, retracted] and batch.allocated.numel() == 32
+        assert sched.waiting_queue == [third] and retracted.retraction_count == 2
+        assert slots.stashed == 0  # the reservation was used, nothing left held
     finally:
-        slots.prefill_guard = False
         kv.close()
 
 
