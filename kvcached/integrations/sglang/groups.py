@@ -185,7 +185,9 @@ def _bind_scheduler(scheduler: Any, slots: Any) -> None:
     slots.evictor = functools.partial(evict_tokens, tree)
     source = slots.kv.source
     if source is not None:
-        source.prefix_cache_tokens = tree.evictable_size
+        # Read by the control thread: a figure the scheduler thread wrote, not
+        # a call into the tree (which belongs to the scheduler thread).
+        source.prefix_cache_tokens = lambda: slots.prefix_cached_tokens
     slots.bound_scheduler = True
 
 
@@ -233,11 +235,12 @@ def _install_scheduler(p: Patcher, module: ModuleType) -> None:
         slots = slots_of(self)
         if slots is None:
             return next_batch(self, *args, **kwargs)
-        if not getattr(slots, "bound_scheduler", False):
+        if not slots.bound_scheduler:
             _bind_scheduler(self, slots)
         slots.begin_round()
         try:
             enforce_cache_cap(slots, self.tree_cache, cap)
+            slots.prefix_cached_tokens = self.tree_cache.evictable_size()
             return next_batch(self, *args, **kwargs)
         finally:
             slots.end_round()
@@ -285,7 +288,7 @@ def reserve_for_extend(slots: Any, allocator: Any, tree_cache: Any, reqs: list[A
         ok = False
     else:
         ok = slots.reserve(pages)
-    if not ok and getattr(slots, "prefill_guard", False):
+    if not ok and slots.prefill_guard:
         raise KVCacheMiss(list(reqs))
     return ok
 

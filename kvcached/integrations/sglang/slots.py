@@ -68,6 +68,9 @@ class SlotAllocator:
         self.misses = 0  # allocations and reservations that returned None / False
         self.local_failures = 0  # of which this rank's block manager said no
         self.evicted_tokens = 0
+        self.prefix_cached_tokens = 0  # the tree's evictable tokens at the last round
+        self.prefill_guard = False  # set by the scheduler group around admission
+        self.bound_scheduler = False
 
     # -- counts ------------------------------------------------------------------------------
     def local_available_tokens(self) -> int:
