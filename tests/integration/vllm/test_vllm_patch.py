@@ -341,3 +341,82 @@ def test_contiguous_layout_picks_among_what_the_backends_support(
                              kv_transfer_config=None)
     layout = engine._resolve_kv_cache_layout(config, [supported, list(supported)], [SPEC])
     assert layout.name == expect and config.cache_config.kv_cache_layout == expect
+
+
+# -- startup memory checks (GPU code paths, driven with stand-ins here) ---------------------------------
+GIB = 1 << 30
+
+
+def fake_vllm_config(**parallel: int) -> SimpleNamespace:
+    return SimpleNamespace(parallel_config=SimpleNamespace(**parallel),
+                           cache_config=SimpleNamespace(), model_config=SimpleNamespace(),
+                           kv_transfer_config=None,
+                           attention_config=SimpleNamespace(hisparse_config=None))
+
+
+def test_request_memory_no_longer_refuses_a_device_another_engine_uses(kvcached_on) -> None:
+    """vLLM refuses to start when free memory is below total x utilization,
+    i.e. whenever another engine already uses the GPU; kvcached's KV cache
+    takes nothing at start, so the request becomes an upper bound."""
+    snapshot = SimpleNamespace(total_memory=80 * GIB, free_memory=20 * GIB, device_="cuda:0")
+    cache = SimpleNamespace(gpu_memory_utilization=0.9)
+    vllm_request_memory = getattr(worker_utils.request_memory, "__kvcached_original__",
+                                  worker_utils.request_memory)
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        vllm_request_memory(snapshot, cache)
+    assert worker._request_memory(snapshot, cache) == int(80 * GIB * 0.9)
+
+
+def test_gpu_sizing_profiles_without_the_free_memory_assertion(kvcached_on, monkeypatch) -> None:
+    """The GPU worker profiles on vLLM's ``kv_cache_memory_bytes`` path (which
+    compiles but asserts nothing about free memory) and reports the virtual
+    capacity total x KVCACHED_GPU_UTILIZATION."""
+    seen = []
+
+    def vllm_determine(self):
+        seen.append(self.cache_config.kv_cache_memory_bytes)
+        return 123
+
+    monkeypatch.setattr(worker._gpu_determine_available_memory, "__kvcached_original__",
+                        vllm_determine, raising=False)
+    me = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None),
+                         init_snapshot=SimpleNamespace(total_memory=80 * GIB),
+                         vllm_config=fake_vllm_config(), device="cuda:0")
+    got = worker._gpu_determine_available_memory(me)
+    assert seen == [int(80 * GIB * 0.95)] and got == int(80 * GIB * 0.95)
+    assert me.cache_config.kv_cache_memory_bytes is None, "the user's setting is restored"
+    me.cache_config.kv_cache_memory_bytes = 7 * GIB  # the user's own size is kept
+    assert worker._gpu_determine_available_memory(me) == 123 and seen[-1] == 7 * GIB
+
+
+def test_cpu_sizing_skips_the_node_memory_check(kvcached_on, monkeypatch) -> None:
+    def vllm_determine(self):
+        raise AssertionError("vLLM's check against the node's free memory must not run")
+
+    monkeypatch.setattr(worker._cpu_determine_available_memory, "__kvcached_original__",
+                        vllm_determine, raising=False)
+    me = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=64 * GIB),
+                         vllm_config=fake_vllm_config(), _should_warm_up_model=lambda: False)
+    assert worker._cpu_determine_available_memory(me) == 64 * GIB
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"pipeline_parallel_size": 2}, "pipeline"),
+    ({"nnodes": 2}, "across nodes"),
+    ({"decode_context_parallel_size": 2}, "context parallel"),
+])
+def test_unsupported_parallelism_is_refused(change, reason) -> None:
+    assert reason in worker.refusal_reason(fake_vllm_config(**change))
+
+
+def test_kv_connectors_hisparse_and_sleep_mode_are_refused() -> None:
+    config = fake_vllm_config()
+    assert worker.refusal_reason(config) is None
+    config.kv_transfer_config = object()
+    assert "KV connectors" in worker.refusal_reason(config)
+    config = fake_vllm_config()
+    config.attention_config.hisparse_config = object()
+    assert "HiSparse" in worker.refusal_reason(config)
+    config = fake_vllm_config()
+    config.model_config.enable_sleep_mode = True
+    assert "sleep mode" in worker.refusal_reason(config)
