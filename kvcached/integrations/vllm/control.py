@@ -163,6 +163,8 @@ class EngineContext:
         self.closed = True
         for source in self.sources:
             self.instance.remove_pool(source)
+        if not self.instance.pools:  # the engine core's instance holds only these
+            self.instance.close()
         self.planner.close()
         for pool in self.pools:
             pool.close()
