@@ -84,6 +84,15 @@ class KvcachedBlockPool(BlockPool):
         total = used + self.get_num_free_blocks() + self.planner.growable_blocks()
         return used / total if total > 0 else 0.0
 
+    def reserve(self, target: int) -> None:
+        """Right before vLLM's capacity check: have ``target`` blocks ready
+        without growth if memory allows (see the planner); when neither that
+        nor the idle cached blocks cover it, the check fails: a miss."""
+        planner = self.planner
+        if not planner.reserve(target) and \
+                planner.ready_blocks() + self.free_block_queue.num_free_blocks < target:
+            planner.note_miss()
+
     # -- allocation ----------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         planner = self.planner

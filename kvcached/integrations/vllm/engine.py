@@ -257,7 +257,7 @@ def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
     pool = self.block_pool
     extra = getattr(pool, "alloc_extra", None)
     if extra is not None:
-        pool.planner.reserve(need + extra)
+        pool.reserve(need + extra)
     return need
 
 

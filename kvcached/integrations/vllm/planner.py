@@ -102,23 +102,23 @@ class StepPlanner:
     def reserve(self, target: int) -> bool:
         """Make ``target`` blocks ready without growth, mapping (planning and
         granting) idle pages as needed. ``False`` when the budget, the cap or
-        the virtual size stopped the growth short (a miss: vLLM's own check
-        then fails and its scheduler waits or preempts)."""
+        the virtual size stopped the growth short; the caller decides whether
+        that is a miss (see :meth:`note_miss`)."""
         short = target - self.blocks.ready_size()
         if short <= 0:
             return True
         want = -(-short // self.blocks_per_page)
-        got = self.pages.map_idle(want)
-        if got < want:
-            self.misses += 1
-            now = time.monotonic()
-            if now - self._miss_logged >= MISS_LOG_S:
-                self._miss_logged = now
-                log.info("KV memory is full (budget, limit or virtual size): %d allocation "
-                         "misses so far; vLLM's scheduler makes requests wait or preempts",
-                         self.misses)
-            return False
-        return True
+        return self.pages.map_idle(want) >= want
+
+    def note_miss(self) -> None:
+        """vLLM's capacity check is about to fail for want of memory: count it,
+        and say so at most once per :data:`MISS_LOG_S`."""
+        self.misses += 1
+        now = time.monotonic()
+        if now - self._miss_logged >= MISS_LOG_S:
+            self._miss_logged = now
+            log.info("KV memory is full (budget, limit or virtual size): %d allocation misses "
+                     "so far; vLLM's scheduler makes requests wait or preempts", self.misses)
 
     def live_blocks(self) -> int:
         """Blocks handed out and not freed (the null block excluded)."""
