@@ -17,7 +17,9 @@ prompts (lengths spread over ``--min-prompt``..``--max-prompt``) streamed
 Per server and round: throughput = output tokens / wall time of its two loads,
 and TTFT p50 over their requests (time to the first streamed token). The ratios are candidate over baseline, paired within a
 round; the result is their median with min and max over the rounds
-(``throughput_ratio``, ``ttft_p50_ratio``; the control's under ``control``).
+(``throughput_ratio``, ``ttft_p50_ratio``, and ``cpu_per_token_ratio``: the
+CPU time the server's processes spent per output token, less sensitive to
+other work on the machine than wall time; the control's under ``control``).
 
     python benchmarks/vllm_serving.py                       # native vs native (noise)
     python benchmarks/vllm_serving.py --candidate kvcached  # kvcached, with a native control
@@ -59,17 +61,41 @@ def request_set(seed: int, count: int, min_len: int, max_len: int) -> list[list[
     ]
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(server: VllmServer) -> float:
+    """CPU seconds (user + system) used so far by every live process of the
+    server's process group (API server, engine core, workers)."""
+    assert server.proc is not None
+    pgid, total = server.proc.pid, 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 13 and int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / _TICK
+
+
 class Load:
-    """One request set sent to one server: its wall time and results."""
+    """One request set sent to one server: its wall time, the CPU time its
+    processes used, and its results."""
 
     def __init__(self, server: VllmServer, prompts: list[list[int]], max_tokens: int,
                  concurrency: int) -> None:
+        cpu = group_cpu_s(server)
         start = time.monotonic()
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
             self.results: list[StreamedCompletion] = list(
                 pool.map(lambda p: server.stream(p, max_tokens, ignore_eos=True), prompts)
             )
         self.wall_s = time.monotonic() - start
+        self.cpu_s = group_cpu_s(server) - cpu
         failed = [r.error or r.status for r in self.results if not r.ok]
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}; "
@@ -81,10 +107,15 @@ def measure(loads: list[Load]) -> dict[str, float]:
     wall = sum(load.wall_s for load in loads)
     results = [r for load in loads for r in load.results]
     tokens = sum(len(r.token_ids) for r in results)
+    cpu = sum(load.cpu_s for load in loads)
     return {
         "wall_s": wall,
+        "cpu_s": cpu,
         "output_tokens": tokens,
         "throughput_tok_s": tokens / wall,
+        # Less sensitive to other work on the machine than wall time: the CPU
+        # the server's own processes spent per output token.
+        "cpu_ms_per_token": 1e3 * cpu / tokens,
         "ttft_p50_s": statistics.median(r.ttft_s for r in results),
     }
 
@@ -171,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 result[f"{n}_throughput_ratio"] = (measured[n]["throughput_tok_s"]
                                                    / base["throughput_tok_s"])
                 result[f"{n}_ttft_p50_ratio"] = measured[n]["ttft_p50_s"] / base["ttft_p50_s"]
+                result[f"{n}_cpu_per_token_ratio"] = (measured[n]["cpu_ms_per_token"]
+                                                      / base["cpu_ms_per_token"])
             result["throughput_ratio"] = result[f"{cand_name}_throughput_ratio"]
             result["ttft_p50_ratio"] = result[f"{cand_name}_ttft_p50_ratio"]
             # Other work on the machine is the main source of noise.
@@ -178,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(result)
             print(f"round {r}: " + ", ".join(
                 f"{n} {measured[n]['throughput_tok_s']:.0f} tok/s "
-                f"TTFT {measured[n]['ttft_p50_s'] * 1e3:.0f} ms" for n in names), flush=True)
+                f"TTFT {measured[n]['ttft_p50_s'] * 1e3:.0f} ms "
+                f"CPU {measured[n]['cpu_ms_per_token']:.2f} ms/tok" for n in names), flush=True)
     finally:
         for server in servers.values():
             server.close()
@@ -186,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     def ratios(n: str) -> dict[str, Any]:
         tp = summarize([r[f"{n}_throughput_ratio"] for r in rounds])
         tt = summarize([r[f"{n}_ttft_p50_ratio"] for r in rounds])
+        cp = summarize([r[f"{n}_cpu_per_token_ratio"] for r in rounds])
         return {"candidate": n, "throughput_ratio": tp["median"],
                 "throughput_ratio_range": [tp["min"], tp["max"]],
-                "ttft_p50_ratio": tt["median"], "ttft_p50_ratio_range": [tt["min"], tt["max"]]}
+                "ttft_p50_ratio": tt["median"], "ttft_p50_ratio_range": [tt["min"], tt["max"]],
+                "cpu_per_token_ratio": cp["median"],
+                "cpu_per_token_ratio_range": [cp["min"], cp["max"]]}
 
     main_ratios = ratios(cand_name)
     report: dict[str, Any] = {
@@ -217,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry['candidate']}/native: throughput_ratio {entry['throughput_ratio']:.3f} "
               f"[{entry['throughput_ratio_range'][0]:.3f}, {entry['throughput_ratio_range'][1]:.3f}], "
               f"ttft_p50_ratio {entry['ttft_p50_ratio']:.3f} "
-              f"[{entry['ttft_p50_ratio_range'][0]:.3f}, {entry['ttft_p50_ratio_range'][1]:.3f}]")
+              f"[{entry['ttft_p50_ratio_range'][0]:.3f}, {entry['ttft_p50_ratio_range'][1]:.3f}], "
+              f"cpu_per_token_ratio {entry['cpu_per_token_ratio']:.3f} "
+              f"[{entry['cpu_per_token_ratio_range'][0]:.3f}, "
+              f"{entry['cpu_per_token_ratio_range'][1]:.3f}]")
     print(f"-> {args.out}")
     return 0
 
