@@ -156,8 +156,13 @@ class EngineContext:
             return self.reclaimed
         return 0
 
-    def close(self) -> None:
-        """Leave the control layer and give the ledger pools back. Idempotent."""
+    def close(self, workers_gone: bool = False) -> None:
+        """Leave the control layer and give the ledger pools back. Idempotent.
+
+        ``workers_gone``: vLLM shut its workers down, so every page they held
+        is released: refund it before the pools close. (Otherwise closing
+        retires the charge with the budget alike, and a later calibration
+        finds the memory free.)"""
         if self.closed:
             return
         self.closed = True
@@ -167,6 +172,10 @@ class EngineContext:
             self.instance.close()
         self.planner.close()
         for pool in self.pools:
+            if workers_gone:
+                held = pool.charged - pool.pending_refund
+                if held > 0:
+                    pool.refund(held)
             pool.close()
 
 

@@ -339,12 +339,14 @@ def _process_input_queue(self: Any) -> Any:
 
 def _shutdown(self: Any) -> None:
     context = _context_of(getattr(self, "scheduler", None))
+    workers_gone = False
     try:
         original(_shutdown)(self)
+        workers_gone = True
     finally:
         if context is not None:
             with contextlib.suppress(Exception):
-                context.close()
+                context.close(workers_gone=workers_gone)
 
 
 # -- patch groups --------------------------------------------------------------------------------
