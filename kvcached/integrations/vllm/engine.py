@@ -342,6 +342,11 @@ def _shutdown(self: Any) -> None:
     workers_gone = False
     try:
         original(_shutdown)(self)
+        from kvcached.integrations.vllm.worker import WORKER
+
+        if WORKER.executor is not None:  # a worker in this very process (UniProcExecutor)
+            WORKER.executor.close()
+            WORKER.executor = None
         workers_gone = True
     finally:
         if context is not None:
