@@ -16,8 +16,8 @@
   process uses the device; the GPU worker profiles as with
   ``--kv-cache-memory-bytes`` (no free-memory assertion) and reports the
   virtual capacity ``total x KVCACHED_GPU_UTILIZATION``; the CPU worker reports
-  ``VLLM_CPU_KVCACHE_SPACE`` (or the host backend's capacity) without
-  comparing it with the node's free memory. Physical memory is the ledger's
+  ``VLLM_CPU_KVCACHE_SPACE`` (or, unset, the host backend's capacity) without
+  comparing it with the node's free memory, at start or when sizing. Physical memory is the ledger's
   business from then on.
 """
 
@@ -251,6 +251,23 @@ def _gpu_determine_available_memory(self: Any) -> int:
     return max(1, int(total * get_config().gpu_utilization) - own)
 
 
+def _cpu_worker_init(self: Any, vllm_config: Any, local_rank: int, rank: int,
+                     distributed_init_method: str, is_driver_worker: bool = False) -> None:
+    """Without ``VLLM_CPU_KVCACHE_SPACE`` the CPU worker sizes its cache from the
+    NUMA node's free memory and refuses to start when other processes use it.
+    With kvcached the size is virtual: make it the host backend's capacity
+    (``KVCACHED_HOST_CAPACITY``), which every kvcached server on the host shares."""
+    cache = vllm_config.cache_config
+    if STATE.active and refusal_reason(vllm_config) is None and not cache.kv_cache_memory_bytes:
+        from kvcached.config import get_config
+        from kvcached.driver import get_driver
+
+        cache.kv_cache_memory_bytes = get_driver(get_config().host_device,
+                                                 "host").info().total_bytes
+    original(_cpu_worker_init)(self, vllm_config, local_rank, rank, distributed_init_method,
+                               is_driver_worker)
+
+
 def _cpu_determine_available_memory(self: Any) -> int:
     """The CPU worker's size without its check against the node's free memory."""
     orig = original(_cpu_determine_available_memory)
@@ -325,10 +342,14 @@ def install_gpu_worker(patcher: Patcher, module: ModuleType) -> None:
 
 
 def check_cpu_worker(module: ModuleType) -> str | None:
-    return check_params(module.CPUWorker, "determine_available_memory", ("self",)) or \
-        check_params(module.CPUWorker, "_should_warm_up_model", ("self",))
+    cls = module.CPUWorker
+    return check_params(cls, "determine_available_memory", ("self",)) or \
+        check_params(cls, "_should_warm_up_model", ("self",)) or \
+        check_params(cls, "__init__", ("self", "vllm_config", "local_rank", "rank",
+                                       "distributed_init_method", "is_driver_worker"))
 
 
 def install_cpu_worker(patcher: Patcher, module: ModuleType) -> None:
+    patcher.replace(module.CPUWorker, "__init__", _cpu_worker_init)
     patcher.replace(module.CPUWorker, "determine_available_memory",
                     _cpu_determine_available_memory)

@@ -53,6 +53,16 @@ def test_servers_named_themselves_apart(elastic: ElasticRecord) -> None:
         assert any(f"instance {server.name}" in line for line in server.kvcached_lines)
 
 
+def test_virtual_size_without_vllm_cpu_kvcache_space(elastic: ElasticRecord) -> None:
+    """B was started without VLLM_CPU_KVCACHE_SPACE: its virtual KV size is the
+    host device's capacity (A's is the 1 GiB it asked for)."""
+    r = _ok(elastic)
+    assert any("worker rank 0" in line and "virtual 96.00 MiB" in line
+               for line in r.b.kvcached_lines), r.b.kvcached_lines
+    assert any("worker rank 0" in line and "virtual 1.00 GiB" in line
+               for line in r.a.kvcached_lines), r.a.kvcached_lines
+
+
 def test_a_requests_ok(elastic: ElasticRecord) -> None:
     r = _ok(elastic)
     assert r.a_requests and all(c.ok for c in r.a_requests)

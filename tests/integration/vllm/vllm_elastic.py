@@ -21,6 +21,7 @@ One :class:`ElasticRecord` holds everything the checks need.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -191,7 +192,11 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
     rec = ElasticRecord()
     options = elastic_options(ledger_dir)
     a = VllmServer(model_dir, workdir / "elastic-a.log", options)
-    b = VllmServer(model_dir, workdir / "elastic-b.log", options)
+    # B without VLLM_CPU_KVCACHE_SPACE: vLLM would size its cache from the node's
+    # free memory (and refuse to start when others use it); kvcached makes the
+    # virtual size the host device's capacity.
+    b = VllmServer(model_dir, workdir / "elastic-b.log",
+                   dataclasses.replace(options, kv_cache_gib=None))
     sampler = UsageSampler(ledger_dir)
     try:
         a.start()

@@ -72,8 +72,9 @@ class ServerOptions:
     seed: int = 0
     max_model_len: int = 4096
     max_num_seqs: int = 32
-    #: VLLM_CPU_KVCACHE_SPACE, GiB of KV cache the CPU engine sizes.
-    kv_cache_gib: int = 1
+    #: VLLM_CPU_KVCACHE_SPACE, GiB of KV cache the CPU engine sizes (None:
+    #: unset, and vLLM sizes it from the NUMA node's free memory).
+    kv_cache_gib: int | None = 1
     prefix_caching: bool = True
     #: Skip torch.compile: the tiny model gains nothing from it and a start
     #: takes tens of seconds less on two cores.
@@ -128,11 +129,13 @@ class ServerOptions:
         """The server's environment: ``base`` without its kvcached settings,
         then exactly the ones these options ask for."""
         env = {k: v for k, v in base.items() if not k.startswith(_OWNED_ENV_PREFIXES)}
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if self.kv_cache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
         env.update(
             {
                 # /reset_prefix_cache is a development endpoint.
                 "VLLM_SERVER_DEV_MODE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1",
