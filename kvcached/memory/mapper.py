@@ -194,8 +194,51 @@ class PageMapper:
         ``False`` when the budget denies it or the device is out of memory /
         fails (the attempt is undone). Raises :class:`MappingError` for a range
         outside the cache, longer than :attr:`max_run_pages`, or overlapping a
-        page that is already mapped."""
-        return self.map_runs([(first, count)]) == 1
+        page that is already mapped.
+
+        :meth:`map_runs` for one span, written out without its lists: growing
+        by one page at a time (a decode step, a refill of one page) is the
+        common case."""
+        if first.__class__ is not int or count.__class__ is not int or first < 0 \
+                or count < 1 or count > self.max_run_pages or first + count > self._num_pages:
+            first, count = self._check_span(first, count)
+        ext = Extent(first, count)
+        owner = self._owner
+        lock = self._lock
+        lock.acquire()
+        try:
+            if count == 1 and owner[first] is None:
+                owner[first] = ext
+            else:
+                self._claim_pages(ext, [ext])
+            self.mapped_pages += count
+        finally:
+            lock.release()
+        nbytes = count * self.page_bytes
+        try:
+            granted = self.budget.grant(nbytes)
+        except BaseException:
+            self._forget(ext)
+            raise
+        if not granted:
+            self._forget(ext)
+            return False
+        try:
+            self._build(ext)
+        except DriverError as exc:
+            level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
+            level("mapping pages [%d, %d) failed, undone: %s", first, first + count, exc)
+            self._undo(ext, nbytes)
+            return False
+        except BaseException:
+            self._undo(ext, nbytes)
+            raise
+        lock.acquire()
+        try:
+            ext.busy = False
+        finally:
+            lock.release()
+        return True
 
     def map_runs(self, spans: list[tuple[int, int]]) -> int:
         """Map each ``(first, count)`` span as one extent, in order, and stop
@@ -227,13 +270,8 @@ class PageMapper:
                 first = ext.first
                 if ext.count == 1 and owner[first] is None:
                     owner[first] = ext
-                    continue
-                for p in range(first, first + ext.count):
-                    if owner[p] is not None:
-                        self._unclaim(exts)
-                        raise MappingError(f"map_run: page {p} is already in {owner[p]!r}")
-                for p in range(first, first + ext.count):
-                    owner[p] = ext
+                else:
+                    self._claim_pages(ext, exts)
             self.mapped_pages += pages
         finally:
             lock.release()
@@ -246,23 +284,10 @@ class PageMapper:
             self._forget_all(exts)
             return 0
         done = 0
+        build = self._build
         try:
-            # Create, map and enable each handle in turn (_build, written out:
-            # this loop is most of a growth's Python work).
-            driver = self.driver
-            create, map_, set_access = driver.create, driver.map, driver.set_access
-            strides = self._strides
             for ext in exts:
-                first, count = ext.first, ext.count
-                handles = ext.handles
-                for base, span in strides:
-                    size = count * span
-                    va = base + first * span
-                    handle = create(size)
-                    handles.append(handle)
-                    map_(va, size, handle)
-                    ext.mapped += 1
-                    set_access(va, size)
+                build(ext)
                 done += 1
         except DriverError as exc:
             ext = exts[done]
@@ -296,6 +321,36 @@ class PageMapper:
             raise MappingError(
                 f"map_run(count={count}): at most {self.max_run_pages} pages per extent")
         return int(first), int(count)
+
+    def _claim_pages(self, ext: Extent, claiming: list[Extent]) -> None:
+        """Own every page of ``ext``; if one is taken, drop the claims of
+        ``claiming`` (this call's extents) and raise. Lock held."""
+        owner = self._owner
+        first = ext.first
+        for p in range(first, first + ext.count):
+            if owner[p] is not None:
+                taken = owner[p]
+                self._unclaim(claiming)
+                raise MappingError(f"map_run: page {p} is already in {taken!r}")
+        for p in range(first, first + ext.count):
+            owner[p] = ext
+
+    def _build(self, ext: Extent) -> None:
+        """Create, map and enable each handle of ``ext`` in turn (each range
+        is its own address range, so its access is set once it is mapped).
+        ``ext.handles`` and ``ext.mapped`` say how far it got if one fails."""
+        driver = self.driver
+        create, map_, set_access = driver.create, driver.map, driver.set_access
+        first, count = ext.first, ext.count
+        handles = ext.handles
+        for base, span in self._strides:
+            size = count * span
+            va = base + first * span
+            handle = create(size)
+            handles.append(handle)
+            map_(va, size, handle)
+            ext.mapped += 1
+            set_access(va, size)
 
     def _unclaim(self, exts: list[Extent]) -> None:
         owner = self._owner

@@ -190,10 +190,14 @@ class PageAllocator:
                 self._refill()
             return pages
         try:
-            done = self._map_runs(spans)
+            if len(spans) == 1:  # one extent (one new page, most often): map_run
+                first, count = spans[0]
+                done = 1 if self.mapper.map_run(first, count) else 0
+            else:
+                done = self._map_runs(spans)
         except BaseException:
             with lock:
-                if self._batch:  # _map_spans settles its spans itself
+                if len(spans) == 1 or self._batch:  # _map_spans settles its spans itself
                     self._settle_interrupted(spans)
                 self._push_idle(pages)  # the idle pages taken above go back
             raise
@@ -405,10 +409,12 @@ class PageAllocator:
         return len(spans)
 
     def _settle_interrupted(self, spans: list[tuple[int, int]]) -> None:
-        """``map_runs`` raised part way: spans the mapper made live become
-        idle, the rest unmapped or quarantined. Lock held."""
+        """``map_runs`` (or one ``map_run``) raised part way: spans the
+        mapper made live become idle, the rest unmapped or quarantined. Lock
+        held."""
+        is_mapped = getattr(self.mapper, "is_mapped", None)
         for first, count in spans:
-            if self.mapper.is_mapped(first):  # type: ignore[attr-defined]
+            if is_mapped is not None and is_mapped(first):
                 self._publish(first, count, IDLE)
             else:
                 self._fail_span(first, count)
