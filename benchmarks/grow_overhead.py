@@ -264,16 +264,17 @@ def python_overhead(pages: int = 512, rounds: int = 9, pages_per_take: int = 1) 
     }
 
 
-def split(driver: Driver, total: int, rounds: int = 3) -> dict:
+def split(driver: Driver, total: int, rounds: int = 3, clock=time.perf_counter) -> dict:
     """Per-page microseconds inside each driver call and outside them, for the
     raw loop and the allocator (one take per page), through :class:`TimedDriver`
-    (best round of each by total)."""
+    (best round of each by total; ``clock`` times the whole round, the calls
+    are timed by wall clock)."""
     timed = TimedDriver(driver)
     pages = total // driver.granularity
     out: dict[str, Any] = {}
-    for name, grow in (("raw", lambda: raw_growth(timed, total)),
+    for name, grow in (("raw", lambda: raw_growth(timed, total, clock)),
                        ("allocator", lambda: allocator_growth(timed, total, driver.granularity,
-                                                              coalesce=False))):
+                                                              coalesce=False, clock=clock))):
         best = None
         for _ in range(rounds):
             timed.reset()
@@ -290,11 +291,11 @@ def split(driver: Driver, total: int, rounds: int = 3) -> dict:
     return out
 
 
-def grow_report(driver: Driver, total: int, rounds: int) -> dict:
+def grow_report(driver: Driver, total: int, rounds: int, clock=time.perf_counter) -> dict:
     """What memory.py stores beside ``grow_ratio``."""
     return {
         "grow_python_overhead": python_overhead(rounds=rounds),
-        "grow_split_us_per_page": split(driver, total, rounds=min(rounds, 3)),
+        "grow_split_us_per_page": split(driver, total, rounds=min(rounds, 3), clock=clock),
     }
 
 
