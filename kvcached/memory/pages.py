@@ -325,6 +325,17 @@ class PageAllocator:
             return [(first, 1)]
         max_run = self.mapper.max_run_pages
         spans = []
+        if max_run == 1:  # coalescing off: one page per span
+            find = state.find
+            for _ in range(n - 1):
+                state[first] = BUSY
+                spans.append((first, 1))
+                first = find(_UNMAPPED_BYTE, first + 1)
+                assert first >= 0, "n_unmapped counts more unmapped pages than exist"
+            state[first] = BUSY
+            spans.append((first, 1))
+            self._unmapped_lo = first + 1
+            return spans
         left = n
         while True:
             seg = state[first:first + (left if left < max_run else max_run)]
