@@ -180,7 +180,7 @@ class PageAllocator:
                     self._unmapped_lo = first + 1
                     self.n_unmapped -= 1
                     self.n_busy += 1
-                    spans = [(first, 1)]
+                    spans = ()
                 else:
                     spans = self._pick_unmapped(grow)
         finally:
@@ -189,15 +189,13 @@ class PageAllocator:
             if refill:
                 self._refill()
             return pages
+        if not spans:
+            return self._grow_one(first, pages)
         try:
-            if len(spans) == 1:  # one extent (one new page, most often): map_run
-                first, count = spans[0]
-                done = 1 if self.mapper.map_run(first, count) else 0
-            else:
-                done = self._map_runs(spans)
+            done = self._map_runs(spans)
         except BaseException:
             with lock:
-                if len(spans) == 1 or self._batch:  # _map_spans settles its spans itself
+                if self._batch:  # _map_spans settles its spans itself
                     self._settle_interrupted(spans)
                 self._push_idle(pages)  # the idle pages taken above go back
             raise
@@ -231,6 +229,39 @@ class PageAllocator:
         if pages is None:
             self._maybe_shrink_inline()
         elif refill:
+            self._refill()
+        return pages
+
+    def _grow_one(self, first: int, pages: list[int]) -> list[int] | None:
+        """The rest of a take that grows by one page, ``first`` (busy):
+        mapped with ``map_run``, then used. The most common growth (a decode
+        step, a small prefill), so it skips the span lists."""
+        lock = self._lock
+        try:
+            ok = self.mapper.map_run(first, 1)
+        except BaseException:
+            with lock:
+                self._settle_interrupted([(first, 1)])
+                self._push_idle(pages)  # the idle pages taken before go back
+            raise
+        lock.acquire()
+        try:
+            if ok:  # _publish(first, 1, USED), written out
+                self._state[first] = USED
+                self._run[first] = _Run(first, 1, 1)
+                self.n_busy -= 1
+                self.n_used += 1
+                pages.append(first)
+                refill = self.n_idle < self.min_reserved and self._after_take()
+            else:
+                self._fail_span(first, 1)
+                self._push_idle(pages)
+        finally:
+            lock.release()
+        if not ok:
+            self._maybe_shrink_inline()
+            return None
+        if refill:
             self._refill()
         return pages
 
