@@ -27,8 +27,9 @@ minus the raw loop on it); ``grow_split_us_per_page`` splits a page of the raw
 loop and of the allocator into time inside ``create`` / ``map`` /
 ``set_access`` and outside them; ``grow_explained`` puts the two beside the
 measured gap (``allocator_us_per_2mib - raw_us_per_2mib``) and gives the ratio
-the Python cost alone would allow. Rounds rotate the order of the three growth
-loops, so none always runs right after another's teardown.
+the Python cost alone would allow. Rounds run the four growth loops in the
+orders of a balanced Latin square, so each runs right after each other one
+equally often (a teardown can slow the loop after it).
 
 Run from the repository root::
 
@@ -221,6 +222,21 @@ def grow_clock(driver):
     return time.perf_counter if driver.backend in ("cuda", "hip") else cpu_clock
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """A balanced Latin square (Williams) of ``n`` (even) items: across its
+    rows every item runs right after every other item once. A loop's teardown
+    can slow the next loop's first calls (the host frees memfd pages late; a
+    GPU driver may defer work), so no loop may always follow the same one."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    return [[(x + r) % n for x in first] for r in range(n)]
+
+
 def bench_growth(driver, total: int, repeats: int) -> dict:
     clock = grow_clock(driver)
     g = driver.granularity
@@ -231,13 +247,15 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "coalesced": lambda: allocator_growth(driver, total, 64 * MIB, coalesce=True,
                                               clock=clock),
     }
-    order = list(loops)
-    for name in order:  # warm-up: first-touch costs (driver, allocator) are not timed
+    names = list(loops)
+    for name in names:  # warm-up: first-touch costs (driver, allocator) are not timed
         loops[name]()
-    times: dict[str, list[float]] = {name: [] for name in order}
-    for r in range(repeats):  # interleaved rounds, the order rotated each round
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            times[name].append(loops[name]())
+    times: dict[str, list[float]] = {name: [] for name in names}
+    orders = balanced_orders(len(names))
+    repeats = -(-repeats // len(orders)) * len(orders)  # whole squares
+    for r in range(repeats):  # interleaved rounds; each loop follows each other equally
+        for i in orders[r % len(orders)]:
+            times[names[i]].append(loops[names[i]]())
     raw, paged = times["raw"], times["paged"]
 
     def rate(xs):  # best interleaved round: other tenants only ever add time

@@ -14,9 +14,10 @@ Invariants (checked by ``tests/memory``):
   ``n_unmapped`` equal a recount of the states, and sum to ``num_pages``;
 * pages are mapped in *runs* (extents, see the mapper); a run is released only
   when every page in it is idle, so a used page is never unmapped;
-* growth stays within ``min(n_unmapped, cap - mapped, budget headroom)``;
-  lowering the cap never takes a used page, it only stops growth and releases
-  idle runs (now, and as more become idle);
+* growth stays within ``min(n_unmapped, cap - mapped)`` and what the budget
+  grants (a take asks it once, through the mapper's grant; a denial undoes the
+  pick and misses); lowering the cap never takes a used page, it only stops
+  growth and releases idle runs (now, and as more become idle);
 * driver calls never run under the lock, and the lock is never held while
   taking another (the block manager's lock is always taken first).
 
@@ -24,6 +25,12 @@ Idle pages are reused from runs that still hold a used page first, then from
 wholly idle runs, lowest id first; growth picks the lowest unmapped ids. The
 working set stays packed in few runs, and whole runs go idle, where they can be
 released: coalescing costs reclaim granularity only while a run is shared.
+
+Growth is on the engine's hot path (a take of one new page per decode step
+that fills a page), so it is written for few Python operations: one lock to
+pick, one ``map_run`` (or one ``map_runs`` for several spans), one lock to
+publish. About 2 us of Python per page on a 2-core VM, against 40-50 us of
+driver calls per 2 MiB page on an H200 (``benchmarks/grow_overhead.py``).
 """
 
 from __future__ import annotations
