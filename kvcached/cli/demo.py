@@ -328,9 +328,11 @@ def _watch(workers: list[Worker], inbox: queue.Queue, sampler: _Sampler, screen,
                 next_draw = now + refresh_s
                 t = max(0.0, time.time() - t0)
                 if screen.full:
-                    rows = [r for r in instance_rows(
+                    order = {w.name: i for i, w in enumerate(workers)}
+                    rows = sorted((r for r in instance_rows(
                         [s for s in read_snapshots() if s.pid in pids],
-                        [snap] if snap else []) if r.name in by_name]
+                        [snap] if snap else []) if r.name in order),
+                        key=lambda r: order[r.name])
                     cols, lines = screen.size()
                     screen.draw(render_top(
                         rows, gpu_rows([snap] if snap else []), width=cols, height=lines,

@@ -238,11 +238,13 @@ class Instance:
             m.fresh = revision != m.revision_seen
             gpu = m.source.pool_usage().gpu
             if m.fresh:
+                first = m.revision_seen < 0
                 m.revision_seen = revision
                 limit = m.watch.limit
                 m.source.apply_limit(limit or None)
-                log.info("instance %s: limit %s (revision %d) on %s", self.name,
-                         limit or "none", revision, gpu)
+                if revision and not (first and not limit):
+                    log.info("instance %s: limit %s (revision %d) on %s", self.name,
+                             limit or "none", revision, gpu)
             by_gpu.setdefault(gpu, []).append(m)
         for group in by_gpu.values():
             watch = group[0].watch

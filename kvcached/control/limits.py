@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcached.config import get_config
-from kvcached.errors import InstanceNotFoundError, LedgerError
+from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerPermissionError
 from kvcached.ledger.file import list_ledgers
 from kvcached.ledger.ledger import Ledger, check_instance_name
 from kvcached.ledger.snapshot import LedgerSnapshot, LimitStatus
@@ -93,10 +93,20 @@ def ledger_dirs(directory: str | None = None,
     return out
 
 
+def _listed(directory: str) -> list[str]:
+    try:
+        return list_ledgers(directory)
+    except PermissionError as exc:
+        raise LedgerPermissionError(
+            exc.errno, f"{exc.strerror} while listing the kvcached ledger directory "
+            "(KVCACHED_LEDGER_DIR); its instances' limits and charges need read and write "
+            "access to it", directory) from exc
+
+
 def ledger_paths(directory: str | None = None,
                  snapshots: Sequence[Snapshot] | None = None) -> list[str]:
     """Every ledger file in :func:`ledger_dirs`."""
-    return [p for d in ledger_dirs(directory, snapshots) for p in list_ledgers(d)]
+    return [p for d in ledger_dirs(directory, snapshots) for p in _listed(d)]
 
 
 def ledger_snapshots(directory: str | None = None,
@@ -111,7 +121,15 @@ def ledger_snapshots(directory: str | None = None,
     ledger skipped.
     """
     out = []
-    for path in ledger_paths(directory, snapshots):
+    paths: list[str] = []
+    for d in ledger_dirs(directory, snapshots):
+        try:
+            paths += _listed(d)
+        except LedgerPermissionError as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
+    for path in paths:
         try:
             ledger = Ledger.open_existing(path)
         except (LedgerError, OSError) as exc:
@@ -157,7 +175,13 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
     dirs = ledger_dirs(directory)
     results: list[DeviceLimit] = []
     unreadable: list[Exception] = []
-    for path in [p for d in dirs for p in list_ledgers(d)]:
+    paths: list[str] = []
+    for d in dirs:
+        try:
+            paths += _listed(d)
+        except LedgerPermissionError as exc:
+            unreadable.append(exc)
+    for path in paths:
         try:
             ledger = Ledger.open_existing(path)
         except (LedgerError, OSError) as exc:

@@ -164,7 +164,7 @@ def instance_rows(snapshots: Sequence[Snapshot],
 def gather(directory: str | None = None, names: Sequence[str] = (),
            problems: list[str] | None = None) -> tuple[list[InstanceRow], list[GpuRow]]:
     """Read every snapshot and ledger now: ``(instance rows, GPU rows)``.
-    ``names``: only these instances. Dead snapshots are cleaned up where this
+    ``names``: only these instances and their GPUs. Dead snapshots are cleaned up where this
     user may (and shown as dead where not). Unreadable ledgers are skipped and
     described in ``problems`` when it is given, else raised."""
     from kvcached.control.limits import ledger_snapshots
@@ -173,9 +173,12 @@ def gather(directory: str | None = None, names: Sequence[str] = (),
     snaps = read_snapshots()
     ledgers = ledger_snapshots(directory, snaps, problems)
     rows = instance_rows(snaps, ledgers)
-    if names:
+    gpus = gpu_rows(ledgers)
+    if names:  # only these instances, and the GPUs they use
         rows = [r for r in rows if r.name in names]
-    return rows, gpu_rows(ledgers)
+        used = {r.gpu for r in rows}
+        gpus = [g for g in gpus if g.gpu in used]
+    return rows, gpus
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -280,31 +283,35 @@ def render_top(rows: Sequence[InstanceRow], gpus: Sequence[GpuRow], width: int =
                height: int | None = None, title: str | None = None,
                footer: Sequence[str] = ()) -> str:
     """``kvctl top``'s screen: a bar per GPU (charged of its budget) and one per
-    instance (used of its GPU's budget, with the limit marked)."""
+    instance (its memory on its GPU's budget scale: ``#`` in use, ``+``
+    reserved, ``|`` its limit), bars aligned in one column."""
     width = max(width, 40)
-    bar_width = max(10, min(50, width - 70))
-    head = title or (f"kvcached top   {time.strftime('%H:%M:%S')}   "
-                     f"{len(rows)} instance(s) on {len(gpus)} GPU(s)   q quits")
+    nw = min(24, max([8] + [len(r.name) for r in rows]))
+    gw = min(20, max([3] + [len(r.gpu) for r in rows] + [len(g.gpu) for g in gpus]))
+    lead = nw + 1 + gw  # the bars start after this
+    bw = max(10, min(60, width - lead - 2 - 2 - 2 * 11 - 13))
+    head = title or (f"kvcached top   {time.strftime('%H:%M:%S')}   {len(rows)} instance(s) on "
+                     f"{len(gpus)} GPU(s)   q quits")
     out = [head, ""]
     scales: dict[str, int] = {}
+    if gpus:
+        out.append(f"{'GPU':<{lead}} {'CHARGED OF BUDGET':<{bw + 2}} {'CHARGED':>10} "
+                   f"{'BUDGET':>10}  POOLS")
     for g in gpus:
         scale = g.budget_bytes or g.total_bytes
         scales[g.gpu] = scale
         frac = g.charged_bytes / scale if scale else 0.0
-        out.append(f"GPU {g.gpu:<22.22} {bar(frac, bar_width)} {format_bytes(g.charged_bytes):>10}"
-                   f" of {format_bytes(scale)} budget, {g.pools} pool(s)")
+        out.append(f"{g.gpu:<{lead}.{lead}} {bar(frac, bw)} {format_bytes(g.charged_bytes):>10} "
+                   f"{format_bytes(scale):>10}  {g.pools}")
     if gpus:
         out.append("")
-    nw = min(24, max([8] + [len(r.name) for r in rows]))
-    gw = min(16, max([3] + [len(r.gpu) for r in rows]))
     if rows:
-        out.append(f"{'INSTANCE':<{nw}} {'GPU':<{gw}} "
-                   f"{'USAGE (# used  + reserved  | limit)':<{bar_width + 2}} "
-                   f"{'USED':>10} {'LIMIT':>10}  STATE")
+        out.append(f"{'INSTANCE':<{nw}} {'GPU':<{gw}} {'USAGE (# used + reserved | limit)':<{bw + 2}}"
+                   f" {'USED':>10} {'LIMIT':>10}  STATE")
     for r in rows:
         scale = scales.get(r.gpu) or r.limit_bytes or r.virtual_bytes or r.used_bytes or 1
         out.append(f"{r.name:<{nw}.{nw}} {r.gpu:<{gw}.{gw}} "
-                   f"{usage_bar(r.used_bytes, r.reserved_bytes, r.limit_bytes, scale, bar_width)} "
+                   f"{usage_bar(r.used_bytes, r.reserved_bytes, r.limit_bytes, scale, bw)} "
                    f"{format_bytes(r.used_bytes):>10} {_limit_text(r):>10}  {r.state}")
     if not rows:
         out.append("no kvcached instance is running")

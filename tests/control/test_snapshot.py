@@ -9,8 +9,8 @@ import sys
 import textwrap
 import uuid
 
-from kvcached.control.snapshot import SnapshotPublisher, read_snapshots
 from kvcached.control.metrics import prometheus
+from kvcached.control.snapshot import SnapshotPublisher, read_snapshots
 from kvcached.control.view import InstanceRow, instance_rows, render_table
 
 
