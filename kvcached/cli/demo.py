@@ -107,7 +107,6 @@ def _start_worker(name: str, index: int, budget: int, ledger_dir: str,
         "KVCACHED_DRIVER": "host",
         "KVCACHED_LEDGER_DIR": ledger_dir,
         "KVCACHED_IPC_NAME": name,
-        "KVCACHED_HOST_CAPACITY": str(budget),
         "KVCACHED_LOG_LEVEL": "ERROR",
     })
     fd, stderr_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=ledger_dir)
@@ -181,8 +180,8 @@ def _validate(duration_s: float, instances: int, budget: int) -> None:
 def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_INSTANCES,
              budget: int = DEFAULT_BUDGET, seed: int = 1, as_json: bool = False,
              out: TextIO | None = None, full_screen: bool | None = None) -> int:
-    """Run the demo; returns the exit code (0 done, 1 an instance failed,
-    2 bad options, 130 interrupted)."""
+    """Run the demo; returns the exit code (0 done or stopped with q, 1 an
+    instance failed, 2 bad options, 130 interrupted by Ctrl-C)."""
     from kvcached.cli.screen import Screen
 
     out = out or sys.stdout
@@ -225,11 +224,11 @@ def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_IN
             assert w.proc.stdin is not None
             w.proc.stdin.write(json.dumps(plan) + "\n")
             w.proc.stdin.flush()
-        peak_total, usable, stopped = _watch(workers, inbox, sampler, screen, t0, duration_s, budget,
-                                     index, as_json, log)
-        if stopped:
+        peak_total, usable, stopped = _watch(workers, inbox, sampler, screen, t0, duration_s,
+                                             budget, index, as_json)
+        if stopped:  # q pressed
             print("kvcached demo: stopped before the end; no summary", file=sys.stderr)
-            return 130
+            return 0
         failed = next((_failure(w) for w in workers if w.result is None), None)
         if failed:
             print(f"kvcached demo: {failed}", file=sys.stderr)
@@ -239,7 +238,7 @@ def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_IN
         if as_json:
             out.write(json.dumps(summary.as_dict(), indent=2) + "\n")
         else:
-            out.write(render_summary(summary, workers) + "\n")
+            out.write(render_summary(summary) + "\n")
         out.flush()
         return 0
     except KeyboardInterrupt:
@@ -253,9 +252,14 @@ def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_IN
 
 
 def _stop(w: Worker) -> None:
+    """End a worker: one that finished exits by itself (closing its cache);
+    one still serving (the demo was stopped or failed) is asked to now."""
     with contextlib.suppress(OSError, ValueError):
         if w.proc.stdin is not None:
-            w.proc.stdin.close()
+            w.proc.stdin.close()  # a worker waiting for its plan exits on this
+    if w.result is None and w.ready is not None and w.proc.poll() is None:
+        with contextlib.suppress(OSError):
+            w.proc.terminate()  # SIGTERM: it closes its cache and exits
     try:
         w.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -290,8 +294,7 @@ def _await(workers: list[Worker], inbox: queue.Queue, key: str, deadline: float)
 
 
 def _watch(workers: list[Worker], inbox: queue.Queue, sampler: _Sampler, screen, t0: float,
-           duration_s: float, budget: int, index: int, as_json: bool,
-           log: TextIO) -> tuple[int, int, bool]:
+           duration_s: float, budget: int, index: int, as_json: bool) -> tuple[int, int, bool]:
     """Sample the ledger and draw the view until every worker is done.
     Returns ``(peak of the total charge, the device's memory less the
     ledger's safety margin, stopped by the user)``."""
@@ -387,7 +390,7 @@ def _summarize(workers: list[Worker], budget: int, usable: int, duration_s: floa
                    static_bytes)
 
 
-def render_summary(s: Summary, workers: list[Worker] | None = None) -> str:
+def render_summary(s: Summary) -> str:
     """The summary as printed at the end of the demo."""
     head = ("instance", "burst at", "peak", "requests", "delayed", "misses")
     table = [head]

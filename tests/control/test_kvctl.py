@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +27,9 @@ import uuid
 import pytest
 
 from kvcached.cli import kvctl
-from tests.control.kvctl_helpers import Child, run_kvctl, unique_index, wait_until
+from tests.control.kvctl_helpers import REPO, Child, run_kvctl, unique_index, wait_until
+
+KVCTL_X_IMPORTTIME = [sys.executable, "-X", "importtime", "-m", "kvcached.cli.kvctl"]
 
 MIB = 1 << 20
 
@@ -325,3 +328,17 @@ def test_instances_without_a_name_get_distinct_ones_and_dead_ones_go(tmp_path, c
         for c in (first, second):
             if c is not None:
                 c.close()
+
+
+def test_kvctl_stays_light():
+    """kvctl runs where no GPU stack is installed: no torch, no CUDA, no numpy."""
+    done = run_kvctl("list", "--ledger-dir", "/nonexistent-kvctl-dir")
+    timed = subprocess.run([*KVCTL_X_IMPORTTIME, "list"], capture_output=True, text=True,
+                           timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    modules = [line.rsplit("|", 1)[1].strip() for line in timed.stderr.splitlines()
+               if line.startswith("import time:") and "|" in line]
+    assert "kvcached.control.view" in modules and done.returncode in (0, 2)
+    heavy = [m for m in modules if m.split(".")[0] in ("torch", "cuda", "numpy", "triton")]
+    assert heavy == [], heavy
+    init = (REPO / "kvcached" / "control" / "__init__.py").read_text()
+    assert "import" not in init  # importing any control module must not pull the rest
