@@ -98,31 +98,8 @@ class PatchGroup:
     install: Callable[[Patcher, ModuleType], None]
 
 
-# ---------------------------------------------------------------------------
-# The patch groups. Empty in this phase on purpose: the elastic classes need
-# kvcached.memory (virtual KV tensors, page allocator, block manager) and the
-# per-GPU ledger, which are not merged yet. The planned groups, in install
-# order (docs/sglang-integration.md and notes/sglang-patch-points.md give the
-# exact targets and why):
-#
-#   PatchGroup("pools", "sglang.srt.mem_cache.kv_cache_configurator", ...)
-#       KVCacheConfigurator._resolve_kv_pool_class -> ElasticMHATokenToKVPool /
-#       ElasticMLATokenToKVPool for kinds "mha"/"mla" (covers the plain,
-#       hybrid-linear and hybrid-SWA builders, which all take the resolved
-#       class); the configurator's module globals TokenToKVPoolAllocator /
-#       PagedTokenToKVPoolAllocator -> the elastic allocators;
-#       KVCacheConfigurator._profile_available_bytes -> virtual budget.
-#   PatchGroup("scheduler", "sglang.srt.managers.scheduler", ...)
-#       Scheduler.get_next_batch_to_run (and the PD / multiplexing entry
-#       points) open one agreement round (tp_agreement.RoundAgreement);
-#       Scheduler._get_new_batch_prefill_raw turns a physical miss into a
-#       requeue that keeps is_retracted / retracted_stain / retraction_count.
-#   PatchGroup("radix", "sglang.srt.mem_cache.unified_radix_cache", ...)
-#       UnifiedRadixCache.insert / checkpoint_into_tree enforce
-#       KVCACHED_MAX_CACHED_TOKENS with page-aware eviction; reset releases
-#       pages (Scheduler.flush_cache calls reset + allocator.clear).
-# ---------------------------------------------------------------------------
-GROUPS: tuple[PatchGroup, ...] = ()
+# The patch groups themselves live in ``groups.py`` (they import this module
+# for Patcher / PatchGroup); ``apply`` loads them when it runs.
 
 
 @dataclass(frozen=True)
@@ -163,6 +140,8 @@ def apply() -> ApplyResult:
     """Patch SGLang in this process if ``ENABLE_KVCACHED`` is true and the
     installed SGLang is supported. Idempotent: later calls return the first
     result. Raises :class:`~kvcached.errors.ConfigError` on a bad variable."""
+    from kvcached.integrations.sglang.groups import GROUPS
+
     return _apply(GROUPS)
 
 

@@ -80,6 +80,15 @@ class GroupReducer:
     def all_reduce_max(self, value: int) -> int:
         return self._reduce(value, self._dist.ReduceOp.MAX)
 
+    def all_reduce_min_pair(self, first: int, second: int) -> tuple[int, int]:
+        """Both values MIN-reduced in one collective (a two-element tensor)."""
+        import torch
+
+        tensor = torch.tensor([int(first), int(second)], dtype=torch.int64)
+        for group in self._groups:
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=group)
+        return int(tensor[0]), int(tensor[1])
+
     def _reduce(self, value: int, op: Any) -> int:
         import torch
 
@@ -110,21 +119,35 @@ class RoundAgreement:
     * inside a round, :meth:`available` = agreed + frees - allocations of that
       round (floored at 0), identical on every rank that made the same calls;
     * outside a round (or with no active reducer) :meth:`available` is
-      ``local_available()``.
+      ``local_available()``;
+    * with ``local_request`` (a count some rank wants acted on this round,
+      e.g. prefix-cache tokens to evict for the control thread), the round's
+      one collective also MAX-reduces it (packed as ``MIN(-request)``, so it
+      stays one collective): :attr:`request` is the same on every rank.
     """
 
-    def __init__(self, local_available: Callable[[], int], reducer: Reducer | None) -> None:
+    def __init__(self, local_available: Callable[[], int], reducer: Reducer | None,
+                 local_request: Callable[[], int] | None = None) -> None:
         if not callable(local_available):
             raise TypeError(
                 f"local_available={local_available!r}: must be a callable returning "
                 "this rank's allocatable count"
             )
         self._local_available = local_available
+        self._local_request = local_request
+        #: The round's agreed request (see the class invariants); 0 outside rounds.
+        self.request = 0
         self._reducer = reducer if reducer is not None and reducer.active else None
         self._depth = 0
         self._agreed: int | None = None
         self._tally = 0
         self.stats = AgreementStats()
+
+    def attach(self, reducer: Reducer | None) -> None:
+        """Use ``reducer`` from the next round on (SGLang's groups exist only
+        once the scheduler does, after the pools were built)."""
+        assert self._depth == 0, "attach a reducer between rounds, not inside one"
+        self._reducer = reducer if reducer is not None and reducer.active else None
 
     @property
     def distributed(self) -> bool:
@@ -142,12 +165,18 @@ class RoundAgreement:
             return
         self.stats.rounds += 1
         self._tally = 0
+        request = max(int(self._local_request()), 0) if self._local_request is not None else 0
         if self._reducer is None:
             self._agreed = None
+            self.request = request
             return
-        local = int(self._local_available())
+        local = max(int(self._local_available()), 0)
         self.stats.min_reduces += 1
-        self._agreed = self._reducer.all_reduce_min(max(local, 0))
+        if self._local_request is None:
+            self._agreed = self._reducer.all_reduce_min(local)
+        else:
+            self._agreed, negated = self._reducer.all_reduce_min_pair(local, -request)
+            self.request = -negated
 
     def end_round(self) -> None:
         """Close the innermost round; the outermost close forgets the budget."""
@@ -156,6 +185,7 @@ class RoundAgreement:
         if self._depth == 0:
             self._agreed = None
             self._tally = 0
+            self.request = 0
 
     @contextmanager
     def round(self) -> Iterator[RoundAgreement]:

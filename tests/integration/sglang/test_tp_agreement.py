@@ -2,7 +2,8 @@
 
 Unit tests drive :class:`RoundAgreement` with an in-process reducer; the
 multi-process tests start 2-4 real ranks on a torch.distributed gloo group
-(loopback only) with pools of different capacities (tp_round_worker.py).
+(loopback only), each rank with a real kvcached pool on a host-backend device
+of its own capacity and its own ledger (tp_round_worker.py).
 """
 
 from __future__ import annotations
@@ -146,14 +147,15 @@ def test_misuse_is_reported() -> None:
 
 def run_ranks(tmp_path: Path, world: int, capacities: list[int], *extra: str) -> list[dict]:
     store = tmp_path / "store"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo",
+               KVCACHED_LOG_LEVEL="WARNING")
     procs = []
     for rank in range(world):
         out = tmp_path / f"rank{rank}.json"
         cmd = [
             sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world),
             "--store", str(store), "--capacities", ",".join(map(str, capacities)),
-            "--out", str(out), *extra,
+            "--out", str(out), "--ledger-dir", str(tmp_path / "ledgers"), *extra,
         ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -177,9 +179,9 @@ def batches(record: dict) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("world", "capacities", "extra"),
     [
-        (2, [24, 60], ()),
-        (3, [45, 24, 70], ("--shrink", "1:8:1000,1:20:1000,1:33:1000")),
-        (4, [60, 33, 24, 80], ("--grid", "--shrink", "2:12:1000,0:25:1000")),
+        (2, [28, 64], ()),
+        (3, [48, 28, 72], ("--shrink", "1:8,1:9,1:10,1:11,1:20,1:21,1:22,1:33,1:34")),
+        (4, [64, 36, 28, 84], ("--grid", "--shrink", "2:12,2:13,2:14,0:25,0:26,0:27")),
     ],
     ids=["tp2", "tp3-shrink", "tp2xcp2-shrink"],
 )
@@ -202,6 +204,8 @@ def test_ranks_admit_the_same_batches(tmp_path: Path, world: int, capacities: li
         attempts = sum(len(r["admitted"]) + len(r["misses"]) for r in record["rounds"])
         assert stats["min_reduces"] == stats["rounds"] == 60
         assert stats["max_reduces"] == attempts
+        # Freed pages went back to the rank's ledger: only the padding page stays.
+        assert record["pages_left_mapped"] == 1, record["pages_left_mapped"]
 
     # The agreed budget really was the smallest rank's: some round admitted
     # under a budget below what a roomier rank had locally.
@@ -218,5 +222,5 @@ def test_ranks_admit_the_same_batches(tmp_path: Path, world: int, capacities: li
 
 def test_without_agreement_ranks_diverge(tmp_path: Path) -> None:
     """Negative control: each rank reading its own count admits other batches."""
-    records = run_ranks(tmp_path, 2, [24, 60], "--rounds", "60", "--mode", "local")
+    records = run_ranks(tmp_path, 2, [28, 64], "--rounds", "60", "--mode", "local")
     assert batches(records[0]) != batches(records[1])

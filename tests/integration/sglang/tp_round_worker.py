@@ -1,24 +1,27 @@
 """One TP rank running scheduling rounds over a torch.distributed gloo group.
 
 Started by test_tp_agreement.py, one process per rank. Every rank sees the same
-request stream (same seed), as SGLang's TP ranks do, but owns a pool of its own
-capacity, as each rank owns its GPU. Each round the rank:
+request stream (same seed), as SGLang's TP ranks do, but owns a real kvcached
+pool on a device of its own: a host-backend device (its own index, its own
+capacity, so the ranks have different headroom) with its own per-device
+ledger, under an :class:`ElasticKV` and the integration's
+:class:`SlotAllocator` (the state SGLang's elastic allocators keep). Each round
+the rank:
 
-1. opens a round (``RoundAgreement.begin_round``: one MIN all-reduce),
+1. opens a round (``SlotAllocator.begin_round``: one MIN all-reduce),
 2. frees the requests that finished (tallied as frees of the round),
-3. optionally loses capacity mid-round (another process grabbed memory on
-   that GPU: the ``--shrink`` injection),
-4. admits waiting requests FIFO while they fit ``available()``; each admitted
-   request allocates physically on this rank and ``agree()`` (one MAX
-   all-reduce) turns a local failure into a miss on every rank,
+3. optionally loses capacity mid-round: another pool on the same device's
+   ledger grabs memory (another engine on that GPU, the ``--shrink``
+   injection),
+4. admits waiting requests FIFO while they fit ``available_tokens()``; each
+   admitted request allocates its pages (mapped on demand through the
+   ledger), and the allocation's agreement (one MAX all-reduce) turns a local
+   failure into a miss on every rank,
 5. records the batch it admitted.
 
-It writes its record as JSON. ``--mode local`` replaces the agreement with the
-rank's own live count (no reduce): the negative control, whose ranks must
+It writes its record as JSON. ``--mode local`` gives the allocator no reducer
+(every rank reads its own count): the negative control, whose ranks must
 disagree for the test to mean anything.
-
-The pool here is a counter; once kvcached.memory lands, the same loop runs on
-the host backend's block manager with per-rank budgets.
 """
 
 from __future__ import annotations
@@ -30,26 +33,7 @@ import random
 from datetime import timedelta
 from pathlib import Path
 
-
-class CounterPool:
-    """A rank's physical headroom in abstract units."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-
-    def available(self) -> int:
-        return max(self.capacity - self.used, 0)
-
-    def alloc(self, n: int) -> bool:
-        if n > self.available():
-            return False
-        self.used += n
-        return True
-
-    def free(self, n: int) -> None:
-        assert 0 <= n <= self.used, "freeing more than was allocated"
-        self.used -= n
+MIB = 1 << 20
 
 
 def main() -> None:
@@ -57,19 +41,26 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--store", required=True)
-    parser.add_argument("--capacities", required=True, help="comma list, one per rank")
+    parser.add_argument("--capacities", required=True, help="comma list of MiB, one per rank")
+    parser.add_argument("--ledger-dir", required=True)
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--mode", choices=("agreed", "local"), default="agreed")
     parser.add_argument("--grid", action="store_true", help="reduce over TP then CP groups (world 4)")
-    parser.add_argument("--shrink", default="", help="rank:round:units capacity lost mid-round")
+    parser.add_argument("--shrink", default="",
+                        help="rank:round,... another pool takes all headroom mid-round")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
     import torch.distributed as dist
 
-    from kvcached.integrations.sglang.tp_agreement import GroupReducer, RoundAgreement
+    from kvcached.driver.host import HostDriver
+    from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape
+    from kvcached.integrations.sglang.slots import SlotAllocator
+    from kvcached.integrations.sglang.tp_agreement import GroupReducer
+    from kvcached.ledger import Ledger
 
     dist.init_process_group(
         "gloo",
@@ -87,15 +78,28 @@ def main() -> None:
     else:
         groups = [dist.group.WORLD]
 
-    capacity = int(args.capacities.split(",")[args.rank])
-    pool = CounterPool(capacity)
-    reducer = GroupReducer(groups) if args.mode == "agreed" else None
-    agreement = RoundAgreement(pool.available, reducer)
+    capacity = int(args.capacities.split(",")[args.rank]) * MIB
+    # Each rank is its own "GPU": its own device id, capacity and ledger.
+    driver = HostDriver(index=60 + args.rank, capacity=capacity)
+    ledger_dir = Path(args.ledger_dir) / f"rank{args.rank}"
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(ledger_dir))
+    budget = ledger.register_pool(f"tp-rank{args.rank}")
+    other = ledger.register_pool("other-engine")  # grabs memory for --shrink
+    # One block = one SGLang page of 256 tokens x 8 heads x 128 dims (fp16):
+    # 512 KiB per buffer, 4 blocks per 2 MiB kvcached page.
+    shape = KVShape(layers=1, page_size=256, size=256 * 400, heads=8, head_dim=128,
+                    dtype=torch.float16)
+    kv = ElasticKV(shape, name="kv", driver=driver, budget=budget, register=False,
+                   min_reserved=0, max_reserved=0, background=False, max_handle_bytes=0)
+    slots = SlotAllocator(kv, 400)
+    if args.mode == "agreed":
+        slots.attach(GroupReducer(groups))
     shrink = {}
     if args.shrink:
         for item in args.shrink.split(","):
-            rank, rnd, units = (int(x) for x in item.split(":"))
-            shrink[(rank, rnd)] = units
+            rank, rnd = (int(x) for x in item.split(":"))
+            shrink[(rank, rnd)] = True
 
     rng = random.Random(args.seed)
     waiting: list[dict] = []
@@ -106,48 +110,61 @@ def main() -> None:
         for _ in range(rng.randint(0, 3)):
             waiting.append({"rid": next_rid, "size": rng.randint(1, 12), "life": rng.randint(1, 5)})
             next_rid += 1
-        with agreement.round():
-            local_at_begin = pool.available()
-            agreed = agreement.available()
+        slots.begin_round()
+        try:
+            local_at_begin = slots.local_available_tokens() // shape.page_size
+            agreed = slots.available_tokens() // shape.page_size
             for req in [r for r in running if r["end"] <= rnd]:
                 running.remove(req)
-                pool.free(req["size"])
-                agreement.note_free(req["size"])
-            lost = shrink.get((args.rank, rnd), 0)
-            pool.capacity -= lost
+                slots.free_pages(req["pages"])
+            lost = 0
+            if shrink.get((args.rank, rnd)):
+                lost = budget.headroom() // (2 * MIB) * (2 * MIB)
+                if lost and not other.grant(lost):
+                    lost = 0
             admitted, failures, misses = [], [], []
-            while waiting and waiting[0]["size"] <= agreement.available():
+            while waiting and waiting[0]["size"] * shape.page_size <= slots.available_tokens():
                 req = waiting[0]
-                ok = pool.alloc(req["size"])
-                if not ok:
-                    failures.append(req["rid"])
-                if not agreement.agree(ok):
-                    if ok:  # the others missed: undo ours, as every rank does
-                        pool.free(req["size"])
+                before = slots.local_failures
+                pages = slots.alloc_pages(req["size"])
+                if pages is None:
+                    if slots.local_failures > before:  # this rank's ledger said no
+                        failures.append(req["rid"])
                     misses.append(req["rid"])
                     break
                 waiting.pop(0)
-                agreement.note_alloc(req["size"])
+                req["pages"] = pages
                 req["end"] = rnd + req["life"]
                 running.append(req)
                 admitted.append(req["rid"])
-            pool.capacity += lost
-            record["rounds"].append({
-                "round": rnd,
-                "local_at_begin": local_at_begin,
-                "agreed": agreed,
-                "admitted": admitted,
-                "local_failures": failures,
-                "misses": misses,
-                "shrunk": lost,
-            })
-    stats = agreement.stats
+            if lost:
+                other.refund(lost)
+                other.flush()
+        finally:
+            slots.end_round()
+        record["rounds"].append({
+            "round": rnd,
+            "local_at_begin": local_at_begin,
+            "agreed": agreed,
+            "admitted": admitted,
+            "local_failures": failures,
+            "misses": misses,
+            "shrunk": lost,
+        })
+    stats = slots.agreement.stats
     record["stats"] = {
         "rounds": stats.rounds,
         "min_reduces": stats.min_reduces,
         "max_reduces": stats.max_reduces,
         "agreed_misses": stats.agreed_misses,
     }
+    for req in running:
+        slots.free_pages(req["pages"])
+    record["pages_left_mapped"] = kv.cache.usage().pages_mapped
+    kv.close()
+    other.close()
+    budget.close()
+    ledger.close()
     Path(args.out).write_text(json.dumps(record))
     # Leave together: a rank tearing gloo down while a peer is still running
     # its last rounds (the local mode has no per-round collective) must not

@@ -1,0 +1,346 @@
+"""The patch groups for SGLang 0.5.23 (targets and reasons: docs/sglang-integration.md).
+
+Each ``_install_*`` receives a :class:`~kvcached.integrations.sglang.patch.Patcher`
+and its trigger module, and makes every change through the patcher (so a
+failure halfway is undone). Nothing here imports SGLang at module level: the
+SGLang-facing classes (``pools.py``) load when the ``pools`` group installs.
+
+* ``pools`` (``mem_cache.kv_cache_configurator``): the configurator resolves
+  the elastic pool classes for the plain MHA / MLA kinds (which also reaches
+  the full-attention pool of hybrid linear-attention models), builds elastic
+  allocators over elastic pools, and sizes the cache from a *virtual* budget
+  instead of this GPU's free memory.
+* ``startup-runner`` / ``startup-args``: SGLang's own post-capture VMM KV
+  backing is switched off (kvcached owns the address range).
+* ``scheduler`` (``managers.scheduler``): every scheduling round opens an
+  agreement round on the allocator (TP budget, reservations, the prefix-cache
+  cap and the control thread's eviction requests), prefill reserves its pages
+  before allocating, and a prefill that cannot be reserved waits in the queue
+  with its retraction history untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+from kvcached.integrations.sglang.patch import Patcher, PatchGroup
+
+#: Groups an elastic pool depends on: when one of these failed to install,
+#: pools stay native (SGLang is never half kvcached).
+REQUIRED_FOR_POOLS = ("pools", "scheduler")
+
+
+class KVCacheMiss(Exception):
+    """A prefill batch whose pages could not be reserved (control flow inside
+    the integration: raised before the batch touches any memory, caught by the
+    patched ``_get_new_batch_prefill_raw``, which requeues the batch)."""
+
+    def __init__(self, reqs: list[Any]) -> None:
+        super().__init__(f"{len(reqs)} request(s) wait for KV memory")
+        self.reqs = reqs
+
+
+def elastic_allowed() -> bool:
+    """No group an elastic pool needs has failed in this process."""
+    from kvcached.integrations.sglang.patch import group_states
+
+    states = group_states()
+    return all(not states.get(name, "pending").startswith("failed") for name in REQUIRED_FOR_POOLS)
+
+
+# -- pools ------------------------------------------------------------------------------------
+
+
+def _configurator_supported(conf: Any, module: ModuleType) -> str | None:
+    """Why the configurator's pools must stay native, or ``None``."""
+    try:
+        memory = module.get_memory()
+        parallel = module.get_parallel()
+    except Exception as exc:  # global server args not set: not a real engine
+        return f"SGLang's global arguments are not readable ({exc})"
+    checks = [
+        (getattr(conf, "is_draft_worker", False), "a draft worker (it shares the target's allocator)"),
+        (getattr(conf, "is_hybrid_swa", False), "hybrid SWA pools"),
+        (getattr(conf, "kv_shard_rank", None) is not None, "KV cache sharding"),
+        (getattr(parallel, "dcp_enabled", False), "decode context parallelism"),
+        (getattr(memory, "enable_hisparse", False), "HiSparse"),
+        (getattr(memory, "enable_unified_memory", False), "SGLang's unified memory pool"),
+        (getattr(conf, "post_capture_kv_active", False), "SGLang's post-capture KV backing"),
+        (getattr(module, "_is_npu", False), "an NPU"),
+        (not elastic_allowed(), "a patch group kvcached needs failed to install"),
+    ]
+    for bad, why in checks:
+        if bad:
+            return why
+    return None
+
+
+def _install_pools(p: Patcher, module: ModuleType) -> None:
+    from kvcached.integrations.sglang import pools
+
+    conf_cls = module.KVCacheConfigurator
+    resolve = conf_cls._resolve_kv_pool_class
+    profile = conf_cls._profile_available_bytes
+    elastic_for = {module.MHATokenToKVPool: pools.ElasticMHATokenToKVPool,
+                   module.MLATokenToKVPool: pools.ElasticMLATokenToKVPool}
+
+    @functools.wraps(resolve)
+    def _resolve_kv_pool_class(self: Any, *, kind: str, default: type) -> type:
+        cls = resolve(self, kind=kind, default=default)
+        elastic = elastic_for.get(cls)
+        if elastic is None or cls is not default:
+            return cls  # a platform's own class, page-major, DSA: native
+        why = _configurator_supported(self, module)
+        if why is not None:
+            _log_once(f"SGLang's KV pools stay native: {why}")
+            return cls
+        return elastic
+
+    @functools.wraps(profile)
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+        if _configurator_supported(self, module) is not None:
+            return profile(self, pre_model_load_memory)
+        return _virtual_budget(self, module, profile, pre_model_load_memory)
+
+    p.replace(conf_cls, "_resolve_kv_pool_class", _resolve_kv_pool_class)
+    p.replace(conf_cls, "_profile_available_bytes", _profile_available_bytes)
+    p.replace(module, "TokenToKVPoolAllocator", pools.token_allocator)
+    p.replace(module, "PagedTokenToKVPoolAllocator", pools.paged_allocator)
+
+
+def _virtual_budget(conf: Any, module: ModuleType, native: Any, pre_model_load_memory: int) -> int:
+    """The KV budget SGLang would compute on a GPU it had to itself:
+    ``total * mem_fraction_static - this process' resident bytes``, MIN over
+    the same world group with the same one collective. It only sizes the
+    virtual reservation; physical use is bounded by the ledger at run time."""
+    import torch
+
+    from kvcached.driver import get_driver
+
+    dev = torch.device(conf.device)
+    index = dev.index if dev.index is not None else int(getattr(conf, "gpu_id", 0) or 0)
+    total = get_driver(index).info().total_bytes
+    resident = torch.cuda.memory_reserved(index) if dev.type == "cuda" else 0
+    fraction = module.get_schedule().mem_fraction_static
+    budget = int(total * fraction) - int(resident)
+    parallel = module.get_parallel()
+    if parallel.launch_world_size > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([budget], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=parallel.world_group.cpu_group)
+        budget = int(t.item())
+    if getattr(conf, "mambaish_config", None) is not None:
+        budget = int(conf._handle_max_mamba_cache(budget / (1 << 30)) * (1 << 30))
+    if budget <= 0:
+        return native(conf, pre_model_load_memory)  # SGLang's own error message
+    _log_once(f"KV cache sized from a virtual budget of {budget / (1 << 30):.2f} GiB "
+              f"(total x {fraction} - {resident / (1 << 30):.2f} GiB resident); "
+              "physical memory is mapped on demand")
+    return budget
+
+
+def _install_startup_runner(p: Patcher, module: ModuleType) -> None:
+    import importlib
+
+    runtime = importlib.import_module(
+        "sglang.srt.model_executor.model_runner_components.kv_pool_runtime")
+
+    def is_post_capture_kv_active(*args: Any, **kwargs: Any) -> bool:
+        return False  # kvcached owns the KV address range
+
+    p.replace(module, "is_post_capture_kv_active", is_post_capture_kv_active)
+    p.replace(runtime, "is_post_capture_kv_active", is_post_capture_kv_active)
+
+
+def _install_startup_args(p: Patcher, module: ModuleType) -> None:
+    import importlib
+
+    overrides = importlib.import_module("sglang.srt.arg_groups.overrides")
+
+    def post_capture_kv_sizing_planned(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    p.replace(module, "post_capture_kv_sizing_planned", post_capture_kv_sizing_planned)
+    p.replace(overrides, "post_capture_kv_sizing_planned", post_capture_kv_sizing_planned)
+
+
+# -- scheduler -----------------------------------------------------------------------------------
+
+
+def slots_of(scheduler: Any) -> Any:
+    return getattr(getattr(scheduler, "token_to_kv_pool_allocator", None), "kvcached_slots", None)
+
+
+def _bind_scheduler(scheduler: Any, slots: Any) -> None:
+    """First round of this scheduler: the TP reducer, the radix-cache hooks."""
+    from kvcached.integrations.sglang.tp_agreement import GroupReducer
+
+    groups = [getattr(scheduler, "attn_tp_cpu_group", None),
+              getattr(scheduler, "attn_cp_cpu_group", None)]
+    slots.attach(GroupReducer([g for g in groups if g is not None]))
+    tree = scheduler.tree_cache
+    slots.evictor = functools.partial(evict_tokens, tree)
+    source = slots.kv.source
+    if source is not None:
+        # Read by the control thread: a figure the scheduler thread wrote, not
+        # a call into the tree (which belongs to the scheduler thread).
+        source.prefix_cache_tokens = lambda: slots.prefix_cached_tokens
+    slots.bound_scheduler = True
+
+
+def evict_tokens(tree: Any, tokens: int) -> int:
+    """Evict ``tokens`` of unreferenced prefix cache through SGLang's own
+    ``evict`` (its LRU order, metrics, KV events and rank checks stay right)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if tokens <= 0 or tree.evictable_size() <= 0:
+        return 0
+    result = tree.evict(EvictParams(num_tokens=int(tokens)))
+    return int(getattr(result, "num_tokens_evicted", 0) or 0)
+
+
+def enforce_cache_cap(slots: Any, tree: Any, cap: int) -> int:
+    """Evict the prefix cache down to ``cap`` tokens (``cap < 0``: unlimited),
+    at least one whole kvcached page of tokens at a time, so what is evicted
+    can come back as whole pages. The tree is identical on every TP rank, so
+    every rank evicts the same without a collective. Returns tokens evicted."""
+    if cap < 0 or slots.evictor is None:
+        return 0
+    excess = tree.evictable_size() - cap
+    if excess <= 0:
+        return 0
+    g = slots.kv.cache.geometry
+    page_tokens = g.blocks_per_page * slots.page_size
+    want = -(-excess // page_tokens) * page_tokens
+    got = slots.evictor(want)
+    slots.evicted_tokens += got
+    return got
+
+
+def _install_scheduler(p: Patcher, module: ModuleType) -> None:
+    from kvcached.config import get_config
+
+    scheduler_cls = module.Scheduler
+    batch_cls = module.ScheduleBatch
+    next_batch = scheduler_cls.get_next_batch_to_run
+    prefill_raw = scheduler_cls._get_new_batch_prefill_raw
+    prepare_extend = batch_cls.prepare_for_extend
+    cap = get_config().max_cached_tokens
+
+    @functools.wraps(next_batch)
+    def get_next_batch_to_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = slots_of(self)
+        if slots is None:
+            return next_batch(self, *args, **kwargs)
+        if not slots.bound_scheduler:
+            _bind_scheduler(self, slots)
+        slots.begin_round()
+        try:
+            enforce_cache_cap(slots, self.tree_cache, cap)
+            slots.prefix_cached_tokens = self.tree_cache.evictable_size()
+            return next_batch(self, *args, **kwargs)
+        finally:
+            slots.end_round()
+
+    @functools.wraps(prefill_raw)
+    def _get_new_batch_prefill_raw(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = slots_of(self)
+        if slots is None:
+            return prefill_raw(self, *args, **kwargs)
+        snapshot = AdmissionSnapshot(self)
+        slots.prefill_guard = True
+        try:
+            return prefill_raw(self, *args, **kwargs)
+        except KVCacheMiss as miss:
+            snapshot.requeue(self, miss.reqs)
+            running = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
+            return None, running
+        finally:
+            slots.prefill_guard = False
+
+    @functools.wraps(prepare_extend)
+    def prepare_for_extend(self: Any) -> Any:
+        allocator = self.token_to_kv_pool_allocator
+        slots = getattr(allocator, "kvcached_slots", None)
+        if slots is not None and not self.is_dllm():
+            reserve_for_extend(slots, allocator, self.tree_cache, self.reqs)
+        return prepare_extend(self)
+
+    p.replace(scheduler_cls, "get_next_batch_to_run", get_next_batch_to_run)
+    p.replace(scheduler_cls, "_get_new_batch_prefill_raw", _get_new_batch_prefill_raw)
+    p.replace(batch_cls, "prepare_for_extend", prepare_for_extend)
+
+
+def reserve_for_extend(slots: Any, allocator: Any, tree_cache: Any, reqs: list[Any]) -> bool:
+    """Reserve the pages a prefill batch will allocate (evicting prefix cache
+    first, as SGLang's allocation would). Inside the patched admission a
+    failure raises :class:`KVCacheMiss` before the batch touches memory;
+    elsewhere SGLang's own path runs on (and fails as it would natively)."""
+    pages = slots.pages_for_extend([r.prefix_len for r in reqs], [r.extend_end for r in reqs])
+    if pages <= 0:
+        return True
+    allocator.evict_to_free_tokens(tree_cache, pages * slots.page_size)
+    if slots.available_tokens() < pages * slots.page_size:
+        slots.misses += 1  # the same verdict on every rank: no collective
+        ok = False
+    else:
+        ok = slots.reserve(pages)
+    if not ok and slots.prefill_guard:
+        raise KVCacheMiss(list(reqs))
+    return ok
+
+
+class AdmissionSnapshot:
+    """What one admission pass may change and a requeue must put back.
+
+    A request that waits for memory was not retracted: its ``is_retracted``,
+    ``retracted_stain`` and ``retraction_count`` are restored exactly as they
+    were before the pass (including for a request SGLang itself had retracted
+    earlier: its history is kept, not reset and not counted twice)."""
+
+    FIELDS = ("is_retracted", "retracted_stain", "retraction_count")
+
+    def __init__(self, scheduler: Any) -> None:
+        self.chunked_req = scheduler.chunked_req
+        reqs = list(scheduler.waiting_queue)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        self.history = {id(r): (r, tuple(getattr(r, f) for f in self.FIELDS)) for r in reqs}
+
+    def requeue(self, scheduler: Any, batch: list[Any]) -> None:
+        """Undo an admission whose pages could not be reserved: the batch's
+        requests go back to the head of the waiting queue in their order (a
+        continuing chunked request stays the scheduler's chunked request)."""
+        current = scheduler.chunked_req
+        if current is not None:
+            current.inflight_middle_chunks -= 1
+        scheduler.chunked_req = self.chunked_req
+        back = [r for r in batch if r is not self.chunked_req]
+        waiting = [r for r in scheduler.waiting_queue if all(r is not b for b in back)]
+        scheduler.waiting_queue = back + waiting
+        for req, values in self.history.values():
+            for field, value in zip(self.FIELDS, values, strict=True):
+                setattr(req, field, value)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        from kvcached.log import get_logger
+
+        get_logger("integrations.sglang").info("%s", message)
+
+
+GROUPS: tuple[PatchGroup, ...] = (
+    PatchGroup("pools", "sglang.srt.mem_cache.kv_cache_configurator", _install_pools),
+    PatchGroup("startup-args", "sglang.srt.arg_groups.memory_hook", _install_startup_args),
+    PatchGroup("startup-runner", "sglang.srt.model_executor.model_runner",
+               _install_startup_runner),
+    PatchGroup("scheduler", "sglang.srt.managers.scheduler", _install_scheduler),
+)

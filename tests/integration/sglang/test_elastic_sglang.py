@@ -1,0 +1,502 @@
+"""kvcached's elastic pools and allocators inside the real SGLang, on the host backend.
+
+* SGLang's own construction path (``KVCacheConfigurator._build_mha_kv_pool``,
+  ``_build_mla_kv_pool``, ``_build_token_to_kv_pool_allocator``) builds the
+  elastic classes once the ``pools`` group is installed, and SGLang's classes
+  otherwise;
+* ``set_kv_buffer`` / ``get_key_buffer`` round-trip data through kvcached pages;
+* the allocator reference model (``allocator_model.Driver``) runs randomized
+  sequences against the elastic allocators: the same observable behaviour as
+  SGLang's native classes where capacity allows, and misses (``None``) where
+  the physical budget is smaller, never an error;
+* a prefill whose pages cannot be reserved is requeued with each real
+  ``Req``'s retraction history as it was.
+
+Skips without SGLang; fails instead under ``KVCACHED_REQUIRE_ENGINES=sglang``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+
+from tests.engines import require_engine
+
+require_engine("sglang", "sglang.srt.mem_cache.kv_cache_configurator")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.mem_cache import kv_cache_configurator as kc  # noqa: E402
+from sglang.srt.mem_cache.allocator import (  # noqa: E402
+    PagedTokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+)
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvcached.driver.host import HostDriver  # noqa: E402
+from kvcached.integrations.sglang import groups, pools  # noqa: E402
+from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape  # noqa: E402
+from kvcached.integrations.sglang.patch import Patcher  # noqa: E402
+from kvcached.units import MIB  # noqa: E402
+from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+STUBS = Path(__file__).resolve().parent / "stubs"
+
+
+@pytest.fixture(autouse=True)
+def host_env(tmp_path, monkeypatch):
+    """Every pool on the host backend, its ledger in a fresh directory."""
+    from kvcached import config
+
+    monkeypatch.setenv("KVCACHED_DRIVER", "host")
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_IPC_NAME", "sglang-test")
+    monkeypatch.setenv("KVCACHED_LOG_LEVEL", "WARNING")
+    # No background refill racing the exact figures below (it maps reserved
+    # pages, which are briefly in flight and then count as available).
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "2")
+    config.reload_config()
+    yield
+    config.reload_config()
+
+
+class CappedBudget:
+    """A physical budget of a fixed number of bytes (exact figures for the model)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+
+    def grant(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.capacity:
+            return False
+        self.used += nbytes
+        return True
+
+    def refund(self, nbytes: int) -> None:
+        self.used -= nbytes
+        assert self.used >= 0, "refunded more than was granted"
+
+    def headroom(self) -> int:
+        return self.capacity - self.used
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# -- the configurator builds the elastic classes ------------------------------------
+
+
+class _Layer:
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+
+
+def _configurator(monkeypatch, page_size: int, *, draft: bool = False) -> kc.KVCacheConfigurator:
+    """A configurator as the model runner would have made it for a tiny
+    model on CPU, with SGLang's global argument bags stood in for."""
+    schedule = NS(page_size=page_size, prefill_only_disable_kv_cache=False,
+                  mem_fraction_static=0.5)
+    parallel = NS(attn_tp_size=1, attn_dcp_size=1, dcp_enabled=False, launch_world_size=1)
+    for name, value in {
+        "get_schedule": schedule, "get_parallel": parallel,
+        "get_memory": NS(enable_hisparse=False, enable_unified_memory=False),
+        "get_exec": NS(features=NS(enable_memory_saver=False), kernel=NS(attention_backend="torch_native")),
+        "get_disagg": NS(disaggregation_mode="null", enable_pdmux=False),
+        "get_spec": NS(speculative_algorithm=None),
+    }.items():
+        monkeypatch.setattr(kc, name, lambda value=value: value)
+    conf = object.__new__(kc.KVCacheConfigurator)
+    model = NS(get_num_kv_heads=lambda tp, dcp=1: 8, head_dim=128, v_head_dim=128,
+               kv_lora_rank=64, qk_rope_head_dim=32)
+    fields = dict(
+        model_config=model, device="cpu", gpu_id=0, kv_cache_dtype=torch.float16,
+        kv_cache_dtype_str="auto", page_size=page_size, is_draft_worker=draft,
+        is_hybrid_swa=False, kv_shard_rank=None, kv_shard_size=1, kv_shard_spec=None,
+        kv_shard_group=None, post_capture_kv_active=False, use_mla_backend=False,
+        mambaish_config=None, layer_info=NS(num_effective_layers=2, start_layer=0, end_layer=2),
+    )
+    for name, value in fields.items():  # a slotted dataclass: one slot at a time
+        setattr(conf, name, value)
+    return conf
+
+
+@pytest.fixture
+def pools_group():
+    """The ``pools`` patch group installed on the real configurator, undone after."""
+    patcher = Patcher()
+    groups._install_pools(patcher, kc)
+    yield
+    patcher.undo()
+
+
+def _build(conf: kc.KVCacheConfigurator, size: int, kind: str = "mha"):
+    if kind == "mha":
+        cls = conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool)
+        pool = conf._build_mha_kv_pool(max_total_num_tokens=size, mha_pool_class=cls)
+    else:
+        cls = conf._resolve_kv_pool_class(kind="mla", default=MLATokenToKVPool)
+        pool = conf._build_mla_kv_pool(max_total_num_tokens=size, mla_pool_class=cls)
+    allocator = conf._build_token_to_kv_pool_allocator(
+        sizes=NS(max_total_num_tokens=size), token_to_kv_pool=pool, is_dsv4_model=False,
+        req_to_token_pool=None, token_to_kv_pool_allocator=None)
+    return pool, allocator
+
+
+@pytest.mark.parametrize(("page_size", "allocator_cls"), [
+    (1, pools.ElasticTokenToKVPoolAllocator), (16, pools.ElasticPagedTokenToKVPoolAllocator)])
+def test_configurator_builds_elastic_mha(monkeypatch, pools_group, page_size, allocator_cls):
+    conf = _configurator(monkeypatch, page_size)
+    pool, allocator = _build(conf, 4096)
+    try:
+        assert type(pool) is pools.ElasticMHATokenToKVPool
+        assert type(allocator) is allocator_cls
+        kv = pool.kvcached
+        assert kv is not None and allocator.kvcached_slots.kv is kv
+        assert allocator.size == 4096 and allocator.available_size() == 4096
+        # SGLang's own descriptors and data pointers were built on the views.
+        assert int(pool.k_data_ptrs[0]) == kv.cache.tensors.block_address(0, 0, 0)
+        assert int(pool.v_data_ptrs[1]) == kv.cache.tensors.block_address(1, 1, 0)
+        assert pool.k_buffer[0].shape == (pool.size + page_size, 8, 128)
+        # Nothing but the padding page is mapped until SGLang allocates.
+        assert kv.cache.usage().pages_used == 1
+    finally:
+        pool.kvcached.close()
+
+
+def test_configurator_builds_elastic_mla(monkeypatch, pools_group):
+    conf = _configurator(monkeypatch, 1)
+    conf.use_mla_backend = True
+    pool, allocator = _build(conf, 1024, kind="mla")
+    try:
+        assert type(pool) is pools.ElasticMLATokenToKVPool
+        assert type(allocator) is pools.ElasticTokenToKVPoolAllocator
+        assert [tuple(b.shape) for b in pool.kv_buffer] == [(pool.size + 1, 1, 96)] * 2
+        loc = allocator.alloc(3)
+        nope = torch.randn(3, 1, 64, dtype=torch.float16)
+        rope = torch.randn(3, 1, 32, dtype=torch.float16)
+        pool.kv_buffer[1][loc] = torch.cat([nope, rope], dim=-1)
+        assert torch.equal(pool.get_value_buffer(1)[loc], nope)
+    finally:
+        pool.kvcached.close()
+
+
+def test_without_the_group_or_for_a_draft_worker_sglang_builds_its_own(monkeypatch, pools_group):
+    conf = _configurator(monkeypatch, 1, draft=True)  # shares the target's allocator
+    pool = conf._build_mha_kv_pool(
+        max_total_num_tokens=64,
+        mha_pool_class=conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool))
+    assert type(pool) is MHATokenToKVPool
+    assert type(pools.token_allocator(64, dtype=torch.float16, device="cpu", kvcache=pool,
+                                      need_sort=False)) is TokenToKVPoolAllocator
+    assert type(pools.paged_allocator(64, page_size=4, dtype=torch.float16, device="cpu",
+                                      kvcache=pool, need_sort=False)) is PagedTokenToKVPoolAllocator
+
+
+def test_hybrid_linear_pool_gets_an_elastic_full_attention_pool():
+    """SGLang's hybrid linear-attention pool builds its full-attention pool
+    from the class the configurator resolved; the allocator finds it."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    pool = HybridLinearKVPool(size=4096, dtype=torch.float16, page_size=1, head_num=8,
+                              head_dim=128, full_attention_layer_ids=[1, 3], device="cpu",
+                              mamba_pool=None,
+                              full_kv_pool_class=pools.ElasticMHATokenToKVPool)
+    kv = pools.elastic_kv_of(pool)
+    try:
+        assert kv is pool.full_kv_pool.kvcached and kv is not None
+        alloc = pools.token_allocator(4096, dtype=torch.float16, device="cpu", kvcache=pool,
+                                      need_sort=False)
+        assert type(alloc) is pools.ElasticTokenToKVPoolAllocator
+        loc = alloc.alloc(10)
+        k = torch.randn(10, 8, 128, dtype=torch.float16)
+        pool.set_kv_buffer(_Layer(3), loc, k, -k)  # global layer 3 = full-attention layer 1
+        assert torch.equal(kv.cache.tensors.key_view(1).view(-1, 8, 128)[loc], k)
+        assert torch.equal(pool.get_value_buffer(3)[loc], -k)
+    finally:
+        kv.close()
+
+
+# -- data through kvcached pages -----------------------------------------------------
+
+
+def test_set_kv_buffer_round_trips_through_mapped_pages(monkeypatch, pools_group):
+    conf = _configurator(monkeypatch, 1)
+    pool, allocator = _build(conf, 4096)
+    kv = pool.kvcached
+    try:
+        loc = allocator.alloc(1500)  # spans two kvcached pages (1024 tokens each)
+        assert kv.cache.usage().pages_used == 2
+        for layer in range(2):
+            k = torch.randn(1500, 8, 128, dtype=torch.float16)
+            v = torch.randn(1500, 8, 128, dtype=torch.float16)
+            pool.set_kv_buffer(_Layer(layer), loc, k, v)
+            assert torch.equal(pool.get_key_buffer(layer)[loc], k)
+            assert torch.equal(pool.get_value_buffer(layer)[loc], v)
+            # The bytes are where kvcached mapped them: read through its own views.
+            raw_k = kv.cache.tensors.key_view(layer).view(-1, 8, 128)
+            raw_v = kv.cache.tensors.value_view(layer).view(-1, 8, 128)
+            assert torch.equal(raw_k[loc], k) and torch.equal(raw_v[loc], v)
+        allocator.free(loc)
+        assert allocator.available_size() == 4096
+        allocator.clear()  # flush_cache: the pages go back
+        assert kv.cache.usage().pages_mapped == 1
+    finally:
+        kv.close()
+
+
+# -- the allocator reference model ---------------------------------------------------
+
+# 128 KiB per token and buffer: 16 tokens per 2 MiB kvcached page.
+HEADS, HEAD_DIM = 64, 512
+
+
+def elastic_allocator(size: int, page_size: int, budget_pages: int | None):
+    driver = HostDriver(index=71, capacity=512 * MIB)
+    shape = KVShape(layers=1, page_size=page_size, size=size, heads=HEADS, head_dim=HEAD_DIM,
+                    dtype=torch.float32)
+    budget = CappedBudget(10**12 if budget_pages is None else budget_pages * 4 * MIB)
+    kv = ElasticKV(shape, driver=driver, budget=budget, register=False, min_reserved=1,
+                   max_reserved=2, background=False, max_handle_bytes=0)
+    kvcache = NS(kvcached=kv)
+    if page_size == 1:
+        alloc = pools.token_allocator(size, dtype=torch.float32, device="cpu", kvcache=kvcache,
+                                      need_sort=False)
+    else:
+        alloc = pools.paged_allocator(size, page_size=page_size, dtype=torch.float32,
+                                      device="cpu", kvcache=kvcache, need_sort=False)
+    bpp = kv.cache.blocks_per_page
+    usable = None if budget_pages is None else (budget_pages * bpp - 1) * page_size
+    return alloc, kv, usable
+
+
+ops = st.lists(
+    st.builds(Op, kind=st.sampled_from(["new", "new", "extend", "decode", "decode", "finish",
+                                        "group_free", "clear"]),
+              a=st.integers(0, 40), b=st.integers(0, 3)),
+    max_size=40,
+)
+_settings = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_settings
+@given(ops=ops, page_size=st.sampled_from([1, 2, 4, 16]), budget_pages=st.sampled_from([None, 2, 3]))
+def test_elastic_allocators_match_the_model(ops, page_size, budget_pages):
+    size = 48 if page_size == 1 else 64
+    alloc, kv, usable = elastic_allocator(size, page_size, budget_pages)
+    try:
+        driver = Driver(alloc, budget=usable)
+        driver.run(ops)
+        kv.blocks.check()
+        if budget_pages is not None:
+            # Never more mapped than the budget allowed.
+            assert kv.budget.used <= budget_pages * 4 * MIB
+    finally:
+        kv.close()
+
+
+def test_a_small_budget_misses_where_the_native_class_allocates():
+    alloc, kv, usable = elastic_allocator(48, 1, budget_pages=2)
+    native = pools.TokenToKVPoolAllocator(48, dtype=torch.float32, device="cpu",
+                                          kvcache=None, need_sort=False)
+    try:
+        assert usable == 31 and alloc.available_size() == 31
+        assert native.alloc(40) is not None
+        assert alloc.alloc(40) is None  # a miss, not an error
+        assert alloc.alloc(31) is not None and alloc.available_size() == 0
+    finally:
+        kv.close()
+
+
+def test_decode_capacity_reserves_the_pages_it_promised():
+    """A True from check_decode_capacity survives another process taking
+    the memory before the decode allocation."""
+    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=None)
+    try:
+        full = alloc.alloc(4)  # one page, full: the next decode token needs a new page
+        slots = alloc.kvcached_slots
+        slots.begin_round()
+        assert alloc.check_decode_capacity(num_tokens=4, tree_cache=None)
+        assert slots.stashed == 1
+        kv.budget.capacity = kv.budget.used  # someone else took everything
+        out = alloc.alloc_decode(torch.tensor([5]), torch.tensor([5]), torch.tensor([int(full[-1])]))
+        assert out is not None and int(out[0]) % 4 == 0
+        slots.end_round()
+        assert slots.stashed == 0
+        rest = alloc.alloc(alloc.available_size())  # the free pages of mapped kvcached pages
+        assert rest is not None and alloc.available_size() == 0
+        assert alloc.check_decode_capacity(num_tokens=4, tree_cache=None) is False
+    finally:
+        kv.close()
+
+
+# -- admission miss: the request waits, its retraction history untouched -------------
+
+
+def _req(rid: str, retractions: int) -> Req:
+    req = Req(rid, "", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4))
+    for _ in range(retractions):  # SGLang's own bookkeeping of a real retraction
+        req.retraction_count += 1
+        req.is_retracted = req.retracted_stain = True
+    return req
+
+
+class _Batch:
+    """Stands in for ScheduleBatch: prepare_for_extend is where SGLang allocates."""
+
+    def __init__(self, reqs: list, allocator, tree) -> None:
+        self.reqs, self.token_to_kv_pool_allocator, self.tree_cache = reqs, allocator, tree
+        self.allocated = None
+
+    def is_dllm(self) -> bool:
+        return False
+
+    def prepare_for_extend(self) -> None:
+        pages = sum(-(-r.extend_end // 4) for r in self.reqs)
+        self.allocated = self.token_to_kv_pool_allocator.alloc(pages * 4)
+        assert self.allocated is not None, "SGLang would raise 'Out of memory' here"
+
+
+class _Scheduler:
+    """Stands in for SGLang's Scheduler around the methods the group wraps:
+    admission takes two requests off the queue and, as SGLang's adder does,
+    clears ``is_retracted`` of what it admits."""
+
+    def __init__(self, allocator, reqs: list) -> None:
+        self.token_to_kv_pool_allocator = allocator
+        self.tree_cache = NS(evictable_size=lambda: 0, evict=None,
+                             supports_prefix_sharing=lambda: False)
+        self.waiting_queue = list(reqs)
+        self.chunked_req = None
+
+    def get_next_batch_to_run(self, running_batch, last_batch):
+        return self._get_new_batch_prefill_raw(None, running_batch=running_batch)
+
+    def _get_new_batch_prefill_raw(self, prefill_delayer_single_pass, running_batch):
+        batch, self.waiting_queue = self.waiting_queue[:2], self.waiting_queue[2:]
+        for r in batch:
+            r.is_retracted = False
+        new = _Batch(batch, self.token_to_kv_pool_allocator, self.tree_cache)
+        new.prepare_for_extend()
+        return new, running_batch
+
+
+@pytest.fixture
+def scheduler_group():
+    module = NS(Scheduler=_Scheduler, ScheduleBatch=_Batch)
+    patcher = Patcher()
+    groups._install_scheduler(patcher, module)
+    yield
+    patcher.undo()
+
+
+def test_a_prefill_that_cannot_reserve_waits_with_its_retraction_history(scheduler_group):
+    """The scheduler group's wrappers around admission: a batch whose pages
+    cannot be reserved goes back to the head of the queue, each real ``Req``
+    with its retraction history as it was; once memory is there it runs."""
+    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=2)  # 7 pages of 4 tokens usable
+    try:
+        fresh, retracted, third = _req("a", 0), _req("b", 2), _req("c", 0)
+        for r in (fresh, retracted, third):
+            r.prefix_len, r.extend_end = 0, 16  # 4 pages each: two do not fit
+        sched = _Scheduler(alloc, [fresh, retracted, third])
+        running = object()
+        assert sched.get_next_batch_to_run(running, None) == (None, running)
+        assert sched.waiting_queue == [fresh, retracted, third]
+        assert (fresh.is_retracted, fresh.retracted_stain, fresh.retraction_count) == (
+            False, False, 0)
+        assert (retracted.is_retracted, retracted.retracted_stain,
+                retracted.retraction_count) == (True, True, 2)
+        slots = alloc.kvcached_slots
+        assert slots.stashed == 0 and slots.n_live == 0 and slots.misses == 1
+        # Memory came back (another engine left): the same batch now runs.
+        kv.budget.capacity *= 4
+        batch, _ = sched.get_next_batch_to_run(running, None)
+        assert batch.reqs == [fresh, retracted] and batch.allocated.numel() == 32
+        assert sched.waiting_queue == [third] and retracted.retraction_count == 2
+        assert slots.stashed == 0  # the reservation was used, nothing left held
+    finally:
+        kv.close()
+
+
+# -- inert without ENABLE_KVCACHED ----------------------------------------------------
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+    environment.update(env, PYTHONPATH=f"{STUBS}{os.pathsep}{ROOT}")
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)],
+                          env=environment, capture_output=True, text=True, timeout=300)
+
+
+def test_patch_is_inert_without_enable_kvcached():
+    proc = _run("""
+        import sys
+        from kvcached.integrations.sglang import apply
+        result = apply()
+        import sglang.srt.mem_cache.kv_cache_configurator as kc
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        assert not result.applied, result
+        assert kc.TokenToKVPoolAllocator is TokenToKVPoolAllocator
+        assert "kvcached.integrations.sglang.pools" not in sys.modules
+        print("inert")
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "inert"
+    assert "[kvcached]" not in proc.stderr
+
+
+def test_patch_installs_every_group_on_the_real_sglang():
+    proc = _run("""
+        from kvcached.integrations.sglang import apply, patch
+        assert apply().applied
+        import sglang.srt.managers.scheduler as sched
+        import sglang.srt.mem_cache.kv_cache_configurator as kc
+        from kvcached.integrations.sglang import pools
+        assert kc.TokenToKVPoolAllocator is pools.token_allocator
+        assert sched.Scheduler.get_next_batch_to_run.__wrapped__ is not None
+        print(sorted(patch.group_states().items()))
+    """, ENABLE_KVCACHED="true", KVCACHED_DRIVER="host")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    states = dict(eval(proc.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own repr
+    assert states["pools"] == states["scheduler"] == "installed", states
+
+
+# -- startup: the cache is sized from a virtual budget --------------------------------
+
+
+def test_profiling_ignores_memory_other_engines_hold(monkeypatch, pools_group, tmp_path):
+    """``_profile_available_bytes`` (patched) sizes the pool as if the device
+    were this engine's alone: another engine charging most of the device on
+    its ledger neither shrinks the cache nor makes SGLang refuse to start."""
+    from kvcached.driver import get_driver
+    from kvcached.ledger import open_pool_budget
+
+    conf = _configurator(monkeypatch, 1)
+    driver = get_driver(0)
+    total = driver.info().total_bytes
+    alone = conf._profile_available_bytes(pre_model_load_memory=total)
+    assert alone == int(total * 0.5)
+    other = open_pool_budget(driver, "other-engine", calibrate=False)
+    try:
+        grab = other.headroom() // (2 * MIB) * (2 * MIB)
+        assert other.grant(grab)
+        assert conf._profile_available_bytes(pre_model_load_memory=total) == alone
+    finally:
+        other.refund(grab)
+        other.close()
