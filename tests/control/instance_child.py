@@ -1,6 +1,7 @@
 """A kvcached instance in a process of its own, driven line by line over stdin.
 
 Usage: ``python tests/control/instance_child.py HOST_INDEX CAPACITY_BYTES [ENGINE]``
+(``HOST_INDEX`` ``cuda`` puts the cache on CUDA device 0 instead, for the GPU test)
 with ``KVCACHED_LEDGER_DIR`` (and optionally ``KVCACHED_IPC_NAME``) set. It opens
 a KV cache with :func:`kvcached.control.instance.open_kv_cache` on the host
 backend, prints one JSON line when ready, then answers each command with one
@@ -33,9 +34,14 @@ def usage(cache) -> dict:
 
 
 def main() -> int:
-    index, capacity = int(sys.argv[1]), int(sys.argv[2])
+    capacity = int(sys.argv[2])
     engine = sys.argv[3] if len(sys.argv) > 3 else "test"
-    driver = HostDriver(index=index, capacity=capacity)
+    if sys.argv[1] == "cuda":
+        from kvcached.driver import get_driver
+
+        driver = get_driver(0, "cuda")
+    else:
+        driver = HostDriver(index=int(sys.argv[1]), capacity=capacity)
     cache = open_kv_cache(SPEC, engine=engine, engine_version="1.0", driver=driver,
                           capacity_bytes=capacity, min_reserved=2, max_reserved=4,
                           max_handle_bytes=0)

@@ -22,12 +22,12 @@ def unique_index() -> int:
     return random.randrange(20_000, 60_000)
 
 
-def child_env(ledger_dir: str, name: str | None) -> dict[str, str]:
+def child_env(ledger_dir: str, name: str | None, driver: str = "host") -> dict[str, str]:
     env = dict(os.environ)
     env.pop("KVCACHED_IPC_NAME", None)
     if name is not None:
         env["KVCACHED_IPC_NAME"] = name
-    env.update({"KVCACHED_LEDGER_DIR": ledger_dir, "KVCACHED_DRIVER": "host",
+    env.update({"KVCACHED_LEDGER_DIR": ledger_dir, "KVCACHED_DRIVER": driver,
                 "KVCACHED_LOG_LEVEL": "WARNING",
                 "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])})
     return env
@@ -36,12 +36,12 @@ def child_env(ledger_dir: str, name: str | None) -> dict[str, str]:
 class Child:
     """One instance process (see ``instance_child.py``)."""
 
-    def __init__(self, ledger_dir: str, index: int, name: str | None = None,
+    def __init__(self, ledger_dir: str, index: int | str, name: str | None = None,
                  engine: str = "test", capacity: int = 256 << 20) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(CHILD), str(index), str(capacity), engine],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=child_env(ledger_dir, name))
+            env=child_env(ledger_dir, name, "cuda" if index == "cuda" else "host"))
         self.ready = self._read(timeout=120)
         assert self.ready.get("ready"), self.ready
         self.name: str = self.ready["name"]
