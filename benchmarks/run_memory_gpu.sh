@@ -20,5 +20,8 @@ run() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/memory-gpu-device.txt" 2>&1
 run memory-gpu-tests "$PY" -m pytest tests/memory/test_gpu.py -m gpu -v -p no:cacheprovider
 run memory-h200 "$PY" benchmarks/memory.py --backend cuda --out "$OUT/memory-h200.json"
+# where growth time goes: Python cost per page (null driver) and the per-call split
+run grow-overhead-h200 "$PY" benchmarks/grow_overhead.py --backend cuda --out "$OUT/grow-overhead-h200.json"
+run grow-overhead-h200-batched "$PY" benchmarks/grow_overhead.py --backend cuda --pages-per-take 32 --out "$OUT/grow-overhead-h200-batched.json"
 run kv-layout-h200 "$PY" benchmarks/kv_layout.py --out "$OUT/kv-layout-h200.json"
 exit $status

@@ -15,6 +15,14 @@ Every process that holds KV pools has one :class:`Instance` (see
 Pools are anything that satisfies :class:`PoolSource`: a plain
 :class:`~kvcached.memory.cache.KVCache` through :class:`KVCachePool`, or an
 engine integration's own planner.
+
+Limit enforcement, step by step: the control thread sees a new revision and
+calls ``apply_limit`` (a :class:`KVCachePool` caps its page pool, whose own
+thread then releases idle pages down to the cap at once); from the next tick
+on, while the instance's ledger charge on a device is still above the limit,
+it calls ``reclaim`` on the pools there. With coalesced handles (the default
+``max_handle_bytes``) memory goes back by whole extents, each only once all
+its pages are idle.
 """
 
 from __future__ import annotations
@@ -77,7 +85,9 @@ class PoolSource(Protocol):
 
 
 class LimitWatch(Protocol):
-    """The pool's account on its device's ledger (:class:`kvcached.ledger.PoolBudget`)."""
+    """The pool's account on its device's ledger (:class:`kvcached.ledger.PoolBudget`).
+    An optional ``ledger_path`` attribute is published, so ``kvctl`` finds the
+    ledger without the instance's ``KVCACHED_LEDGER_DIR``."""
 
     @property
     def limit(self) -> int: ...
@@ -96,6 +106,8 @@ class KVCachePool:
     ``evict_cached(nbytes) -> int`` is the engine's hook to drop unreferenced
     prefix-cache blocks (it frees their blocks into the cache and returns the
     bytes it expects released); ``prefix_cache_bytes()`` reports what they hold.
+    :attr:`misses` is published as is: the engine adds one for every
+    allocation the cache refused (``alloc`` returned ``None``).
     """
 
     def __init__(self, cache: Any, name: str = "kv", *,
@@ -140,6 +152,7 @@ class _Member:
     source: PoolSource
     watch: LimitWatch | None
     revision_seen: int = -1
+    fresh: bool = False  #: its limit changed this pass: let its own cap act first
 
 
 class Instance:
@@ -196,6 +209,9 @@ class Instance:
                 limit = m.watch.limit
                 entry["limit_bytes"] = limit or None
                 entry["limit_revision"] = m.watch.limit_revision
+                ledger = getattr(m.watch, "ledger_path", None)
+                if isinstance(ledger, str):
+                    entry["ledger"] = ledger
             pools.append(entry)
         return {
             "instance": self.name, "pid": os.getpid(), "engine": self.engine,
@@ -219,18 +235,25 @@ class Instance:
             if m.watch is None:
                 continue
             revision = m.watch.limit_revision
-            if revision != m.revision_seen:
+            m.fresh = revision != m.revision_seen
+            gpu = m.source.pool_usage().gpu
+            if m.fresh:
+                first = m.revision_seen < 0
                 m.revision_seen = revision
                 limit = m.watch.limit
                 m.source.apply_limit(limit or None)
-                log.info("instance %s: limit %s (revision %d) on %s", self.name,
-                         limit or "none", revision, m.source.pool_usage().gpu)
-            by_gpu.setdefault(m.source.pool_usage().gpu, []).append(m)
+                if revision and not (first and not limit):
+                    log.info("instance %s: limit %s (revision %d) on %s", self.name,
+                             limit or "none", revision, gpu)
+            by_gpu.setdefault(gpu, []).append(m)
         for group in by_gpu.values():
             watch = group[0].watch
             assert watch is not None
             limit = watch.limit
-            if not limit:
+            if not limit or any(m.fresh for m in group):
+                # Unlimited, or just lowered: a pool's own cap releases idle pages
+                # down to the limit (exactly, page by page); reclaim only what that
+                # leaves above it, from the next tick on.
                 continue
             for m in group:  # batched refunds first: they are memory already released
                 with contextlib.suppress(Exception):

@@ -3,31 +3,48 @@
 A limit lives in the instance's record of each device ledger it uses, with a
 revision. :func:`set_limit` writes it on every such device and reports what
 happened: ``applied`` (in force, usage within it), ``deferred`` (in force, the
-instance is releasing idle memory to get within it), ``stale`` (an older
-revision than the one stored: not written) or ``conflict`` (the same revision
-already holds another value: not written).
+instance is releasing idle memory to get within it, or waits for blocks in use
+to be freed), ``stale`` (an older revision than the one stored: not written) or
+``conflict`` (the same revision already holds another value: not written).
+
+Which ledgers: those in ``KVCACHED_LEDGER_DIR`` and, so that ``kvctl`` works
+without the instance's environment, every ledger a live instance names in its
+snapshot. This module imports no torch and no device library.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvcached.config import get_config
-from kvcached.errors import InstanceNotFoundError
+from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerPermissionError
 from kvcached.ledger.file import list_ledgers
-from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.ledger import Ledger, check_instance_name
 from kvcached.ledger.snapshot import LedgerSnapshot, LimitStatus
+
+if TYPE_CHECKING:
+    from kvcached.control.snapshot import Snapshot
 
 
 @dataclass(frozen=True)
 class DeviceLimit:
+    """The outcome on one device."""
+
     gpu: str
     status: LimitStatus
-    limit_bytes: int | None
+    limit_bytes: int | None  #: ``None``: unlimited
     revision: int
-    charged_bytes: int
+    charged_bytes: int  #: the instance's charge there when last read
     total_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["status"] = self.status.value
+        return out
 
 
 @dataclass(frozen=True)
@@ -38,16 +55,88 @@ class LimitResult:
     status: LimitStatus
     devices: list[DeviceLimit] = field(default_factory=list)
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"instance": self.instance, "status": self.status.value,
+                "devices": [d.as_dict() for d in self.devices]}
+
 
 _ORDER = (LimitStatus.APPLIED, LimitStatus.DEFERRED, LimitStatus.STALE, LimitStatus.CONFLICT)
 
 
-def ledger_snapshots(directory: str | None = None) -> list[LedgerSnapshot]:
-    """A snapshot of every ledger file in ``directory`` (default ``KVCACHED_LEDGER_DIR``)."""
-    directory = get_config().ledger_dir if directory is None else directory
+def ledger_dirs(directory: str | None = None,
+                snapshots: Sequence[Snapshot] | None = None) -> list[str]:
+    """Where to look for ledgers: ``directory`` alone when given, else
+    ``KVCACHED_LEDGER_DIR`` plus the directory of every ledger that a live
+    instance's snapshot names (an instance may run with another directory).
+    ``snapshots``: already read ones (default: read them now)."""
+    if directory is not None:
+        return [directory]
+    if snapshots is None:
+        from kvcached.control.snapshot import read_snapshots
+
+        snapshots = read_snapshots(cleanup=False)
+    found = [get_config().ledger_dir]
+    for snap in snapshots:
+        if not snap.alive:
+            continue
+        for pool in snap.data.get("pools", []):
+            path = pool.get("ledger")
+            if isinstance(path, str) and path:
+                found.append(os.path.dirname(path))
+    out: list[str] = []
+    seen: set[str] = set()
+    for d in found:
+        key = os.path.realpath(d)
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def _listed(directory: str) -> list[str]:
+    try:
+        return list_ledgers(directory)
+    except PermissionError as exc:
+        raise LedgerPermissionError(
+            exc.errno, f"{exc.strerror} while listing the kvcached ledger directory "
+            "(KVCACHED_LEDGER_DIR); its instances' limits and charges need read and write "
+            "access to it", directory) from exc
+
+
+def ledger_paths(directory: str | None = None,
+                 snapshots: Sequence[Snapshot] | None = None) -> list[str]:
+    """Every ledger file in :func:`ledger_dirs`."""
+    return [p for d in ledger_dirs(directory, snapshots) for p in _listed(d)]
+
+
+def ledger_snapshots(directory: str | None = None,
+                     snapshots: Sequence[Snapshot] | None = None,
+                     problems: list[str] | None = None) -> list[LedgerSnapshot]:
+    """A snapshot of every ledger file (see :func:`ledger_dirs` for which).
+
+    A ledger that cannot be read (no permission, another layout version)
+    raises its :class:`~kvcached.errors.LedgerError` (for no permission a
+    :class:`~kvcached.errors.LedgerPermissionError`, a ``PermissionError``),
+    unless ``problems`` is given: then its message is appended there and the
+    ledger skipped.
+    """
     out = []
-    for path in list_ledgers(directory):
-        ledger = Ledger.open_existing(path)
+    paths: list[str] = []
+    for d in ledger_dirs(directory, snapshots):
+        try:
+            paths += _listed(d)
+        except LedgerPermissionError as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
+    for path in paths:
+        try:
+            ledger = Ledger.open_existing(path)
+        except (LedgerError, OSError) as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
+            continue
         try:
             out.append(ledger.snapshot())
         finally:
@@ -60,57 +149,86 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
               wait_s: float = 0.0) -> LimitResult:
     """Set instance ``name``'s limit on every device it uses.
 
-    Give ``limit_bytes`` (``None``: unlimited) or ``percent`` of each device's
-    memory. ``revision`` defaults to the stored one plus one on each device; pass
-    the revision you read to detect concurrent writers (``stale``/``conflict``).
-    With ``wait_s``, wait up to that long for usage to come within the limit
-    before answering ``deferred``. Raises :class:`InstanceNotFoundError` when no
-    device ledger has a pool of ``name``.
+    Give ``limit_bytes`` (``None``: remove the limit) or ``percent`` of each
+    device's memory. ``revision`` defaults to the stored one plus one on each
+    device; pass the revision you read to detect concurrent writers
+    (``stale``/``conflict``). With ``wait_s``, wait up to that long for usage to
+    come within the limit before answering ``deferred``. Raises
+    :class:`InstanceNotFoundError` when no ledger has a pool of ``name``,
+    ``ValueError`` for a bad argument, and
+    :class:`~kvcached.errors.LedgerPermissionError` when a ledger may not be
+    written by this user.
     """
+    check_instance_name(name)
     if percent is not None:
-        if not 0 < percent <= 100:
-            raise ValueError(f"percent={percent!r}: must be in (0, 100]")
-    elif limit_bytes is not None and (not isinstance(limit_bytes, int) or limit_bytes <= 0):
-        raise ValueError(f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None")
-    directory = get_config().ledger_dir if directory is None else directory
+        if limit_bytes is not None:
+            raise ValueError("give limit_bytes or percent, not both")
+        if isinstance(percent, bool) or not isinstance(percent, (int, float)) \
+                or not 0 < percent <= 100:
+            raise ValueError(f"percent={percent!r}: must be a number in (0, 100]")
+    elif limit_bytes is not None and (isinstance(limit_bytes, bool)
+                                      or not isinstance(limit_bytes, int) or limit_bytes <= 0):
+        raise ValueError(f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None "
+                         "to remove the limit")
+    if wait_s < 0:
+        raise ValueError(f"wait_s={wait_s!r}: must be >= 0 seconds")
+    dirs = ledger_dirs(directory)
     results: list[DeviceLimit] = []
-    seen = []
-    for path in list_ledgers(directory):
-        ledger = Ledger.open_existing(path)
+    unreadable: list[Exception] = []
+    paths: list[str] = []
+    for d in dirs:
+        try:
+            paths += _listed(d)
+        except LedgerPermissionError as exc:
+            unreadable.append(exc)
+    for path in paths:
+        try:
+            ledger = Ledger.open_existing(path)
+        except (LedgerError, OSError) as exc:
+            unreadable.append(exc)  # fatal only if the instance is found nowhere else
+            continue
         try:
             snap = ledger.snapshot()
             inst = snap.instance(name)
             if inst is None or inst.pools == 0:
                 continue
-            seen.append(snap.header.device_id)
             total = snap.header.total_bytes
-            limit = int(total * percent / 100) if percent is not None else limit_bytes
+            limit = max(1, int(total * percent / 100)) if percent is not None else limit_bytes
             rev = inst.revision + 1 if revision is None else revision
             status = ledger.set_limit(name, limit, rev)
             results.append(DeviceLimit(snap.header.device_id, status, limit or None, rev,
                                        inst.charged, total))
         finally:
             ledger.close()
-    if not seen:
+    if not results:
+        if unreadable:
+            raise unreadable[0]
         raise InstanceNotFoundError(
             f"no kvcached instance named {name!r} holds memory on any device "
-            f"(ledgers in {directory})"
+            f"(ledgers in {', '.join(dirs)})"
         )
-    results = _settle(name, results, directory, wait_s)
+    results = _settle(name, results, dirs, wait_s)
     worst = max((d.status for d in results), key=_ORDER.index)
     return LimitResult(name, worst, results)
 
 
-def _settle(name: str, results: list[DeviceLimit], directory: str,
-            wait_s: float) -> list[DeviceLimit]:
-    """Mark applied limits that usage is still above as deferred (after waiting)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        charged = {}
-        for snap in ledger_snapshots(directory):
+def _charges(name: str, dirs: list[str]) -> dict[str, int]:
+    charged: dict[str, int] = {}
+    for d in dirs:
+        for snap in ledger_snapshots(d, problems=[]):
             inst = snap.instance(name)
             if inst is not None:
                 charged[snap.header.device_id] = inst.charged
+    return charged
+
+
+def _settle(name: str, results: list[DeviceLimit], dirs: list[str],
+            wait_s: float) -> list[DeviceLimit]:
+    """Mark written limits that usage is still above as deferred (after waiting
+    up to ``wait_s`` for the instance to release idle memory)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        charged = _charges(name, dirs)
         settled = []
         for d in results:
             now = charged.get(d.gpu, d.charged_bytes)
@@ -123,4 +241,4 @@ def _settle(name: str, results: list[DeviceLimit], directory: str,
         if all(d.status != LimitStatus.DEFERRED for d in settled) or time.monotonic() >= deadline:
             return settled
         results = settled
-        time.sleep(0.1)
+        time.sleep(0.05)

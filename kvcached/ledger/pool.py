@@ -256,6 +256,11 @@ class PoolBudget:
         return self._pending
 
     @property
+    def ledger_path(self) -> str:
+        """The ledger file this pool is charged to (``kvctl`` finds it through snapshots)."""
+        return self._ledger.path
+
+    @property
     def limit(self) -> int:
         """The instance's limit on this device now (0: unlimited); read without a lock."""
         return self._ledger.i64[self._li]

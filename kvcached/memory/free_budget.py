@@ -8,6 +8,8 @@ import time
 from kvcached.driver.base import Driver
 from kvcached.errors import ConfigError
 
+_monotonic = time.monotonic
+
 
 class DriverFreeBudget:
     """A :class:`PhysicalBudget` for one process with no ledger: the driver's
@@ -45,7 +47,7 @@ class DriverFreeBudget:
         self._margin = 0
         self._base = 0  # free - margin at the last sample
         self._delta = 0  # refunds - grants since the last sample
-        self._at = 0.0
+        self._resample_at = 0.0  # monotonic time of the next sample
         self._closed = False
         self.sample()
 
@@ -61,33 +63,43 @@ class DriverFreeBudget:
             self._margin = round(total * (1.0 - self._utilization))
             self._base = free - self._margin
             self._delta = 0
-            self._at = time.monotonic()
+            self._resample_at = time.monotonic() + self._interval
             return max(0, self._base)
 
     def headroom(self) -> int:
-        if time.monotonic() - self._at > self._interval:
+        if _monotonic() > self._resample_at:
             return self.sample()
         room = self._base + self._delta
         return room if room > 0 else 0
 
+    # grant and refund are on the growth path (one per extent, or per batch):
+    # acquire/release costs half of a `with` block here.
     def grant(self, nbytes: int) -> bool:
         if nbytes < 0:
             raise ValueError(f"grant(nbytes={nbytes}): must be >= 0")
         if self._closed:
             return False
-        if time.monotonic() - self._at > self._interval:
+        if _monotonic() > self._resample_at:
             self.sample()
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._base + self._delta < nbytes:
                 return False
             self._delta -= nbytes
             return True
+        finally:
+            lock.release()
 
     def refund(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"refund(nbytes={nbytes}): must be >= 0")
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             self._delta += nbytes
+        finally:
+            lock.release()
 
     def flush(self) -> None:
         """Nothing is batched here."""

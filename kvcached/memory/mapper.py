@@ -11,8 +11,8 @@ Rules this class keeps:
 
 * a page belongs to at most one extent; an extent is *live* (mapped, usable),
   *in flight* (being mapped or unmapped by one thread) or *quarantined*;
-* growth goes ``grant -> create -> map -> set_access``; whatever fails is undone
-  in reverse, and bytes never created are refunded at once;
+* growth goes ``grant -> (create -> map -> set_access) per handle``; whatever
+  fails is undone in reverse, and bytes never created are refunded at once;
 * release goes ``synchronize -> unmap -> release -> refund``; a refund follows a
   confirmed release only. A handle whose unmap or release failed keeps its
   charge and leaves its extent quarantined (unusable, still counted as
@@ -22,6 +22,14 @@ Rules this class keeps:
 This is the page-level API an integration can use on its own (a vLLM worker
 mapping the pages its scheduler chose): :meth:`PageMapper.map_pages` and
 :meth:`PageMapper.unmap_pages`.
+
+Growth is the hot path (one ``take`` of the page pool per new page when
+coalescing is off), so its Python work per extent is kept to a few
+microseconds: the address of every handle is arithmetic on strides computed
+once, an extent keeps its handles in a list (per-handle states exist only
+once a teardown starts), and :meth:`PageMapper.map_runs` maps several extents
+behind one validation, one lock for the claims, one grant and one lock to
+publish them.
 """
 
 from __future__ import annotations
@@ -65,6 +73,10 @@ class PageBackend(Protocol):
 
     def map_run(self, first: int, count: int) -> bool: ...
 
+    # Optional: ``map_runs(spans) -> int`` (how many leading spans were mapped;
+    # see PageMapper.map_runs) and ``is_mapped(page) -> bool``. The page pool
+    # uses them when both are there, else calls map_run once per span.
+
     def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]: ...
 
     def retry_quarantined(
@@ -75,27 +87,24 @@ class PageBackend(Protocol):
     def unmap_all(self) -> bool: ...
 
 
-class _Piece:
-    """One physical handle of an extent and how far along its life it is."""
-
-    __slots__ = ("va", "size", "handle", "state")
-
-    def __init__(self, va: int, size: int) -> None:
-        self.va = va
-        self.size = size
-        self.handle: Handle = None
-        self.state = -1  # not created
-
-
 class Extent:
-    """Pages ``[first, first+count)`` and their handles."""
+    """Pages ``[first, first+count)`` and their handles.
 
-    __slots__ = ("first", "count", "pieces", "quarantined", "busy")
+    Handle ``i`` maps range ``i`` of the extent (see
+    :meth:`~kvcached.memory.tensors.VirtualKVTensors.extent_ranges`). While it
+    is built, ``handles[:mapped]`` are mapped and any handle after them is
+    created only; a teardown turns that into one state per handle
+    (``states``), which a retry of a quarantined extent picks up from.
+    """
+
+    __slots__ = ("first", "count", "handles", "mapped", "states", "quarantined", "busy")
 
     def __init__(self, first: int, count: int) -> None:
         self.first = first
         self.count = count
-        self.pieces: list[_Piece] = []
+        self.handles: list[Handle] = []
+        self.mapped = 0
+        self.states: bytearray | None = None
         self.quarantined = False
         self.busy = True  # in flight until published
 
@@ -129,6 +138,10 @@ class PageMapper:
         self.page_bytes = g.page_bytes
         self.max_run_pages = max(1, max_handle_bytes // g.handle_bytes_per_page)
         self.before_unmap = before_unmap or self.driver.synchronize
+        self._num_pages = g.num_pages
+        # (va of page 0, bytes per page) of each handle's range: range i of
+        # an extent is (va_i + first * bytes_i, count * bytes_i).
+        self._strides = tensors.handle_strides()
         self._lock = threading.Lock()
         self._owner: list[Extent | None] = [None] * g.num_pages
         self._quarantine: dict[int, Extent] = {}
@@ -159,9 +172,16 @@ class PageMapper:
             for ext in self._owner:
                 if ext is not None and id(ext) not in seen:
                     seen.add(id(ext))
-                    total += sum(p.size for p in ext.pieces
-                                 if p.state in (_CREATED, _MAPPED, _UNMAPPED))
+                    total += self._held(ext)
             return total
+
+    def _held(self, ext: Extent) -> int:
+        """Bytes of ``ext``'s handles created and not yet released."""
+        sizes = [ext.count * span for _, span in self._strides]
+        if ext.states is None:
+            return sum(sizes[:len(ext.handles)])
+        return sum(size for size, st in zip(sizes, ext.states, strict=False)
+                   if st != _RELEASED)
 
     def quarantined_extents(self) -> list[tuple[int, int]]:
         with self._lock:
@@ -174,25 +194,26 @@ class PageMapper:
         ``False`` when the budget denies it or the device is out of memory /
         fails (the attempt is undone). Raises :class:`MappingError` for a range
         outside the cache, longer than :attr:`max_run_pages`, or overlapping a
-        page that is already mapped."""
-        g = self.geometry
-        if not isinstance(first, int) or not isinstance(count, int) or count < 1 \
-                or first < 0 or first + count > g.num_pages:
-            raise MappingError(
-                f"map_run(first={first}, count={count}): needs 0 <= first, count >= 1, "
-                f"first + count <= {g.num_pages}")
-        if count > self.max_run_pages:
-            raise MappingError(
-                f"map_run(count={count}): at most {self.max_run_pages} pages per extent")
+        page that is already mapped.
+
+        :meth:`map_runs` for one span, written out without its lists: growing
+        by one page at a time (a decode step, a refill of one page) is the
+        common case."""
+        if first.__class__ is not int or count.__class__ is not int or first < 0 \
+                or count < 1 or count > self.max_run_pages or first + count > self._num_pages:
+            first, count = self._check_span(first, count)
         ext = Extent(first, count)
-        with self._lock:
-            owner = self._owner
-            for p in range(first, first + count):
-                if owner[p] is not None:
-                    raise MappingError(f"map_run: page {p} is already in {owner[p]!r}")
-            for p in range(first, first + count):
-                owner[p] = ext
+        owner = self._owner
+        lock = self._lock
+        lock.acquire()
+        try:
+            if count == 1 and owner[first] is None:
+                owner[first] = ext
+            else:
+                self._claim_pages(ext, [ext])
             self.mapped_pages += count
+        finally:
+            lock.release()
         nbytes = count * self.page_bytes
         try:
             granted = self.budget.grant(nbytes)
@@ -212,30 +233,163 @@ class PageMapper:
         except BaseException:
             self._undo(ext, nbytes)
             raise
-        with self._lock:
+        lock.acquire()
+        try:
             ext.busy = False
+        finally:
+            lock.release()
         return True
 
+    def map_runs(self, spans: list[tuple[int, int]]) -> int:
+        """Map each ``(first, count)`` span as one extent, in order, and stop
+        at the first that cannot be mapped. Returns how many leading spans
+        are now live; the rest are untouched (a failed one is undone, or
+        quarantined when it could not be).
+
+        One grant covers every span; what is not mapped is refunded. Raises
+        :class:`MappingError`, changing nothing, when any span is outside the
+        cache, longer than :attr:`max_run_pages`, or overlaps a mapped page or
+        another span. If it raises later (an interrupt), the spans before the
+        one in flight are live and the rest as above."""
+        num_pages, max_run = self._num_pages, self.max_run_pages
+        exts = []
+        pages = 0
+        for first, count in spans:
+            if first.__class__ is not int or count.__class__ is not int or first < 0 \
+                    or count < 1 or count > max_run or first + count > num_pages:
+                first, count = self._check_span(first, count)
+            exts.append(Extent(first, count))
+            pages += count
+        if not exts:
+            return 0
+        owner = self._owner
+        lock = self._lock
+        lock.acquire()
+        try:  # claim every page, or none
+            for ext in exts:
+                first = ext.first
+                if ext.count == 1 and owner[first] is None:
+                    owner[first] = ext
+                else:
+                    self._claim_pages(ext, exts)
+            self.mapped_pages += pages
+        finally:
+            lock.release()
+        try:
+            granted = self.budget.grant(pages * self.page_bytes)
+        except BaseException:
+            self._forget_all(exts)
+            raise
+        if not granted:
+            self._forget_all(exts)
+            return 0
+        done = 0
+        build = self._build
+        try:
+            for ext in exts:
+                build(ext)
+                done += 1
+        except DriverError as exc:
+            ext = exts[done]
+            level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
+            level("mapping pages [%d, %d) failed, undone: %s", ext.first, ext.first + ext.count,
+                  exc)
+            self._abandon(exts, done)
+        except BaseException:
+            self._abandon(exts, done)
+            self._go_live(exts, done)
+            raise
+        if done == 1:  # _go_live, written out
+            lock.acquire()
+            try:
+                exts[0].busy = False
+            finally:
+                lock.release()
+        else:
+            self._go_live(exts, done)
+        return done
+
+    def _check_span(self, first: object, count: object) -> tuple[int, int]:
+        """The slow check of one span: its ints, or :class:`MappingError`."""
+        g = self.geometry
+        if not isinstance(first, int) or not isinstance(count, int) or count < 1 \
+                or first < 0 or first + count > g.num_pages:
+            raise MappingError(
+                f"map_run(first={first}, count={count}): needs 0 <= first, count >= 1, "
+                f"first + count <= {g.num_pages}")
+        if count > self.max_run_pages:
+            raise MappingError(
+                f"map_run(count={count}): at most {self.max_run_pages} pages per extent")
+        return int(first), int(count)
+
+    def _claim_pages(self, ext: Extent, claiming: list[Extent]) -> None:
+        """Own every page of ``ext``; if one is taken, drop the claims of
+        ``claiming`` (this call's extents) and raise. Lock held."""
+        owner = self._owner
+        first = ext.first
+        for p in range(first, first + ext.count):
+            if owner[p] is not None:
+                taken = owner[p]
+                self._unclaim(claiming)
+                raise MappingError(f"map_run: page {p} is already in {taken!r}")
+        for p in range(first, first + ext.count):
+            owner[p] = ext
+
     def _build(self, ext: Extent) -> None:
+        """Create, map and enable each handle of ``ext`` in turn (each range
+        is its own address range, so its access is set once it is mapped).
+        ``ext.handles`` and ``ext.mapped`` say how far it got if one fails."""
         driver = self.driver
-        ranges = self.tensors.extent_ranges(ext.first, ext.count)
-        for va, size in ranges:
-            piece = _Piece(va, size)
-            piece.handle = driver.create(size)
-            piece.state = _CREATED
-            ext.pieces.append(piece)
-            driver.map(va, size, piece.handle)
-            piece.state = _MAPPED
-        for va, size in ranges:
-            driver.set_access(va, size)
+        create, map_, set_access = driver.create, driver.map, driver.set_access
+        first, count = ext.first, ext.count
+        handles = ext.handles
+        for base, span in self._strides:
+            size = count * span
+            va = base + first * span
+            handle = create(size)
+            handles.append(handle)
+            map_(va, size, handle)
+            ext.mapped += 1
+            set_access(va, size)
+
+    def _unclaim(self, exts: list[Extent]) -> None:
+        owner = self._owner
+        for ext in exts:
+            for p in range(ext.first, ext.first + ext.count):
+                if owner[p] is ext:
+                    owner[p] = None
+
+    def _abandon(self, exts: list[Extent], done: int) -> None:
+        """Growth stopped while building ``exts[done]``: undo it and drop every
+        extent after it, refunding what they were granted."""
+        page_bytes = self.page_bytes
+        ext = exts[done]
+        self._undo(ext, ext.count * page_bytes)
+        rest = exts[done + 1:]
+        if rest:
+            self._forget_all(rest)
+            self._refund(sum(ext.count for ext in rest) * page_bytes)
+
+    def _forget_all(self, exts: list[Extent]) -> None:
+        for ext in exts:
+            self._forget(ext)
+
+    def _go_live(self, exts: list[Extent], done: int) -> None:
+        lock = self._lock
+        lock.acquire()
+        try:
+            for i in range(done):
+                exts[i].busy = False
+        finally:
+            lock.release()
 
     def _undo(self, ext: Extent, granted: int) -> None:
         """Unwind a half-built extent in reverse; refund what never became or
         no longer is memory; quarantine whatever could not be undone."""
-        created = sum(p.size for p in ext.pieces)
+        created = sum(ext.count * span for _, span in self._strides[:len(ext.handles)])
         clean = self._teardown(ext)
-        held = sum(p.size for p in ext.pieces if p.state != _RELEASED)
-        # `granted - created` was never allocated; released pieces were refunded
+        held = self._held(ext)
+        # `granted - created` was never allocated; released handles were refunded
         # by _teardown.
         self._refund(granted - created)
         if clean:
@@ -326,28 +480,35 @@ class PageMapper:
         return clean
 
     def _teardown(self, ext: Extent) -> bool:
-        """Unmap and release every piece of ``ext`` in reverse; refund what was
+        """Unmap and release every handle of ``ext`` in reverse; refund what was
         confirmed released. ``True`` when nothing is left. The caller has
         already run ``before_unmap`` (or nothing was ever visible to kernels)."""
         driver = self.driver
+        states = ext.states
+        if states is None:  # first teardown: per-handle states from the build
+            states = ext.states = bytearray([_MAPPED]) * ext.mapped + \
+                bytearray([_CREATED]) * (len(ext.handles) - ext.mapped)
+        first, count = ext.first, ext.count
         freed = 0
-        for piece in reversed(ext.pieces):
-            if piece.state == _MAPPED:
+        for i in range(len(states) - 1, -1, -1):
+            base, span = self._strides[i]
+            va, size = base + first * span, count * span
+            if states[i] == _MAPPED:
                 try:
-                    driver.unmap(piece.va, piece.size)
-                    piece.state = _UNMAPPED
+                    driver.unmap(va, size)
+                    states[i] = _UNMAPPED
                 except DriverError as exc:
-                    log.warning("unmap of %d bytes at %#x failed: %s", piece.size, piece.va, exc)
+                    log.warning("unmap of %d bytes at %#x failed: %s", size, va, exc)
                     continue
-            if piece.state in (_CREATED, _UNMAPPED):
+            if states[i] in (_CREATED, _UNMAPPED):
                 try:
-                    driver.release(piece.handle)
-                    piece.state = _RELEASED
-                    freed += piece.size
+                    driver.release(ext.handles[i])
+                    states[i] = _RELEASED
+                    freed += size
                 except DriverError as exc:
-                    log.warning("release of a %d-byte handle failed: %s", piece.size, exc)
+                    log.warning("release of a %d-byte handle failed: %s", size, exc)
         self._refund(freed)
-        return all(p.state == _RELEASED for p in ext.pieces)
+        return states.count(_RELEASED) == len(states)
 
     def _refund(self, nbytes: int) -> None:
         if nbytes > 0:

@@ -98,3 +98,54 @@ def test_unknown_instance(setup):
     _, _, directory = setup
     with pytest.raises(InstanceNotFoundError, match="no-such"):
         set_limit("no-such", 64 * MIB, directory=directory)
+
+
+def test_reclaim_evicts_unreferenced_prefix_cache_blocks_but_never_blocks_in_use(
+        tmp_path, monkeypatch):
+    """A limit below what idle pages can give back: the instance asks the engine
+    to drop its unreferenced prefix-cache blocks, and stops at the blocks in use."""
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    from kvcached import config
+
+    config.reload_config()
+    driver = HostDriver(index=32, capacity=512 * MIB)
+    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
+    budget = ledger.register_pool("prefix-test")
+    cache = KVCache(SPEC, driver=driver, budget=budget, capacity_bytes=256 * MIB,
+                    min_reserved=0, max_reserved=0, max_handle_bytes=0, background=False)
+    bpp = cache.blocks_per_page
+    running = cache.alloc(bpp * 2 - 1)  # with the null block: pages 0 and 1
+    cached = cache.alloc(bpp * 4)  # pages 2..5: a prefix cache nobody references
+    asked = []
+
+    def evict(nbytes):
+        asked.append(nbytes)
+        n = min(len(cached), -(-nbytes // cache.geometry.page_bytes) * bpp)
+        cache.free([cached.pop() for _ in range(n)])
+        return n * cache.geometry.page_bytes // bpp
+
+    instance = Instance("prefix-test", engine="test", start=False)
+    source = KVCachePool(cache, evict_cached=evict,
+                         prefix_cache_bytes=lambda: len(cached) * cache.geometry.page_bytes // bpp)
+    instance.add_pool(source, budget)
+    try:
+        page = cache.geometry.page_bytes
+        assert source.pool_usage().prefix_cache_bytes == 4 * page
+        ledger.set_limit("prefix-test", 3 * page, 1)
+        instance.enforce()  # sees the new revision: caps the pool (nothing idle to release)
+        assert not asked
+        released = instance.enforce()  # still over: evict, then unmap what emptied
+        assert asked and released >= 3 * page
+        assert budget.instance_charged() <= 3 * page
+        ledger.set_limit("prefix-test", page, 2)  # below what is in use
+        instance.enforce()
+        instance.enforce()
+        assert cached == []  # every unreferenced cached block went
+        assert cache.usage().blocks_used == bpp * 2 - 1  # the running ones are intact
+        assert all(cache.blocks.is_live(b) for b in running)
+        assert budget.instance_charged() == 2 * page  # the pages in use, and no more
+    finally:
+        instance.close()
+        cache.close()
+        budget.close()
+        ledger.close()

@@ -9,8 +9,9 @@ import sys
 import textwrap
 import uuid
 
+from kvcached.control.metrics import prometheus
 from kvcached.control.snapshot import SnapshotPublisher, read_snapshots
-from kvcached.control.view import InstanceRow, instance_rows, prometheus, render_table
+from kvcached.control.view import InstanceRow, instance_rows, render_table
 
 
 def unique(prefix: str) -> str:

@@ -1,0 +1,209 @@
+"""Growth in batches: PageMapper.map_runs (one claim, one grant, one publish
+for several extents) and the page pool's use of it, including the fallback for
+a PageBackend without it, a budget that says no at grant time, and an
+interrupt in the middle of a batch."""
+
+from __future__ import annotations
+
+import pytest
+from kvmem_helpers import ExactBudget, small_spec
+
+from kvcached.driver.faulty import FaultyDriver
+from kvcached.errors import MappingError
+from kvcached.memory import KVLayout, PageAllocator, PageMapper, VirtualKVTensors, plan_pages
+from kvcached.memory.pages import IDLE, QUARANTINED, UNMAPPED, USED
+from kvcached.units import MIB
+
+G = 2 * MIB
+
+
+def _parts(driver, *, pages=8, layers=2, buffers=2, budget_pages=None, max_handle=0,
+           layout=KVLayout.PER_LAYER):
+    spec = small_spec(layers, buffers)
+    g = plan_pages(spec, layout=layout, granularity=G, page_size=G, num_blocks=pages * 4)
+    budget = ExactBudget((budget_pages if budget_pages is not None else pages) * g.page_bytes)
+    tensors = VirtualKVTensors(driver, spec, g)
+    mapper = PageMapper(tensors, budget, max_handle_bytes=max_handle)
+    return tensors, mapper, budget
+
+
+@pytest.mark.parametrize("layout", [KVLayout.PER_LAYER, KVLayout.CONTIGUOUS])
+def test_map_runs_maps_every_span_behind_one_grant(host, layout):
+    faulty = FaultyDriver(host)
+    t, m, budget = _parts(faulty, layout=layout, max_handle=64 * MIB)
+    assert m.map_runs([(0, 1), (2, 3), (6, 2)]) == 3
+    assert budget.grants == 1 and budget.used == 6 * m.page_bytes == host.own_bytes()
+    assert [m.extent_of(p) for p in (0, 3, 7)] == [(0, 1), (2, 3), (6, 2)]
+    assert all(m.is_mapped(p) for p in (0, 2, 3, 4, 6, 7)) and not m.is_mapped(1)
+    per_extent = 1 if layout is KVLayout.CONTIGUOUS else 4
+    assert faulty.calls["create"] == faulty.calls["set_access"] == 3 * per_extent
+    assert m.held_bytes() == budget.used
+    assert m.unmap_all() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_map_runs_misuse_changes_nothing(host):
+    t, m, budget = _parts(host, max_handle=64 * MIB)
+    assert m.map_run(3, 1)
+    for spans in ([(0, 1), (3, 1)], [(0, 2), (1, 1)], [(0, 1), (7, 2)], [(0, 1), (-1, 1)],
+                  [(0, 1), (1, 0)], [(0, 1), (1.0, 1)]):
+        with pytest.raises(MappingError):
+            m.map_runs(spans)
+        assert m.mapped_pages == 1 and budget.used == m.page_bytes, spans
+        assert all(m.extent_of(p) is None for p in (0, 1, 2, 7)), spans
+    assert m.map_runs([]) == 0
+    assert m.unmap_all()
+    t.close()
+
+
+def test_map_runs_denied_by_the_budget_touches_nothing(host):
+    faulty = FaultyDriver(host)
+    t, m, budget = _parts(faulty, budget_pages=2)
+    assert m.map_runs([(0, 1), (1, 1), (2, 1)]) == 0
+    assert faulty.calls["create"] == 0 and budget.used == 0 and m.mapped_pages == 0
+    assert budget.denials == 1
+    t.close()
+
+
+@pytest.mark.parametrize("call, nth", [("create", 5), ("map", 6), ("set_access", 8)])
+def test_map_runs_stops_at_the_first_failure_and_refunds_the_rest(host, call, nth):
+    # 4 handles per page: the 5th create / 6th map / 8th set_access is in the 2nd span
+    faulty = FaultyDriver(host, fail_nth={call: nth})
+    t, m, budget = _parts(faulty)
+    assert m.map_runs([(0, 1), (1, 1), (2, 1), (3, 1)]) == 1
+    assert m.is_mapped(0) and all(m.extent_of(p) is None for p in (1, 2, 3))
+    assert budget.used == m.page_bytes == host.own_bytes() == m.held_bytes()
+    assert m.mapped_pages == 1
+    assert m.unmap_all() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_a_failed_undo_in_a_batch_is_quarantined(host):
+    faulty = FaultyDriver(host, fail_nth={"map": 6, "release": 1})
+    t, m, budget = _parts(faulty)
+    assert m.map_runs([(0, 1), (1, 1), (2, 1)]) == 1
+    assert m.quarantined_extents() == [(1, 1)]
+    assert budget.used == m.held_bytes() == host.own_bytes() > m.page_bytes
+    assert m.retry_quarantined() == [(1, 1)]
+    assert m.unmap_all() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+class Interrupt(BaseException):
+    pass
+
+
+class InterruptingDriver(FaultyDriver):
+    """Raises a BaseException (as a KeyboardInterrupt would) at the nth create."""
+
+    def __init__(self, inner, at: int) -> None:
+        super().__init__(inner)
+        self.at = at
+
+    def create(self, size):
+        if self.calls["create"] + 1 == self.at:
+            self.calls["create"] += 1
+            raise Interrupt
+        return super().create(size)
+
+
+def test_an_interrupt_in_a_pool_refill_settles_every_page(host):
+    driver = InterruptingDriver(host, at=9)  # the 3rd page of a refill of 4 (4 handles each)
+    t, m, budget = _parts(driver, pages=8)
+    pa = PageAllocator(m, min_reserved=0, max_reserved=8, background=False)
+    pa.min_reserved = 4
+    with pytest.raises(Interrupt):
+        pa._refill()
+    assert [pa.state_of(p) for p in range(4)] == [IDLE, IDLE, UNMAPPED, UNMAPPED]
+    assert pa.counts() == pa.recount()
+    assert budget.used == 2 * m.page_bytes == host.own_bytes() == m.held_bytes()
+    assert pa.take(3) == [0, 1, 2]  # and the pool goes on
+    assert pa.counts()["used"] == 3
+    assert pa.close() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_an_interrupt_in_a_take_gives_back_its_idle_pages(host):
+    driver = InterruptingDriver(host, at=4 * 2 + 1)  # the first new page of the 2nd take
+    t, m, budget = _parts(driver, pages=8)
+    pa = PageAllocator(m, min_reserved=0, max_reserved=8, background=False)
+    got = pa.take(2)
+    pa.give_back(got)  # two idle pages
+    with pytest.raises(Interrupt):
+        pa.take(3)  # 2 idle + 1 new: the new one is interrupted
+    assert [pa.state_of(p) for p in range(3)] == [IDLE, IDLE, UNMAPPED]
+    assert pa.counts() == pa.recount() and pa.counts()["idle"] == 2
+    assert sorted(pa.take(3)) == [0, 1, 2]
+    assert pa.close() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_a_take_denied_at_grant_time_misses_and_leaves_nothing(host):
+    t, m, budget = _parts(host, pages=8)
+    pa = PageAllocator(m, background=False)
+    assert pa.take(2) == [0, 1]
+    budget.capacity = 3 * m.page_bytes  # someone else took the rest meanwhile
+    assert pa.take(2) is None
+    assert [pa.state_of(p) for p in range(4)] == [USED, USED, UNMAPPED, UNMAPPED]
+    assert pa.counts() == pa.recount() and budget.used == 2 * m.page_bytes
+    assert pa.take(1) == [2]
+    assert pa.close() and budget.used == 0
+    t.close()
+
+
+class PerSpanBackend:
+    """A PageBackend with map_run only (e.g. a proxy for another process)."""
+
+    def __init__(self, mapper: PageMapper) -> None:
+        self._m = mapper
+        self.budget = mapper.budget
+        self.geometry = mapper.geometry
+        self.page_bytes = mapper.page_bytes
+        self.max_run_pages = mapper.max_run_pages
+        self.calls = 0
+
+    @property
+    def mapped_pages(self) -> int:
+        return self._m.mapped_pages
+
+    def map_run(self, first, count):
+        self.calls += 1
+        return self._m.map_run(first, count)
+
+    def unmap_runs(self, spans):
+        return self._m.unmap_runs(spans)
+
+    def retry_quarantined(self, spans=None):
+        return self._m.retry_quarantined(spans)
+
+    def extent_of(self, page):
+        return self._m.extent_of(page)
+
+    def unmap_all(self):
+        return self._m.unmap_all()
+
+
+def test_a_backend_without_map_runs_is_called_per_span(host):
+    faulty = FaultyDriver(host, fail_nth={"create": 4 * 2 + 1})  # the 3rd page
+    t, m, budget = _parts(faulty, pages=8)
+    backend = PerSpanBackend(m)
+    pa = PageAllocator(backend, max_reserved=8, background=False)
+    assert pa.take(4) is None
+    assert backend.calls == 3
+    assert [pa.state_of(p) for p in range(4)] == [IDLE, IDLE, UNMAPPED, UNMAPPED]
+    assert pa.take(3) == [0, 1, 2]
+    assert pa.counts() == pa.recount()
+    assert pa.close() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_quarantine_state_survives_in_the_pool(host):
+    faulty = FaultyDriver(host, fail_nth={"set_access": 4 + 1, "unmap": 1})
+    t, m, budget = _parts(faulty, pages=8)
+    pa = PageAllocator(m, max_reserved=8, background=False)
+    assert pa.take(2) is None  # page 1 fails and its undo cannot unmap
+    assert pa.state_of(1) == QUARANTINED and pa.state_of(0) == IDLE
+    assert pa.counts() == pa.recount()
+    assert pa.retry_quarantined() == 1
+    assert pa.close() and budget.used == 0 == host.own_bytes()
+    t.close()

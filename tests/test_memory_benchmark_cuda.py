@@ -1,0 +1,47 @@
+"""benchmarks/memory.py --backend cuda (the GPU command's memory figures) and
+benchmarks/grow_overhead.py run end to end on the fake libcuda, so the H200
+run cannot fail on a typo; the figures themselves mean nothing here."""
+
+from __future__ import annotations
+
+import json
+
+from test_driver_cuda import _run_with_fake, fake_libcuda  # noqa: F401 (fixture)
+
+FAKE = {"FAKE_CUDA_NOOP": "1", "FAKE_CUDA_TOTAL": str(4 << 30)}
+
+
+def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
+    out = tmp_path / "memory.json"
+    result = _run_with_fake(
+        fake_libcuda,
+        ["benchmarks/memory.py", "--backend", "cuda", "--repeats", "1", "--grow-mib", "64",
+         "--out", str(out)], **FAKE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert data["device"]["name"] == "Fake CUDA Device 0"
+    for key in ("grow_ratio", "grow_ratio_batched_32", "grow_ratio_coalesced_64mib",
+                "raw_us_per_2mib", "allocator_us_per_2mib", "available_size_us"):
+        assert data[key] > 0, key
+    split = data["grow_split_us_per_page"]
+    for loop in ("raw", "allocator"):
+        assert split[loop]["calls_per_page"] == {"create": 1.0, "map": 1.0, "set_access": 1.0}
+        assert split[loop]["total"] >= split[loop]["create"] + split[loop]["set_access"]
+    assert data["grow_python_overhead"]["allocator_python_us_per_page"] > 0
+    explained = data["grow_explained"]
+    assert 0 < explained["ratio_python_alone_allows"] < 1
+    assert set(explained["driver_calls_slower_in_allocator_us"]) == {
+        "create", "map", "set_access"}
+
+
+def test_grow_overhead_runs_with_the_null_and_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
+    out = tmp_path / "grow.json"
+    result = _run_with_fake(
+        fake_libcuda,
+        ["benchmarks/grow_overhead.py", "--backend", "cuda", "--rounds", "2", "--pages", "32",
+         "--pages-per-take", "4", "--out", str(out)], **FAKE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert data["null"]["pages_per_take"] == 4
+    assert data["null"]["allocator_null_us_per_page"] > data["null"]["raw_null_us_per_page"]
+    assert data["split_us_per_page"]["allocator"]["calls_per_page"]["create"] == 1.0
