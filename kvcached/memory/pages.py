@@ -563,13 +563,19 @@ class PageAllocator:
             if want <= 0 or self._closed:
                 return 0
             spans = self._pick_unmapped(want)
-        mapped, failed = self._map_spans(spans)
+        try:
+            done = self._map_runs(spans)
+        except BaseException:
+            if self._batch:  # _map_spans settles its spans itself
+                with self._lock:
+                    self._settle_interrupted(spans)
+            raise
         with self._lock:
-            for first, count in mapped:
+            for first, count in spans[:done]:
                 self._publish(first, count, IDLE)
-            for first, count in failed:
+            for first, count in spans[done:]:
                 self._fail_span(first, count)
-        return sum(c for _, c in mapped)
+        return sum(c for _, c in spans[:done])
 
     def _maybe_shrink_inline(self) -> None:
         if not self.background and self._needs_shrink():

@@ -20,7 +20,7 @@ every lane. Rules the class checks when it is built:
 
 :class:`RangeKVTensors` owns the reservation and offers what
 :class:`~kvcached.memory.mapper.PageMapper` needs of a tensor set (``driver``,
-``geometry``, ``extent_ranges``), so the memory layer's mapper, with its undo
+``geometry``, ``extent_ranges``, ``handle_strides``), so the memory layer's mapper, with its undo
 stack and quarantine, maps these pages unchanged.
 """
 
@@ -142,6 +142,11 @@ class RangeKVTensors:
         as one extent (one per lane)."""
         va = self.va
         return [(va + off, n) for off, n in self.lanes.run_ranges(first, count)]
+
+    def handle_strides(self) -> tuple[tuple[int, int], ...]:
+        """``(va, span)`` of each lane: handle ``i`` of pages ``[first,
+        first+count)`` maps ``(va_i + first * span_i, count * span_i)``."""
+        return tuple((self.va + base, span) for base, span in self.lanes.lanes)
 
     def buffer(self, dtype: torch.dtype = torch.int8) -> torch.Tensor:
         """The whole buffer (``lanes.size`` bytes) as a 1-D tensor of ``dtype``

@@ -49,6 +49,11 @@ class DeviceWatch:
     def instance_charged(self) -> int:
         return self.pools[0].instance_charged()
 
+    @property
+    def ledger_path(self) -> str:
+        """Published in the snapshot, so ``kvctl`` finds this device's ledger."""
+        return self.pools[0].ledger_path
+
     def flush(self) -> None:
         for pool in self.pools:
             pool.flush()
