@@ -4,6 +4,9 @@ sharing one small host device (see vllm_elastic.py for the phases)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,17 +24,30 @@ VLLM_VERSION = require_engine_version(
 pytestmark = pytest.mark.slow
 
 
+def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
 @pytest.fixture(scope="session")
 def elastic(tiny_llama_dir: Path, vllm_workdir: Path) -> ElasticRecord:
     ledger_dir = vllm_workdir / "elastic-ledger"
 
     def set_limit(name: str, limit: int | None) -> str:
-        # kvctl's CLI lands on main separately; until then the control API it wraps.
-        from kvcached.control.limits import set_limit as control_set_limit
+        done = kvctl("limit", name, str(limit) if limit else "none", "--wait", "0",
+                     "--ledger-dir", str(ledger_dir), "--json")
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        return json.loads(done.stdout)["status"]
 
-        return control_set_limit(name, limit, directory=str(ledger_dir)).status.value
+    def usage(name: str) -> int:
+        done = kvctl("list", "--json", "--ledger-dir", str(ledger_dir), name)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        rows = json.loads(done.stdout)
+        return sum(r["charged_bytes"] if r["charged_bytes"] is not None else r["used_bytes"]
+                   for r in rows)
 
-    return run_elastic_case(tiny_llama_dir, vllm_workdir / "elastic", ledger_dir, set_limit)
+    return run_elastic_case(tiny_llama_dir, vllm_workdir / "elastic", ledger_dir, set_limit,
+                            usage)
 
 
 def _ok(record: ElasticRecord) -> ElasticRecord:

@@ -11,10 +11,12 @@ its load and its prefix cache is reset; (4) both get their loads at the same
 time (more than the device holds: requests wait or are preempted, none fails).
 Three greedy probes per server run before and after.
 
-Limit phases, on B (A idle beside it): fill its prefix cache; lower its limit
-to its idle usage plus a quarter of what the fill added; wait for usage to be
-within it with no requests; 100 short and 4 long requests under the lower
-limit; restore the limit and fill again with new prompts.
+Limit phases, on B (A idle beside it), driven and read through ``kvctl``
+(``kvctl limit``, ``kvctl list --json``): fill its prefix cache; lower its
+limit to its idle usage plus a quarter of what the fill added; wait for usage
+to be within it with no requests; 100 short and 4 long requests under the
+lower limit (the ledger sampled every 0.1 s meanwhile); restore the limit and
+fill again with new prompts.
 
 One :class:`ElasticRecord` holds everything the checks need.
 """
@@ -165,7 +167,9 @@ def misses() -> dict[str, int]:
     from kvcached.control.snapshot import read_snapshots
 
     out: dict[str, int] = {}
-    for snap in read_snapshots(cleanup=False):
+    for snap in read_snapshots():
+        if not snap.alive:
+            continue
         for pool in snap.data.get("pools", []):
             out[snap.instance] = out.get(snap.instance, 0) + int(pool.get("misses", 0))
     return out
@@ -183,10 +187,12 @@ def probe(server: VllmServer) -> list[list[int]]:
 
 
 def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
-                     set_limit: Callable[[str, int | None], str]) -> ElasticRecord:
+                     set_limit: Callable[[str, int | None], str],
+                     usage: Callable[[str], int]) -> ElasticRecord:
     """Run every elastic and limit phase; never raises for a server failure
     (recorded in ``error``). ``set_limit(name, bytes or None)`` lowers or
-    restores an instance's limit and returns its status."""
+    restores an instance's limit and returns its status; ``usage(name)`` is
+    its KV usage now (both ``kvctl``, in the tests)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ledger_dir.mkdir(parents=True, exist_ok=True)
     rec = ElasticRecord()
@@ -210,9 +216,9 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
                 raise
             r.pid = server.proc.pid if server.proc else 0
             r.probes_before = probe(server)
-        usage, rec.budget = sampler.read()
+        charged, rec.budget = sampler.read()
         rec.a.name, rec.b.name = f"vllm-{rec.a.pid}", f"vllm-{rec.b.pid}"
-        rec.a_idle, rec.b_idle = usage.get(rec.a.name, 0), usage.get(rec.b.name, 0)
+        rec.a_idle, rec.b_idle = charged.get(rec.a.name, 0), charged.get(rec.b.name, 0)
         with sampler:  # (1) A's load
             rec.a_requests = a.complete_all(load_prompts(100_000), LOAD_OUTPUT,
                                             ignore_eos=True)
@@ -242,7 +248,7 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
         rec.contended_misses = misses()
         rec.resets.append(a.reset_prefix_cache())
         rec.resets.append(b.reset_prefix_cache())
-        run_limit_phases(b, rec, sampler, set_limit)
+        run_limit_phases(b, rec, sampler, set_limit, usage)
         for server, r in ((a, rec.a), (b, rec.b)):
             r.probes_after = probe(server)
             r.alive = server.alive()
@@ -259,19 +265,20 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
 
 
 def run_limit_phases(server: VllmServer, rec: ElasticRecord, sampler: UsageSampler,
-                     set_limit: Callable[[str, int | None], str]) -> None:
+                     set_limit: Callable[[str, int | None], str],
+                     usage: Callable[[str], int]) -> None:
     name = rec.b.name
-    rec.limit_idle = sampler.read()[0].get(name, 0)
+    rec.limit_idle = usage(name)
     fill = [token_prompt(500_000 + i, LIMIT_FILL_PROMPT) for i in range(LIMIT_FILL)]
     done = [c for i in range(0, LIMIT_FILL, 8)
             for c in server.complete_all(fill[i:i + 8], 1, concurrent=True)]
     rec.limit_fill_ok = all(c.ok for c in done)
-    rec.limit_filled = sampler.read()[0].get(name, 0)
+    rec.limit_filled = usage(name)
     rec.limit = rec.limit_idle + (rec.limit_filled - rec.limit_idle) // 4
     rec.limit_status.append(set_limit(name, rec.limit))
     start = time.monotonic()
     while time.monotonic() - start < 30:
-        if sampler.read()[0].get(name, 0) <= rec.limit:
+        if usage(name) <= rec.limit:
             rec.limit_released_s = time.monotonic() - start
             break
         time.sleep(0.1)
@@ -287,5 +294,5 @@ def run_limit_phases(server: VllmServer, rec: ElasticRecord, sampler: UsageSampl
     done = [c for i in range(0, LIMIT_FILL, 8)
             for c in server.complete_all(refill[i:i + 8], 1, concurrent=True)]
     rec.limit_refill_ok = all(c.ok for c in done)
-    rec.limit_regrown = sampler.read()[0].get(name, 0)
+    rec.limit_regrown = usage(name)
 
