@@ -61,8 +61,9 @@ SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=t
 
 
 @pytest.fixture
-def kvcached_on(monkeypatch):
-    """kvcached switched on in this process, on a host device of its own."""
+def kvcached_on(monkeypatch, tmp_path):
+    """kvcached switched on in this process, on a host device and ledger of its own."""
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
     monkeypatch.setenv("KVCACHED_HOST_DEVICE", str(HOST_INDEX))
     monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "256M")
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
