@@ -227,7 +227,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
 
 
 def _live(args: argparse.Namespace, render_text) -> int:
-    from kvcached.cli.screen import Screen, run_live
+    from kvcached.cli.screen import Screen, ctrl_c_sets, run_live
 
     if not args.interval > 0:
         raise UsageError(f"{args.command}: the refresh interval must be above 0 seconds")
@@ -235,17 +235,16 @@ def _live(args: argparse.Namespace, render_text) -> int:
         raise UsageError(f"{args.command}: --count must be 1 or more")
     if args.json:  # one JSON document per refresh, a line each
         n = 0
-        try:
-            while True:
+        with ctrl_c_sets() as stop:
+            while not stop.is_set():
                 rows, gpus, _ = _gather(args, args.names)
                 print(json.dumps({"time": time.time(), "instances": [r.as_dict() for r in rows],
                                   "gpus": [g.as_dict() for g in gpus]}), flush=True)
                 n += 1
                 if args.count is not None and n >= args.count:
                     return 0
-                time.sleep(args.interval)
-        except KeyboardInterrupt:
-            return 0
+                stop.wait(args.interval)
+        return 0
     return run_live(render_text, args.interval, count=args.count, screen=Screen())
 
 

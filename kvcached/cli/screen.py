@@ -3,7 +3,7 @@
 On a terminal, :class:`Screen` switches to the alternate screen, hides the
 cursor, redraws each frame in place (home, then each line followed by
 clear-to-end-of-line) and reads single keys without Enter (``q`` quits;
-Ctrl-C still interrupts). Everything is restored on exit, however it comes.
+Ctrl-C stops the view between two refreshes). Everything is restored on exit.
 When stdout is not a terminal, frames are simply printed one after another,
 so the output of a pipe or a CI log stays readable. Plain ANSI sequences, no
 curses: they work in every terminal emulator and under a pseudo-terminal.
@@ -15,17 +15,20 @@ import contextlib
 import os
 import select
 import shutil
+import signal
 import sys
 import termios
+import threading
 import time
 import tty
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 _ENTER = "\x1b[?1049h\x1b[?25l"  # alternate screen, hide cursor
 _LEAVE = "\x1b[?25h\x1b[?1049l"
 _HOME, _EOL, _EOS = "\x1b[H", "\x1b[K", "\x1b[J"
 QUIT_KEYS = frozenset("qQ")
+_POLL_S = 0.1  # how often a wait looks at the stop event
 
 
 class Screen:
@@ -73,17 +76,21 @@ class Screen:
             self.out.write(text + "\n")
         self.out.flush()
 
-    def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; ``True`` as soon as a quit key is pressed."""
+    def wait(self, seconds: float, stop: threading.Event | None = None) -> bool:
+        """Sleep up to ``seconds``; ``True`` as soon as a quit key is pressed
+        or ``stop`` is set."""
         deadline = time.monotonic() + max(0.0, seconds)
         while True:
             left = deadline - time.monotonic()
+            if stop is not None and stop.is_set():
+                return True
             if left <= 0:
                 return False
+            step = min(left, _POLL_S)
             if self._in_fd is None:
-                time.sleep(left)
-                return False
-            ready, _, _ = select.select([self._in_fd], [], [], left)
+                time.sleep(step)
+                continue
+            ready, _, _ = select.select([self._in_fd], [], [], step)
             if ready:
                 try:
                     keys = os.read(self._in_fd, 64).decode(errors="replace")
@@ -102,16 +109,30 @@ def run_live(render: Callable[[int, int], str], interval_s: float, *,
     Ctrl-C or ``count`` frames. Returns 0."""
     screen = screen or Screen()
     frames = 0
-    try:
-        with screen:
-            while True:
-                cols, lines = screen.size()
-                screen.draw(render(cols, lines))
-                frames += 1
-                if count is not None and frames >= count:
-                    break
-                if screen.wait(interval_s):
-                    break
-    except KeyboardInterrupt:
-        pass
+    with ctrl_c_sets() as stop, screen:
+        while not stop.is_set():
+            cols, lines = screen.size()
+            screen.draw(render(cols, lines))
+            frames += 1
+            if count is not None and frames >= count:
+                break
+            if screen.wait(interval_s, stop):
+                break
     return 0
+
+
+@contextlib.contextmanager
+def ctrl_c_sets() -> Iterator[threading.Event]:
+    """Within the block, Ctrl-C (SIGINT) sets the event instead of raising
+    ``KeyboardInterrupt``: a refresh interrupted half way (inside a ledger's
+    lock, say) would leave state behind that the exit then waits on. The loop
+    checks the event at least every :data:`_POLL_S`."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
