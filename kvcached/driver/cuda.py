@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from kvcached.driver.base import DeviceInfo, Driver
+from kvcached.driver.base import DeviceInfo, Driver, check_free_reservation
 from kvcached.driver.tensor import device_tensor
 from kvcached.errors import (
     ConfigError,
@@ -238,17 +238,7 @@ class CudaDriver(Driver):
 
     def free_reservation(self, va: int, size: int) -> None:
         with self._lock:
-            if self._reservations.get(va) != size:
-                raise MappingError(
-                    f"free_reservation(va={va:#x}, size={size}): no reservation starts there "
-                    "with that size"
-                )
-            inside = sum(1 for m in list(self._mapped) if va <= m < va + size)
-            if inside:
-                raise MappingError(
-                    f"free_reservation(va={va:#x}): {inside} mapping(s) are still inside; "
-                    "unmap them first"
-                )
+            check_free_reservation(self._reservations, self._mapped, va, size)
             if not self._thread.ready:
                 self._bind_thread()
             (err,) = cu.cuMemAddressFree(va, size)
