@@ -530,25 +530,7 @@ class PageAllocator:
             want = self.min_reserved - self.n_idle
         if want <= 0:
             return 0
-        room = self.budget.headroom() // self.page_bytes
-        with self._lock:
-            want = min(self.min_reserved - self.n_idle, self.growable(room))
-            if want <= 0 or self._closed:
-                return 0
-            spans = self._pick_unmapped(want)
-        try:
-            done = self._map_runs(spans)
-        except BaseException:
-            if self._batch:  # _map_spans settles its spans itself
-                with self._lock:
-                    self._settle_interrupted(spans)
-            raise
-        with self._lock:
-            for first, count in spans[:done]:
-                self._publish(first, count, IDLE)
-            for first, count in spans[done:]:
-                self._fail_span(first, count)
-        return sum(c for _, c in spans[:done])
+        return self._grow_idle(None)
 
     def map_idle(self, want: int) -> int:
         """Map up to ``want`` new pages as idle, within the cap and the budget;
@@ -557,8 +539,16 @@ class PageAllocator:
         them (vLLM's planner grants before the scheduler's capacity check)."""
         if want <= 0:
             return 0
+        return self._grow_idle(want)
+
+    def _grow_idle(self, want: int | None) -> int:
+        """Map up to ``want`` new idle pages (``None``: up to ``min_reserved``
+        idle, counted under the lock) within the cap and the budget's headroom;
+        returns how many were mapped."""
         room = self.budget.headroom() // self.page_bytes
         with self._lock:
+            if want is None:
+                want = self.min_reserved - self.n_idle
             want = min(want, self.growable(room))
             if want <= 0 or self._closed:
                 return 0
