@@ -1,0 +1,161 @@
+"""Does the driver grow memory faster from more than one thread?
+
+Physical growth (``create -> map -> set_access`` of 2 MiB handles) timed as
+bytes per second over ``--mib`` MiB, through kvcached's driver object, in
+four shapes that all make the same calls:
+
+* ``serial``: one thread, one page after another (the baseline);
+* ``threads_2`` / ``threads_4``: the pages split between 2 or 4 threads, each
+  growing its own slice of one reservation;
+* ``pipeline``: one thread creates handles, a second maps and enables them.
+
+A ratio above 1 means the driver (and the binding's release of the GIL
+during a call) lets calls overlap, so a page pool refilled on a thread of
+its own can add growth beside the engine's thread instead of only moving it.
+Shapes run in rounds, in a rotated order each round; teardown is untimed.
+
+    python benchmarks/driver_threads.py --backend cuda --out benchmarks/results/driver-threads-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kvcached.driver import make_driver  # noqa: E402
+from kvcached.units import MIB  # noqa: E402
+
+
+def _grow(driver, vas: list[int], g: int, out: list) -> None:
+    create, map_, set_access = driver.create, driver.map, driver.set_access
+    for va in vas:
+        h = create(g)
+        map_(va, g, h)
+        set_access(va, g)
+        out.append((va, h))
+
+
+def serial(driver, va: int, pages: int) -> tuple[float, list]:
+    g = driver.granularity
+    done: list = []
+    vas = [va + i * g for i in range(pages)]
+    t0 = time.perf_counter()
+    _grow(driver, vas, g, done)
+    return time.perf_counter() - t0, done
+
+
+def threaded(n: int):
+    def run(driver, va: int, pages: int) -> tuple[float, list]:
+        g = driver.granularity
+        slices = [[va + i * g for i in range(k, pages, n)] for k in range(n)]
+        outs: list[list] = [[] for _ in range(n)]
+        barrier = threading.Barrier(n + 1)
+
+        def worker(k: int) -> None:
+            driver.mem_info()  # binds a context to this thread, untimed
+            barrier.wait()
+            _grow(driver, slices[k], g, outs[k])
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+        for t in ts:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in ts:
+            t.join()
+        dt = time.perf_counter() - t0
+        return dt, [x for o in outs for x in o]
+    return run
+
+
+def pipeline(driver, va: int, pages: int) -> tuple[float, list]:
+    g = driver.granularity
+    handles: queue.SimpleQueue = queue.SimpleQueue()
+    done: list = []
+    start = threading.Barrier(2)
+
+    def creator() -> None:
+        driver.mem_info()
+        start.wait()
+        create = driver.create
+        for _ in range(pages):
+            handles.put(create(g))
+
+    t = threading.Thread(target=creator)
+    t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    map_, set_access, get = driver.map, driver.set_access, handles.get
+    for i in range(pages):
+        h = get()
+        v = va + i * g
+        map_(v, g, h)
+        set_access(v, g)
+        done.append((v, h))
+    dt = time.perf_counter() - t0
+    t.join()
+    return dt, done
+
+
+SHAPES = {"serial": serial, "threads_2": threaded(2), "threads_4": threaded(4),
+          "pipeline": pipeline}
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "hip", "host"))
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--mib", type=int, default=1024, help="bytes grown per shape and round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    driver = make_driver(args.backend, args.device)
+    g = driver.granularity
+    pages = args.mib * MIB // g
+    va = driver.reserve(pages * g)
+    driver.mem_info()
+    names = list(SHAPES)
+    secs: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(args.rounds + 1):  # round 0 warms up, untimed
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dt, done = SHAPES[name](driver, va, pages)
+            for v, h in done:
+                driver.unmap(v, g)
+                driver.release(h)
+            if r:
+                secs[name].append(dt)
+    driver.free_reservation(va, pages * g)
+    gib = pages * g / (1 << 30)
+    best = {k: gib / min(v) for k, v in secs.items()}
+    med = {k: gib / statistics.median(v) for k, v in secs.items()}
+    result = {
+        "benchmark": "driver_threads",
+        "command": " ".join(["python3", *sys.argv]),
+        "device": driver.info().as_dict(),
+        "pages_per_round": pages,
+        "rounds": args.rounds,
+        "gib_s_best": {k: round(v, 3) for k, v in best.items()},
+        "us_per_page_best": {k: round(min(v) / pages * 1e6, 2) for k, v in secs.items()},
+        "ratio_over_serial_best": {k: round(best[k] / best["serial"], 3) for k in names},
+        "ratio_over_serial_median": {k: round(med[k] / med["serial"], 3) for k in names},
+    }
+    driver.close()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
