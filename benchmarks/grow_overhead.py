@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -203,10 +204,52 @@ def raw_growth(driver: Driver, total: int, clock=time.perf_counter) -> float:
     return dt
 
 
+def raw_growth_threads(driver: Driver, total: int, threads: int = 2) -> float:
+    """Wall seconds for ``threads`` raw loops growing ``total`` bytes together,
+    each its own interleaved share of one reservation: the baseline for
+    growth that a second thread (the page pool's) helps with."""
+    g = driver.granularity
+    va = driver.reserve(total)
+    driver.mem_info()
+    shares = [list(range(k * g, total, threads * g)) for k in range(threads)]
+    made: list[list] = [[] for _ in range(threads)]
+    ready = threading.Barrier(threads + 1)
+
+    def grow(k: int) -> None:
+        driver.mem_info()  # binds the driver's context to this thread, untimed
+        create, map_, set_access, out = driver.create, driver.map, driver.set_access, made[k]
+        ready.wait()
+        for off in shares[k]:
+            h = create(g)
+            map_(va + off, g, h)
+            set_access(va + off, g)
+            out.append((off, h))
+
+    workers = [threading.Thread(target=grow, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    ready.wait()
+    t0 = time.perf_counter()
+    for w in workers:
+        w.join()
+    dt = time.perf_counter() - t0
+    for out in made:
+        for off, h in out:
+            driver.unmap(va + off, g)
+            driver.release(h)
+    driver.free_reservation(va, total)
+    return dt
+
+
 def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
-                     clock=time.perf_counter) -> float:
+                     clock=time.perf_counter, reserved: tuple[int, int] | None = None) -> float:
     """Seconds to grow ``total`` bytes through :class:`PageAllocator`, ``grow``
-    bytes per ``take`` (2 MiB pages), with the real driver-free-memory budget."""
+    bytes per ``take`` (2 MiB pages), with the real driver-free-memory budget.
+
+    ``reserved=(min, max)`` turns the reserved pool on, refilled by its own
+    thread as in an engine (``None``: no pool, every take maps its own pages).
+    The pool starts empty and the cache holds exactly ``total`` bytes, so
+    both ways map the same bytes; the clock stops when the last take returns."""
     spec = KVCacheSpec.of_bytes(num_layers=1, block_bytes=64 * 1024)
     geometry = plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,
                           page_size=driver.granularity, capacity_bytes=total)
@@ -214,12 +257,19 @@ def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
     tensors = VirtualKVTensors(driver, spec, geometry)
     budget = DriverFreeBudget(driver, sample_interval_s=60)
     mapper = PageMapper(tensors, budget, max_handle_bytes=64 * MIB if coalesce else 0)
-    pages = PageAllocator(mapper, background=False)
+    if reserved is None:
+        pages = PageAllocator(mapper, background=False)
+    else:
+        pages = PageAllocator(mapper, min_reserved=reserved[0], max_reserved=reserved[1],
+                              background=True)
     per_take = grow // geometry.page_bytes
     taken: list[int] = []
     t0 = clock()
     for _ in range(total // grow):
         got = pages.take(per_take)
+        while got is None and pages.n_busy:  # the last pages are in the pool's hands
+            time.sleep(0)
+            got = pages.take(per_take)
         assert got is not None, "growth was refused: not enough free device memory"
         taken.extend(got)
     dt = clock() - t0

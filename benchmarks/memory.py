@@ -56,7 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from grow_overhead import allocator_growth, grow_report, raw_growth  # noqa: E402
+from grow_overhead import (  # noqa: E402
+    allocator_growth,
+    grow_report,
+    raw_growth,
+    raw_growth_threads,
+)
 
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.memory import KVCache, KVCacheSpec  # noqa: E402
@@ -220,13 +225,18 @@ def bench_alloc_free(driver, repeats: int) -> dict:
 # -- growth ----------------------------------------------------------------------------------
 
 
+# The reserved pool as KVCACHED_MIN/MAX_RESERVED_PAGES default it.
+POOL_RESERVED = (5, 10)
+
+
 def grow_clock(driver):
     return time.perf_counter if driver.backend in ("cuda", "hip") else cpu_clock
 
 
 def balanced_orders(n: int) -> list[list[int]]:
-    """A balanced Latin square (Williams) of ``n`` (even) items: across its
-    rows every item runs right after every other item once. A loop's teardown
+    """A balanced Latin square (Williams) of ``n`` items (for an odd ``n``,
+    the square and its mirror): across its rows every item runs right after
+    every other item equally often. A loop's teardown
     can slow the next loop's first calls (the host frees memfd pages late; a
     GPU driver may defer work), so no loop may always follow the same one."""
     first, lo, hi = [0], 1, n - 1
@@ -236,7 +246,9 @@ def balanced_orders(n: int) -> list[list[int]]:
         if len(first) < n:
             first.append(hi)
             hi -= 1
-    return [[(x + r) % n for x in first] for r in range(n)]
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    # An odd n needs the mirrored rows too for every pair to meet both ways.
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
 def bench_growth(driver, total: int, repeats: int) -> dict:
@@ -248,6 +260,14 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "batched": lambda: allocator_growth(driver, total, 32 * g, coalesce=False, clock=clock),
         "coalesced": lambda: allocator_growth(driver, total, 64 * MIB, coalesce=True,
                                               clock=clock),
+        # The engine's view: one-page takes with the reserved pool on (as
+        # configured by default), refilled on its own thread; wall clock, since
+        # two threads work. Beside it the baselines on the same clock: one raw
+        # loop, and two raw loops at once (what two threads of calls can get).
+        "pooled": lambda: allocator_growth(driver, total, g, coalesce=False,
+                                           reserved=POOL_RESERVED),
+        "raw_wall": lambda: raw_growth(driver, total),
+        "raw_threads_2": lambda: raw_growth_threads(driver, total, 2),
     }
     names = list(loops)
     for name in names:  # warm-up: first-touch costs (driver, allocator) are not timed
@@ -267,6 +287,10 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         return total / statistics.median(xs)
 
     pages = total // g
+    pooled_over = {
+        "raw": round(rate(times["pooled"]) / rate(times["raw_wall"]), 3),
+        "raw_threads_2": round(rate(times["pooled"]) / rate(times["raw_threads_2"]), 3),
+    }
     return {
         "grow_bytes_per_round": total,
         "rounds": repeats,
@@ -278,6 +302,15 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "grow_ratio": round(rate(paged) / rate(raw), 3),
         "grow_ratio_batched_32": round(rate(times["batched"]) / rate(raw), 3),
         "grow_ratio_coalesced_64mib": round(rate(times["coalesced"]) / rate(raw), 3),
+        "grow_ratio_pooled": pooled_over["raw"],
+        "pooled": {
+            "reserved_pages": list(POOL_RESERVED),
+            "clock": "wall",
+            "allocator_gib_s": round(rate(times["pooled"]) / 2**30, 3),
+            "raw_gib_s": round(rate(times["raw_wall"]) / 2**30, 3),
+            "raw_threads_2_gib_s": round(rate(times["raw_threads_2"]) / 2**30, 3),
+            "ratio_over": pooled_over,
+        },
         "raw_us_per_2mib": round(min(raw) / pages * 1e6, 2),
         "allocator_us_per_2mib": round(min(paged) / pages * 1e6, 2),
         "median_round": {
@@ -285,6 +318,8 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
             "grow_ratio_batched_32": round(median_rate(times["batched"]) / median_rate(raw), 3),
             "grow_ratio_coalesced_64mib": round(
                 median_rate(times["coalesced"]) / median_rate(raw), 3),
+            "grow_ratio_pooled": round(
+                median_rate(times["pooled"]) / median_rate(times["raw_wall"]), 3),
         },
     }
 

@@ -142,6 +142,7 @@ class PageMapper:
         # (va of page 0, bytes per page) of each handle's range: range i of
         # an extent is (va_i + first * bytes_i, count * bytes_i).
         self._strides = tensors.handle_strides()
+        self._one_handle = len(self._strides) == 1
         self._lock = threading.Lock()
         self._owner: list[Extent | None] = [None] * g.num_pages
         self._quarantine: dict[int, Extent] = {}
@@ -224,7 +225,17 @@ class PageMapper:
             self._forget(ext)
             return False
         try:
-            self._build(ext)
+            if self._one_handle and count == 1:  # _build written out
+                driver = self.driver
+                base, span = self._strides[0]
+                va = base + first * span
+                handle = driver.create(span)
+                ext.handles.append(handle)
+                driver.map(va, span, handle)
+                ext.mapped = 1
+                driver.set_access(va, span)
+            else:
+                self._build(ext)
         except DriverError as exc:
             level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
             level("mapping pages [%d, %d) failed, undone: %s", first, first + count, exc)
@@ -284,11 +295,26 @@ class PageMapper:
             self._forget_all(exts)
             return 0
         done = 0
-        build = self._build
         try:
-            for ext in exts:
-                build(ext)
-                done += 1
+            if self._one_handle and pages == len(exts):
+                # One handle per page, one page per extent (coalescing off):
+                # _build written out, as a refill or a prefill burst grows.
+                driver = self.driver
+                create, map_, set_access = driver.create, driver.map, driver.set_access
+                base, span = self._strides[0]
+                for ext in exts:
+                    va = base + ext.first * span
+                    handle = create(span)
+                    ext.handles.append(handle)
+                    map_(va, span, handle)
+                    ext.mapped = 1
+                    set_access(va, span)
+                    done += 1
+            else:
+                build = self._build
+                for ext in exts:
+                    build(ext)
+                    done += 1
         except DriverError as exc:
             ext = exts[done]
             level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning

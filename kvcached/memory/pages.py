@@ -19,7 +19,10 @@ Invariants (checked by ``tests/memory``):
   pick and misses); lowering the cap never takes a used page, it only stops
   growth and releases idle runs (now, and as more become idle);
 * driver calls never run under the lock, and the lock is never held while
-  taking another (the block manager's lock is always taken first).
+  taking another (the block manager's lock is always taken first); growth
+  (a take that maps, a refill, ``map_idle``) runs under a second lock, the
+  grow lock, taken before the first, so one thread calls the driver to grow
+  at a time.
 
 Idle pages are reused from runs that still hold a used page first, then from
 wholly idle runs, lowest id first; growth picks the lowest unmapped ids. The
@@ -95,6 +98,7 @@ class PageAllocator:
         self.min_reserved = min_reserved
         self.max_reserved = max_reserved
         self._lock = threading.Lock()
+        self._grow_lock = threading.Lock()  # held around driver growth; taken before _lock
         self._state = bytearray(n)  # all UNMAPPED
         self._run: list[_Run | None] = [None] * n
         self._idle_runs: dict[int, _Run] = {}  # live runs with no used page
@@ -160,84 +164,93 @@ class PageAllocator:
                 if refill:
                     self._refill()
                 return pages
-        # Growth (one page at a time on a decode step, so every step counts).
-        # The budget is asked once, by the mapper's grant: a denial there
-        # undoes the pick below and misses, as a short headroom would.
-        lock.acquire()
+        # One thread grows at a time: two threads' driver calls at once are
+        # slower than the same calls in turn (the driver serializes them, and
+        # each handoff wakes a thread), and a take that waited for the pool's
+        # refill usually finds the pages it needs idle when it gets the lock.
+        # Growth (one page at a time on a decode step, so every step counts)
+        # asks the budget once, by the mapper's grant: a denial there undoes
+        # the pick and misses, as a short headroom would.
+        grow_lock = self._grow_lock
+        grow_lock.acquire()
         try:
-            if self._closed:
-                return None
-            n_idle = self.n_idle
-            grow = n - n_idle
-            if grow <= 0:  # pages came back meanwhile
-                pages = self._pop_idle(n)
-                refill = self._after_take()
-                spans = None
-            else:
-                limit = self.cap_pages - self.num_pages + self.n_unmapped  # growable(room)
-                if limit > self.n_unmapped:
-                    limit = self.n_unmapped
-                if grow > limit:
+            lock.acquire()
+            try:
+                if self._closed:
                     return None
-                pages = self._pop_idle(n_idle) if n_idle else []
-                if grow == 1:  # _pick_unmapped(1), written out
-                    first = self._state.find(_UNMAPPED_BYTE, self._unmapped_lo)
-                    assert first >= 0, "n_unmapped counts more unmapped pages than exist"
-                    self._state[first] = BUSY
-                    self._unmapped_lo = first + 1
-                    self.n_unmapped -= 1
-                    self.n_busy += 1
-                    spans = ()
+                n_idle = self.n_idle
+                grow = n - n_idle
+                if grow <= 0:  # pages came back meanwhile
+                    pages = self._pop_idle(n)
+                    refill = self._after_take()
+                    spans = None
                 else:
-                    spans = self._pick_unmapped(grow)
-        finally:
-            lock.release()
-        if spans is None:
-            if refill:
-                self._refill()
-            return pages
-        if not spans:
-            return self._grow_one(first, pages)
-        try:
-            done = self._map_runs(spans)
-        except BaseException:
-            with lock:
-                if self._batch:  # _map_spans settles its spans itself
-                    self._settle_interrupted(spans)
-                self._push_idle(pages)  # the idle pages taken above go back
-            raise
-        lock.acquire()
-        try:
-            if done == len(spans):
-                state, run_of = self._state, self._run
-                for first, count in spans:  # _publish(first, count, USED), written out
-                    run = _Run(first, count, count)
-                    if count == 1:
-                        state[first] = USED
-                        run_of[first] = run
-                        pages.append(first)
+                    limit = self.cap_pages - self.num_pages + self.n_unmapped  # growable(room)
+                    if limit > self.n_unmapped:
+                        limit = self.n_unmapped
+                    if grow > limit:
+                        return None
+                    pages = self._pop_idle(n_idle) if n_idle else []
+                    if grow == 1:  # _pick_unmapped(1), written out
+                        first = self._state.find(_UNMAPPED_BYTE, self._unmapped_lo)
+                        assert first >= 0, "n_unmapped counts more unmapped pages than exist"
+                        self._state[first] = BUSY
+                        self._unmapped_lo = first + 1
+                        self.n_unmapped -= 1
+                        self.n_busy += 1
+                        spans = ()
                     else:
-                        state[first:first + count] = _BYTE[USED] * count
-                        run_of[first:first + count] = [run] * count
-                        pages.extend(range(first, first + count))
-                self.n_busy -= grow
-                self.n_used += grow
-                refill = self.n_idle < self.min_reserved and self._after_take()
-            else:
-                for first, count in spans[:done]:
-                    self._publish(first, count, IDLE)
-                for first, count in spans[done:]:
-                    self._fail_span(first, count)
-                self._push_idle(pages)
-                pages = None
-                refill = False
+                        spans = self._pick_unmapped(grow)
+            finally:
+                lock.release()
+            if spans is None:
+                if refill:
+                    self._refill(grow_locked=True)
+                return pages
+            if not spans:
+                return self._grow_one(first, pages)
+            try:
+                done = self._map_runs(spans)
+            except BaseException:
+                with lock:
+                    if self._batch:  # _map_spans settles its spans itself
+                        self._settle_interrupted(spans)
+                    self._push_idle(pages)  # the idle pages taken above go back
+                raise
+            lock.acquire()
+            try:
+                if done == len(spans):
+                    state, run_of = self._state, self._run
+                    for first, count in spans:  # _publish(first, count, USED), written out
+                        run = _Run(first, count, count)
+                        if count == 1:
+                            state[first] = USED
+                            run_of[first] = run
+                            pages.append(first)
+                        else:
+                            state[first:first + count] = _BYTE[USED] * count
+                            run_of[first:first + count] = [run] * count
+                            pages.extend(range(first, first + count))
+                    self.n_busy -= grow
+                    self.n_used += grow
+                    refill = self.n_idle < self.min_reserved and self._after_take()
+                else:
+                    for first, count in spans[:done]:
+                        self._publish(first, count, IDLE)
+                    for first, count in spans[done:]:
+                        self._fail_span(first, count)
+                    self._push_idle(pages)
+                    pages = None
+                    refill = False
+            finally:
+                lock.release()
+            if pages is None:
+                self._maybe_shrink_inline()
+            elif refill:
+                self._refill(grow_locked=True)
+            return pages
         finally:
-            lock.release()
-        if pages is None:
-            self._maybe_shrink_inline()
-        elif refill:
-            self._refill()
-        return pages
+            grow_lock.release()
 
     def _grow_one(self, first: int, pages: list[int]) -> list[int] | None:
         """The rest of a take that grows by one page, ``first`` (busy):
@@ -269,7 +282,7 @@ class PageAllocator:
             self._maybe_shrink_inline()
             return None
         if refill:
-            self._refill()
+            self._refill(grow_locked=True)
         return pages
 
     def give_back(self, pages: list[int]) -> None:
@@ -521,8 +534,9 @@ class PageAllocator:
             chosen = self._claim_idle_runs(want)
         return self._release_runs(chosen)
 
-    def _refill(self) -> int:
-        """Map idle pages up to ``min_reserved`` (within cap and budget)."""
+    def _refill(self, grow_locked: bool = False) -> int:
+        """Map idle pages up to ``min_reserved`` (within cap and budget);
+        ``grow_locked``: the caller holds the grow lock already."""
         with self._lock:
             self._refill_wanted = False
             if self._closed:
@@ -530,6 +544,8 @@ class PageAllocator:
             want = self.min_reserved - self.n_idle
         if want <= 0:
             return 0
+        if grow_locked:
+            return self._grow_idle_locked(None)
         return self._grow_idle(None)
 
     def map_idle(self, want: int) -> int:
@@ -545,6 +561,10 @@ class PageAllocator:
         """Map up to ``want`` new idle pages (``None``: up to ``min_reserved``
         idle, counted under the lock) within the cap and the budget's headroom;
         returns how many were mapped."""
+        with self._grow_lock:
+            return self._grow_idle_locked(want)
+
+    def _grow_idle_locked(self, want: int | None) -> int:
         room = self.budget.headroom() // self.page_bytes
         with self._lock:
             if want is None:

@@ -116,3 +116,67 @@ def test_pool_thread_engine_threads_and_control_under_contention(host):
     cache.close()
     assert thread is not None and not thread.is_alive(), "close left the pool thread running"
     assert budget.used == 0 and host.own_bytes() == 0
+
+
+class _GrowWatch(FaultyDriver):
+    """Records how many threads are inside a growth call (create, map,
+    set_access) at once."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner, seed=0, delay_s={"create": 0.0004, "set_access": 0.0002})
+        self._inside = 0
+        self._guard = threading.Lock()
+        self.most_at_once = 0
+        self.threads: set[str] = set()
+
+    def _growing(self, call, *args):
+        with self._guard:
+            self._inside += 1
+            self.most_at_once = max(self.most_at_once, self._inside)
+            self.threads.add(threading.current_thread().name)
+        try:
+            return call(*args)
+        finally:
+            with self._guard:
+                self._inside -= 1
+
+    def create(self, size):
+        return self._growing(super().create, size)
+
+    def map(self, va, size, handle):
+        return self._growing(super().map, va, size, handle)
+
+    def set_access(self, va, size):
+        return self._growing(super().set_access, va, size)
+
+
+def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
+    """Two threads' growth calls at once are slower than in turn on CUDA
+    (benchmarks/results/memory-h200.json, ``pooled``): takes that grow and the
+    pool's refill share one grow lock, and a take that waited finds the pool's
+    pages."""
+    watch = _GrowWatch(host)
+    cache, budget = make_cache(watch, small_spec(1, 1), pages=48, background=True,
+                               min_reserved=4, max_reserved=8, max_handle_bytes=0)
+    per_page = cache.geometry.blocks_per_page
+    held: list[int] = []
+
+    def engine() -> None:
+        for _ in range(40):
+            got = cache.alloc(per_page)  # a page per alloc: each one may grow
+            while got is None and cache.pages.n_busy:  # the pool holds the last pages
+                time.sleep(0.0005)
+                got = cache.alloc(per_page)
+            assert got is not None
+            held.extend(got)
+
+    t = threading.Thread(target=engine, name="engine")
+    t.start()
+    t.join(JOIN_S)
+    assert not t.is_alive(), "the engine thread is stuck"
+    assert len(held) == 40 * per_page
+    assert {"engine", "kvcached-pages"} <= watch.threads, watch.threads
+    assert watch.most_at_once == 1, f"{watch.most_at_once} threads grew at once"
+    cache.free(held)
+    cache.close()
+    assert budget.used == 0
