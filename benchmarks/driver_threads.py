@@ -7,7 +7,9 @@ four shapes that all make the same calls:
 * ``serial``: one thread, one page after another (the baseline);
 * ``threads_2`` / ``threads_4``: the pages split between 2 or 4 threads, each
   growing its own slice of one reservation;
-* ``pipeline``: one thread creates handles, a second maps and enables them.
+* ``pipeline``: one thread creates handles, a second maps and enables them;
+* ``lanes_64``: one thread, the pages spread page-major over 64 reservations
+  (a per-layer cache of 32 layers' K and V growing a page at a time).
 
 A ratio above 1 means the driver (and the binding's release of the GIL
 during a call) lets calls overlap, so a page pool refilled on a thread of
@@ -107,8 +109,26 @@ def pipeline(driver, va: int, pages: int) -> tuple[float, list]:
     return dt, done
 
 
+def lanes(n: int):
+    """One thread, the pages spread over ``n`` separate reservations, page-major
+    (page k of every lane, then page k+1): the address pattern of a per-layer
+    cache of ``n`` buffers growing one page at a time."""
+    def run(driver, va: int, pages: int) -> tuple[float, list]:
+        g = driver.granularity
+        per_lane = -(-pages // n)
+        bases = [driver.reserve(per_lane * g) for _ in range(n)]
+        vas = [bases[i % n] + (i // n) * g for i in range(pages)]
+        done: list = []
+        t0 = time.perf_counter()
+        _grow(driver, vas, g, done)
+        dt = time.perf_counter() - t0
+        run.cleanup = lambda: [driver.free_reservation(b, per_lane * g) for b in bases]
+        return dt, done
+    return run
+
+
 SHAPES = {"serial": serial, "threads_2": threaded(2), "threads_4": threaded(4),
-          "pipeline": pipeline}
+          "pipeline": pipeline, "lanes_64": lanes(64)}
 
 
 def main() -> dict:
@@ -132,6 +152,10 @@ def main() -> dict:
             for v, h in done:
                 driver.unmap(v, g)
                 driver.release(h)
+            cleanup = getattr(SHAPES[name], "cleanup", None)
+            if cleanup is not None:
+                cleanup()
+                SHAPES[name].cleanup = None
             if r:
                 secs[name].append(dt)
     driver.free_reservation(va, pages * g)

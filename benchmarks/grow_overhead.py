@@ -241,19 +241,44 @@ def raw_growth_threads(driver: Driver, total: int, threads: int = 2) -> float:
     return dt
 
 
+# A model-shaped cache: Llama-3-8B's KV (32 layers, K and V, 8 KV heads of 128,
+# bf16, 16-token blocks). On the default per-layer layout a 2 MiB page is 2 MiB
+# in each of its 64 buffers: one page id, 64 handles.
+LLAMA3_8B = KVCacheSpec(num_layers=32, block_size=16, num_heads=8, head_dim=128,
+                        dtype=torch.bfloat16)
+
+
+def page_bytes_of(spec: KVCacheSpec, driver: Driver) -> int:
+    """Physical bytes of one page of ``spec`` (per-layer, 2 MiB per buffer)."""
+    return plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,
+                      page_size=driver.granularity, num_blocks=1).page_bytes
+
+
 def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
-                     clock=time.perf_counter, reserved: tuple[int, int] | None = None) -> float:
+                     clock=time.perf_counter, reserved: tuple[int, int] | None = None,
+                     spec: KVCacheSpec | None = None, null_page: bool = False,
+                     layout: KVLayout = KVLayout.PER_LAYER) -> float:
     """Seconds to grow ``total`` bytes through :class:`PageAllocator`, ``grow``
     bytes per ``take`` (2 MiB pages), with the real driver-free-memory budget.
 
     ``reserved=(min, max)`` turns the reserved pool on, refilled by its own
     thread as in an engine (``None``: no pool, every take maps its own pages).
     The pool starts empty and the cache holds exactly ``total`` bytes, so
-    both ways map the same bytes; the clock stops when the last take returns."""
-    spec = KVCacheSpec.of_bytes(num_layers=1, block_bytes=64 * 1024)
-    geometry = plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,
-                          page_size=driver.granularity, capacity_bytes=total)
-    assert geometry.page_bytes == driver.granularity
+    both ways map the same bytes; the clock stops when the last take returns.
+
+    ``spec``: the cache's shape (default: one layer, one buffer, so a page is
+    one 2 MiB handle); ``grow`` is then in pages of that shape's bytes.
+    ``layout``: per-layer (one handle per buffer of each layer per page) or
+    contiguous (one handle per page). ``null_page``: page 0 is mapped before the clock starts and ``total``
+    bytes grow after it, as in a :class:`~kvcached.memory.KVCache`, whose page
+    0 holds the null block for its whole life."""
+    spec = spec or KVCacheSpec.of_bytes(num_layers=1, block_bytes=64 * 1024)
+    extra = 0
+    if null_page:
+        extra = page_bytes_of(spec, driver)
+    geometry = plan_pages(spec, layout=layout, granularity=driver.granularity,
+                          page_size=driver.granularity, capacity_bytes=total + extra)
+    assert geometry.page_bytes * geometry.num_pages == total + extra, "total must be whole pages"
     tensors = VirtualKVTensors(driver, spec, geometry)
     budget = DriverFreeBudget(driver, sample_interval_s=60)
     mapper = PageMapper(tensors, budget, max_handle_bytes=64 * MIB if coalesce else 0)
@@ -263,7 +288,7 @@ def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
         pages = PageAllocator(mapper, min_reserved=reserved[0], max_reserved=reserved[1],
                               background=True)
     per_take = grow // geometry.page_bytes
-    taken: list[int] = []
+    taken: list[int] = pages.take(1) if null_page else []
     t0 = clock()
     for _ in range(total // grow):
         got = pages.take(per_take)

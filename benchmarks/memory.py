@@ -57,14 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from grow_overhead import (  # noqa: E402
+    LLAMA3_8B,
     allocator_growth,
     grow_report,
+    page_bytes_of,
     raw_growth,
     raw_growth_threads,
 )
 
 from kvcached.driver import make_driver  # noqa: E402
-from kvcached.memory import KVCache, KVCacheSpec  # noqa: E402
+from kvcached.memory import KVCache, KVCacheSpec, KVLayout  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
 REQUEST_SIZES = (1, 4, 16, 64)
@@ -254,6 +256,8 @@ def balanced_orders(n: int) -> list[list[int]]:
 def bench_growth(driver, total: int, repeats: int) -> dict:
     clock = grow_clock(driver)
     g = driver.granularity
+    model_page = page_bytes_of(LLAMA3_8B, driver)
+    model_total = max(1, 2 * total // model_page) * model_page  # longer rounds: 16 takes on a GPU
     loops = {
         "raw": lambda: raw_growth(driver, total, clock),
         "paged": lambda: allocator_growth(driver, total, g, coalesce=False, clock=clock),
@@ -268,6 +272,19 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
                                            reserved=POOL_RESERVED),
         "raw_wall": lambda: raw_growth(driver, total),
         "raw_threads_2": lambda: raw_growth_threads(driver, total, 2),
+        # A model's cache on the default layout: one page per take is 64 handles
+        # of 2 MiB (Llama-3-8B), over a raw loop of the same bytes. "model" has
+        # its null block's page mapped first, as every KVCache has; "model_cold"
+        # starts from nothing mapped, so each of its 64 ranges gets its first
+        # mapping inside the clock.
+        "model": lambda: allocator_growth(driver, model_total, model_page, coalesce=False,
+                                          clock=clock, spec=LLAMA3_8B, null_page=True),
+        "model_cold": lambda: allocator_growth(driver, model_total, model_page,
+                                               coalesce=False, clock=clock, spec=LLAMA3_8B),
+        "raw_model": lambda: raw_growth(driver, model_total, clock),
+        "model_contiguous": lambda: allocator_growth(
+            driver, model_total, model_page, coalesce=False, clock=clock, spec=LLAMA3_8B,
+            null_page=True, layout=KVLayout.CONTIGUOUS),
     }
     names = list(loops)
     for name in names:  # warm-up: first-touch costs (driver, allocator) are not timed
@@ -291,7 +308,25 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "raw": round(rate(times["pooled"]) / rate(times["raw_wall"]), 3),
         "raw_threads_2": round(rate(times["pooled"]) / rate(times["raw_threads_2"]), 3),
     }
+    # Each round's ratio against its baseline from the same round (the loops of
+    # one round run within a second, so slow drift of the host cancels), median.
+    baseline = {"paged": "raw", "batched": "raw", "coalesced": "raw", "pooled": "raw_wall",
+                "model": "raw_model", "model_cold": "raw_model",
+                "model_contiguous": "raw_model"}
+    paired = {name: round(statistics.median(
+        b / a for a, b in zip(times[name], times[ref], strict=True)), 3)
+        for name, ref in baseline.items()}
     return {
+        "paired_round_median": {
+            "grow_ratio": paired["paged"],
+            "grow_ratio_batched_32": paired["batched"],
+            "grow_ratio_coalesced_64mib": paired["coalesced"],
+            "grow_ratio_pooled": paired["pooled"],
+            "grow_ratio_llama3_8b": paired["model"],
+            "grow_ratio_llama3_8b_cold": paired["model_cold"],
+            "grow_ratio_llama3_8b_contiguous": paired["model_contiguous"],
+        },
+        "round_ms": {name: [round(t * 1e3, 3) for t in ts] for name, ts in times.items()},
         "grow_bytes_per_round": total,
         "rounds": repeats,
         "grow_clock": "wall" if clock is time.perf_counter else "thread CPU time",
@@ -303,6 +338,18 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "grow_ratio_batched_32": round(rate(times["batched"]) / rate(raw), 3),
         "grow_ratio_coalesced_64mib": round(rate(times["coalesced"]) / rate(raw), 3),
         "grow_ratio_pooled": pooled_over["raw"],
+        "grow_ratio_llama3_8b": round(
+            (model_total / min(times["model"])) / (model_total / min(times["raw_model"])), 3),
+        "grow_ratio_llama3_8b_cold": round(min(times["raw_model"]) / min(times["model_cold"]), 3),
+        "grow_ratio_llama3_8b_contiguous": round(
+            min(times["raw_model"]) / min(times["model_contiguous"]), 3),
+        "llama3_8b": {
+            "page_bytes": model_page,
+            "handles_per_page": model_page // g,
+            "pages_per_round": model_total // model_page,
+            "allocator_gib_s": round(model_total / min(times["model"]) / 2**30, 3),
+            "raw_gib_s": round(model_total / min(times["raw_model"]) / 2**30, 3),
+        },
         "pooled": {
             "reserved_pages": list(POOL_RESERVED),
             "clock": "wall",
@@ -320,6 +367,8 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
                 median_rate(times["coalesced"]) / median_rate(raw), 3),
             "grow_ratio_pooled": round(
                 median_rate(times["pooled"]) / median_rate(times["raw_wall"]), 3),
+            "grow_ratio_llama3_8b": round(
+                statistics.median(times["raw_model"]) / statistics.median(times["model"]), 3),
         },
     }
 
