@@ -33,6 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from grow_overhead import raw_growth, raw_growth_threads  # noqa: E402
 
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
@@ -47,47 +50,30 @@ def _grow(driver, vas: list[int], g: int, out: list) -> None:
         out.append((va, h))
 
 
-def serial(driver, va: int, pages: int) -> tuple[float, list]:
-    g = driver.granularity
-    done: list = []
-    vas = [va + i * g for i in range(pages)]
-    t0 = time.perf_counter()
-    _grow(driver, vas, g, done)
-    return time.perf_counter() - t0, done
+def _teardown(driver, done: list, g: int) -> None:
+    for va, h in done:
+        driver.unmap(va, g)
+        driver.release(h)
+
+
+def serial(driver, total: int) -> float:
+    return raw_growth(driver, total, time.perf_counter)
 
 
 def threaded(n: int):
-    def run(driver, va: int, pages: int) -> tuple[float, list]:
-        g = driver.granularity
-        slices = [[va + i * g for i in range(k, pages, n)] for k in range(n)]
-        outs: list[list] = [[] for _ in range(n)]
-        barrier = threading.Barrier(n + 1)
-
-        def worker(k: int) -> None:
-            driver.mem_info()  # binds a context to this thread, untimed
-            barrier.wait()
-            _grow(driver, slices[k], g, outs[k])
-
-        ts = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
-        for t in ts:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        for t in ts:
-            t.join()
-        dt = time.perf_counter() - t0
-        return dt, [x for o in outs for x in o]
-    return run
+    return lambda driver, total: raw_growth_threads(driver, total, n)
 
 
-def pipeline(driver, va: int, pages: int) -> tuple[float, list]:
+def pipeline(driver, total: int) -> float:
     g = driver.granularity
+    pages = total // g
+    va = driver.reserve(total)
     handles: queue.SimpleQueue = queue.SimpleQueue()
     done: list = []
     start = threading.Barrier(2)
 
     def creator() -> None:
-        driver.mem_info()
+        driver.mem_info()  # binds a context to this thread, untimed
         start.wait()
         create = driver.create
         for _ in range(pages):
@@ -106,15 +92,18 @@ def pipeline(driver, va: int, pages: int) -> tuple[float, list]:
         done.append((v, h))
     dt = time.perf_counter() - t0
     t.join()
-    return dt, done
+    _teardown(driver, done, g)
+    driver.free_reservation(va, total)
+    return dt
 
 
 def lanes(n: int):
     """One thread, the pages spread over ``n`` separate reservations, page-major
     (page k of every lane, then page k+1): the address pattern of a per-layer
     cache of ``n`` buffers growing one page at a time."""
-    def run(driver, va: int, pages: int) -> tuple[float, list]:
+    def run(driver, total: int) -> float:
         g = driver.granularity
+        pages = total // g
         per_lane = -(-pages // n)
         bases = [driver.reserve(per_lane * g) for _ in range(n)]
         vas = [bases[i % n] + (i // n) * g for i in range(pages)]
@@ -122,8 +111,10 @@ def lanes(n: int):
         t0 = time.perf_counter()
         _grow(driver, vas, g, done)
         dt = time.perf_counter() - t0
-        run.cleanup = lambda: [driver.free_reservation(b, per_lane * g) for b in bases]
-        return dt, done
+        _teardown(driver, done, g)
+        for b in bases:
+            driver.free_reservation(b, per_lane * g)
+        return dt
     return run
 
 
@@ -142,23 +133,14 @@ def main() -> dict:
     driver = make_driver(args.backend, args.device)
     g = driver.granularity
     pages = args.mib * MIB // g
-    va = driver.reserve(pages * g)
     driver.mem_info()
     names = list(SHAPES)
     secs: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds + 1):  # round 0 warms up, untimed
         for name in names[r % len(names):] + names[:r % len(names)]:
-            dt, done = SHAPES[name](driver, va, pages)
-            for v, h in done:
-                driver.unmap(v, g)
-                driver.release(h)
-            cleanup = getattr(SHAPES[name], "cleanup", None)
-            if cleanup is not None:
-                cleanup()
-                SHAPES[name].cleanup = None
+            dt = SHAPES[name](driver, pages * g)
             if r:
                 secs[name].append(dt)
-    driver.free_reservation(va, pages * g)
     gib = pages * g / (1 << 30)
     best = {k: gib / min(v) for k, v in secs.items()}
     med = {k: gib / statistics.median(v) for k, v in secs.items()}

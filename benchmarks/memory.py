@@ -20,7 +20,25 @@ in the same run (except ``available_size_us``, an absolute cost).
 * ``grow_ratio_batched_32``: 2 MiB handles again (coalescing off), 32 pages
   per ``take`` (one ``PageMapper.map_runs`` call), as a prefill burst or a
   pool refill grows.
+* ``grow_ratio_pooled``: one-page takes again, with the reserved pool on as
+  configured by default (5/10 pages) and refilled by its own thread, over the
+  raw loop, both on the wall clock; beside it two raw loops at once
+  (``pooled.raw_threads_2_gib_s``): on CUDA two threads growing at once are
+  slower than one (``benchmarks/driver_threads.py``), so the allocator lets
+  one thread grow at a time.
+* ``grow_ratio_llama3_8b``: a model's cache (Llama-3-8B KV: 32 layers, K and
+  V) on the default per-layer layout, where one 2 MiB page is 64 handles of
+  2 MiB, one page per take, page 0 (the null block's) mapped first; ``_cold``
+  without that; ``_contiguous`` on the contiguous layout (one 128 MiB handle
+  per page). Over a raw loop of 2 MiB handles of the same bytes.
 * ``available_size_us``: median cost of one ``available_size()`` call. Target <= 1.
+
+Growth rounds vary a lot on a shared host (the same raw loop took 17-29 ms
+per round on the H200 machine), so beside the best round of each loop
+(``grow_ratio*``, "other tenants only ever add time") and the ratio of
+medians (``median_round``) the file has ``paired_round_median``: each round's
+ratio against its baseline from the same round, median over rounds; and the
+round times themselves (``round_ms``).
 
 Where growth time goes (``benchmarks/grow_overhead.py``, same run):
 ``grow_python_overhead`` is the allocator's Python cost per page on this
@@ -29,7 +47,7 @@ minus the raw loop on it); ``grow_split_us_per_page`` splits a page of the raw
 loop and of the allocator into time inside ``create`` / ``map`` /
 ``set_access`` and outside them; ``grow_explained`` puts the two beside the
 measured gap (``allocator_us_per_2mib - raw_us_per_2mib``) and gives the ratio
-the Python cost alone would allow. Rounds run the four growth loops in the
+the Python cost alone would allow. Rounds run the growth loops in the
 orders of a balanced Latin square, so each runs right after each other one
 equally often (a teardown can slow the loop after it).
 

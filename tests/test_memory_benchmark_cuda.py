@@ -21,8 +21,13 @@ def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # no
     data = json.loads(out.read_text())
     assert data["device"]["name"] == "Fake CUDA Device 0"
     for key in ("grow_ratio", "grow_ratio_batched_32", "grow_ratio_coalesced_64mib",
+                "grow_ratio_pooled", "grow_ratio_llama3_8b", "grow_ratio_llama3_8b_contiguous",
                 "raw_us_per_2mib", "allocator_us_per_2mib", "available_size_us"):
         assert data[key] > 0, key
+    assert data["llama3_8b"]["handles_per_page"] == 64
+    assert set(data["paired_round_median"]) >= {"grow_ratio", "grow_ratio_pooled"}
+    rounds = data["rounds"]
+    assert all(len(ms) == rounds for ms in data["round_ms"].values())
     split = data["grow_split_us_per_page"]
     for loop in ("raw", "allocator"):
         assert split[loop]["calls_per_page"] == {"create": 1.0, "map": 1.0, "set_access": 1.0}
@@ -45,3 +50,16 @@ def test_grow_overhead_runs_with_the_null_and_the_fake_driver(fake_libcuda, tmp_
     assert data["null"]["pages_per_take"] == 4
     assert data["null"]["allocator_null_us_per_page"] > data["null"]["raw_null_us_per_page"]
     assert data["split_us_per_page"]["allocator"]["calls_per_page"]["create"] == 1.0
+
+
+def test_driver_threads_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
+    out = tmp_path / "threads.json"
+    result = _run_with_fake(
+        fake_libcuda,
+        ["benchmarks/driver_threads.py", "--backend", "cuda", "--mib", "256", "--rounds", "1",
+         "--out", str(out)], **FAKE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(out.read_text())
+    assert set(data["ratio_over_serial_best"]) == {
+        "serial", "threads_2", "threads_4", "pipeline", "lanes_64"}
+    assert data["ratio_over_serial_best"]["serial"] == 1.0
