@@ -99,6 +99,7 @@ class PageAllocator:
         self.max_reserved = max_reserved
         self._lock = threading.Lock()
         self._grow_lock = threading.Lock()  # held around driver growth; taken before _lock
+        self._take_waiting = False  # a take is waiting for the grow lock
         self._state = bytearray(n)  # all UNMAPPED
         self._run: list[_Run | None] = [None] * n
         self._idle_runs: dict[int, _Run] = {}  # live runs with no used page
@@ -172,7 +173,9 @@ class PageAllocator:
         # asks the budget once, by the mapper's grant: a denial there undoes
         # the pick and misses, as a short headroom would.
         grow_lock = self._grow_lock
+        self._take_waiting = True  # the pool's refill yields to a waiting take
         grow_lock.acquire()
+        self._take_waiting = False
         try:
             lock.acquire()
             try:
@@ -545,7 +548,7 @@ class PageAllocator:
         if want <= 0:
             return 0
         if grow_locked:
-            return self._grow_idle_locked(None)
+            return self._grow_idle_locked(None)[0]
         return self._grow_idle(None)
 
     def map_idle(self, want: int) -> int:
@@ -560,18 +563,42 @@ class PageAllocator:
     def _grow_idle(self, want: int | None) -> int:
         """Map up to ``want`` new idle pages (``None``: up to ``min_reserved``
         idle, counted under the lock) within the cap and the budget's headroom;
-        returns how many were mapped."""
-        with self._grow_lock:
-            return self._grow_idle_locked(want)
+        returns how many were mapped.
 
-    def _grow_idle_locked(self, want: int | None) -> int:
+        One extent at a time (a page, or a run of up to ``max_run_pages``),
+        each under the grow lock of its own, and the pool's refill stops when
+        a take is waiting for that lock: the take waits for one extent at
+        most, then usually finds it idle, instead of waiting for the whole
+        refill (five pages of a Llama-3-8B cache on the per-layer layout are
+        320 handles, about 12 ms on an H200)."""
+        step = self.mapper.max_run_pages
+        mapped = 0
+        while want is None or mapped < want:
+            with self._grow_lock:
+                got, asked = self._grow_idle_locked(
+                    None if want is None else want - mapped, most=step)
+            mapped += got
+            if got == 0 or got < asked:  # nothing left to do, or a denial
+                break
+            if want is None and self._take_waiting:
+                # A lock is not fair: without this the refill would win it
+                # back page after page. The take re-asks for the refill if it
+                # leaves the pool short.
+                break
+        return mapped
+
+    def _grow_idle_locked(self, want: int | None, most: int | None = None) -> tuple[int, int]:
+        """One round of :meth:`_grow_idle` (at most ``most`` pages) with the
+        grow lock held: ``(pages mapped, pages tried)``."""
         room = self.budget.headroom() // self.page_bytes
         with self._lock:
             if want is None:
                 want = self.min_reserved - self.n_idle
             want = min(want, self.growable(room))
+            if most is not None and want > most:
+                want = most
             if want <= 0 or self._closed:
-                return 0
+                return 0, 0
             spans = self._pick_unmapped(want)
         try:
             done = self._map_runs(spans)
@@ -585,7 +612,7 @@ class PageAllocator:
                 self._publish(first, count, IDLE)
             for first, count in spans[done:]:
                 self._fail_span(first, count)
-        return sum(c for _, c in spans[:done])
+        return sum(c for _, c in spans[:done]), want
 
     def _maybe_shrink_inline(self) -> None:
         if not self.background and self._needs_shrink():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import Counter
 
 from kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
 
@@ -122,12 +123,15 @@ class _GrowWatch(FaultyDriver):
     """Records how many threads are inside a growth call (create, map,
     set_access) at once."""
 
-    def __init__(self, inner) -> None:
-        super().__init__(inner, seed=0, delay_s={"create": 0.0004, "set_access": 0.0002})
+    def __init__(self, inner, delay_s: dict[str, float] | None = None) -> None:
+        super().__init__(inner, seed=0,
+                         delay_s=delay_s or {"create": 0.0004, "set_access": 0.0002})
         self._inside = 0
         self._guard = threading.Lock()
         self.most_at_once = 0
         self.threads: set[str] = set()
+        self.creates_by: Counter[str] = Counter()
+        self.refilling = threading.Event()  # the pool thread entered create
 
     def _growing(self, call, *args):
         with self._guard:
@@ -141,6 +145,10 @@ class _GrowWatch(FaultyDriver):
                 self._inside -= 1
 
     def create(self, size):
+        name = threading.current_thread().name
+        self.creates_by[name] += 1
+        if name == "kvcached-pages":
+            self.refilling.set()
         return self._growing(super().create, size)
 
     def map(self, va, size, handle):
@@ -178,5 +186,33 @@ def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
     assert {"engine", "kvcached-pages"} <= watch.threads, watch.threads
     assert watch.most_at_once == 1, f"{watch.most_at_once} threads grew at once"
     cache.free(held)
+    cache.close()
+    assert budget.used == 0
+
+
+def test_a_take_behind_a_refill_waits_for_one_page_not_the_whole_refill(host):
+    """The pool maps one extent per hold of the grow lock: a take that finds
+    the refill growing waits for the page in flight and then takes it idle,
+    instead of waiting for every page of the refill (or growing beside it)."""
+    page_s = 0.1  # a slow create, so that one page and the whole refill stand apart
+    watch = _GrowWatch(host, delay_s={"create": page_s})
+    cache, budget = make_cache(watch, small_spec(1, 1), pages=16, background=True,
+                               min_reserved=8, max_reserved=8, max_handle_bytes=0)
+    per_page = cache.geometry.blocks_per_page
+    first = cache.alloc(per_page)  # grows its own page, then wakes the refill of 8
+    assert first is not None
+    assert watch.refilling.wait(JOIN_S), "the pool never started its refill"
+    before = watch.creates_by["MainThread"]
+    t0 = time.monotonic()
+    second = cache.alloc(per_page)
+    waited = time.monotonic() - t0
+    assert second is not None
+    assert watch.creates_by["MainThread"] == before, "the take grew instead of taking the pool's page"
+    assert waited < page_s * 4, f"waited {waited:.3f}s for the refill (8 pages: {8 * page_s}s)"
+    deadline = time.monotonic() + JOIN_S
+    while cache.pages.n_idle < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache.pages.n_idle == 8  # the refill went on to the pool's minimum
+    cache.free(first + second)
     cache.close()
     assert budget.used == 0
