@@ -248,6 +248,42 @@ LLAMA3_8B = KVCacheSpec(num_layers=32, block_size=16, num_heads=8, head_dim=128,
                         dtype=torch.bfloat16)
 
 
+def raw_growth_like_cache(driver: Driver, spec: KVCacheSpec, total: int,
+                          clock=time.perf_counter) -> float:
+    """Seconds for a raw loop of 2 MiB create + map + set_access at the very
+    addresses a per-layer cache of ``spec`` maps, page by page (every buffer
+    of every layer, then the next page), page 0 first and untimed: the
+    driver's cost of that address pattern with nothing around the calls."""
+    g = driver.granularity
+    page = page_bytes_of(spec, driver)
+    geometry = plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=g, page_size=g,
+                          capacity_bytes=total + page)
+    tensors = VirtualKVTensors(driver, spec, geometry)
+    strides = tensors.handle_strides()
+    assert all(span == g for _, span in strides), "one 2 MiB handle per buffer per page"
+    made = []
+    create, map_, set_access = driver.create, driver.map, driver.set_access
+    for base, _ in strides:  # page 0, as the cache's null block has it
+        h = create(g)
+        map_(base, g, h)
+        set_access(base, g)
+        made.append((base, h))
+    t0 = clock()
+    for k in range(1, geometry.num_pages):
+        for base, _ in strides:
+            va = base + k * g
+            h = create(g)
+            map_(va, g, h)
+            set_access(va, g)
+            made.append((va, h))
+    dt = clock() - t0
+    for va, h in made:
+        driver.unmap(va, g)
+        driver.release(h)
+    tensors.close()
+    return dt
+
+
 def page_bytes_of(spec: KVCacheSpec, driver: Driver) -> int:
     """Physical bytes of one page of ``spec`` (per-layer, 2 MiB per buffer)."""
     return plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,

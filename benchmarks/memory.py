@@ -30,7 +30,10 @@ in the same run (except ``available_size_us``, an absolute cost).
   V) on the default per-layer layout, where one 2 MiB page is 64 handles of
   2 MiB, one page per take, page 0 (the null block's) mapped first; ``_cold``
   without that; ``_contiguous`` on the contiguous layout (one 128 MiB handle
-  per page). Over a raw loop of 2 MiB handles of the same bytes.
+  per page). Over a raw loop of 2 MiB handles of the same bytes;
+  ``_same_addresses`` over a raw loop at the very addresses the per-layer
+  cache maps (64 ranges, page by page): what kvcached adds, without the
+  driver's cost of the address pattern.
 * ``available_size_us``: median cost of one ``available_size()`` call. Target <= 1.
 
 Growth rounds vary a lot on a shared host (the same raw loop took 17-29 ms
@@ -80,6 +83,7 @@ from grow_overhead import (  # noqa: E402
     grow_report,
     page_bytes_of,
     raw_growth,
+    raw_growth_like_cache,
     raw_growth_threads,
 )
 
@@ -300,6 +304,8 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "model_cold": lambda: allocator_growth(driver, model_total, model_page,
                                                coalesce=False, clock=clock, spec=LLAMA3_8B),
         "raw_model": lambda: raw_growth(driver, model_total, clock),
+        "raw_model_addresses": lambda: raw_growth_like_cache(driver, LLAMA3_8B, model_total,
+                                                             clock),
         "model_contiguous": lambda: allocator_growth(
             driver, model_total, model_page, coalesce=False, clock=clock, spec=LLAMA3_8B,
             null_page=True, layout=KVLayout.CONTIGUOUS),
@@ -331,6 +337,8 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
     baseline = {"paged": "raw", "batched": "raw", "coalesced": "raw", "pooled": "raw_wall",
                 "model": "raw_model", "model_cold": "raw_model",
                 "model_contiguous": "raw_model"}
+    paired_addresses = round(statistics.median(
+        b / a for a, b in zip(times["model"], times["raw_model_addresses"], strict=True)), 3)
     paired = {name: round(statistics.median(
         b / a for a, b in zip(times[name], times[ref], strict=True)), 3)
         for name, ref in baseline.items()}
@@ -343,6 +351,7 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
             "grow_ratio_llama3_8b": paired["model"],
             "grow_ratio_llama3_8b_cold": paired["model_cold"],
             "grow_ratio_llama3_8b_contiguous": paired["model_contiguous"],
+            "grow_ratio_llama3_8b_same_addresses": paired_addresses,
         },
         "round_ms": {name: [round(t * 1e3, 3) for t in ts] for name, ts in times.items()},
         "grow_bytes_per_round": total,
@@ -361,6 +370,8 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "grow_ratio_llama3_8b_cold": round(min(times["raw_model"]) / min(times["model_cold"]), 3),
         "grow_ratio_llama3_8b_contiguous": round(
             min(times["raw_model"]) / min(times["model_contiguous"]), 3),
+        "grow_ratio_llama3_8b_same_addresses": round(
+            min(times["raw_model_addresses"]) / min(times["model"]), 3),
         "llama3_8b": {
             "page_bytes": model_page,
             "handles_per_page": model_page // g,

@@ -22,6 +22,7 @@ def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # no
     assert data["device"]["name"] == "Fake CUDA Device 0"
     for key in ("grow_ratio", "grow_ratio_batched_32", "grow_ratio_coalesced_64mib",
                 "grow_ratio_pooled", "grow_ratio_llama3_8b", "grow_ratio_llama3_8b_contiguous",
+                "grow_ratio_llama3_8b_same_addresses",
                 "raw_us_per_2mib", "allocator_us_per_2mib", "available_size_us"):
         assert data[key] > 0, key
     assert data["llama3_8b"]["handles_per_page"] == 64
