@@ -1,6 +1,7 @@
-"""benchmarks/memory.py --backend cuda (the GPU command's memory figures) and
-benchmarks/grow_overhead.py run end to end on the fake libcuda, so the H200
-run cannot fail on a typo; the figures themselves mean nothing here."""
+"""benchmarks/memory.py --backend cuda (the GPU command's memory figures),
+benchmarks/grow_overhead.py and benchmarks/driver_threads.py run end to end on
+the fake libcuda, so the H200 run cannot fail on a typo; the figures
+themselves mean nothing here."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from test_driver_cuda import _run_with_fake, fake_libcuda  # noqa: F401 (fixture
 FAKE = {"FAKE_CUDA_NOOP": "1", "FAKE_CUDA_TOTAL": str(4 << 30)}
 
 
-def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
-    out = tmp_path / "memory.json"
-    result = _run_with_fake(
-        fake_libcuda,
-        ["benchmarks/memory.py", "--backend", "cuda", "--repeats", "1", "--grow-mib", "64",
-         "--out", str(out)], **FAKE)
+def run_benchmark(fake_libcuda, out, script: str, *args: str) -> dict:  # noqa: F811
+    """Run ``benchmarks/<script>`` on the fake libcuda, writing ``out``; its JSON."""
+    result = _run_with_fake(fake_libcuda, [f"benchmarks/{script}", "--backend", "cuda", *args,
+                                           "--out", str(out)], **FAKE)
     assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
+    data = run_benchmark(fake_libcuda, tmp_path / "memory.json", "memory.py",
+                         "--repeats", "1", "--grow-mib", "64")
     assert data["device"]["name"] == "Fake CUDA Device 0"
     for key in ("grow_ratio", "grow_ratio_batched_32", "grow_ratio_coalesced_64mib",
                 "grow_ratio_pooled", "grow_ratio_llama3_8b", "grow_ratio_llama3_8b_contiguous",
@@ -41,26 +45,16 @@ def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # no
 
 
 def test_grow_overhead_runs_with_the_null_and_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
-    out = tmp_path / "grow.json"
-    result = _run_with_fake(
-        fake_libcuda,
-        ["benchmarks/grow_overhead.py", "--backend", "cuda", "--rounds", "2", "--pages", "32",
-         "--pages-per-take", "4", "--out", str(out)], **FAKE)
-    assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(out.read_text())
+    data = run_benchmark(fake_libcuda, tmp_path / "grow.json", "grow_overhead.py",
+                         "--rounds", "2", "--pages", "32", "--pages-per-take", "4")
     assert data["null"]["pages_per_take"] == 4
     assert data["null"]["allocator_null_us_per_page"] > data["null"]["raw_null_us_per_page"]
     assert data["split_us_per_page"]["allocator"]["calls_per_page"]["create"] == 1.0
 
 
 def test_driver_threads_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
-    out = tmp_path / "threads.json"
-    result = _run_with_fake(
-        fake_libcuda,
-        ["benchmarks/driver_threads.py", "--backend", "cuda", "--mib", "256", "--rounds", "1",
-         "--out", str(out)], **FAKE)
-    assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads(out.read_text())
+    data = run_benchmark(fake_libcuda, tmp_path / "threads.json", "driver_threads.py",
+                         "--mib", "256", "--rounds", "1")
     assert set(data["ratio_over_serial_best"]) == {
         "serial", "threads_2", "threads_4", "pipeline", "lanes_64"}
     assert data["ratio_over_serial_best"]["serial"] == 1.0
