@@ -21,8 +21,9 @@ Invariants (checked by ``tests/memory``):
 * driver calls never run under the lock, and the lock is never held while
   taking another (the block manager's lock is always taken first); growth
   (a take that maps, a refill, ``map_idle``) runs under a second lock, the
-  grow lock, taken before the first, so one thread calls the driver to grow
-  at a time.
+  grow lock of a :class:`GrowGate` that every allocator over one driver
+  shares, taken before the first, so one thread calls the driver to grow at
+  a time.
 
 Idle pages are reused from runs that still hold a used page first, then from
 wholly idle runs, lowest id first; growth picks the lowest unmapped ids. The
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import weakref
 
 from kvcached.errors import ConfigError
 from kvcached.log import get_logger
@@ -54,6 +56,43 @@ _BYTE = tuple(bytes([s]) for s in range(5))  # state -> one byte, for slice stor
 # How often the background thread looks at the pool even when nobody woke it
 # (a lowered limit is honoured within this, should a wake-up be missed).
 MAINTENANCE_INTERVAL_S = 0.5
+
+
+class GrowGate:
+    """Who may call the driver to grow: one thread at a time per device.
+
+    Two threads creating and mapping at once are slower than the same calls
+    in turn (the CUDA driver serializes them and each handoff wakes a
+    thread: ``benchmarks/driver_threads.py``), also when they grow different
+    caches, so every :class:`PageAllocator` over one driver shares one gate
+    (:func:`gate_for`). ``take_waiting`` tells a pool refill that a take wants
+    the lock: a lock is not fair, and the refill would otherwise win it back
+    page after page."""
+
+    __slots__ = ("lock", "take_waiting", "__weakref__")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.take_waiting = False
+
+
+_gates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_gates_lock = threading.Lock()
+
+
+def gate_for(driver: object | None) -> GrowGate:
+    """The grow gate of ``driver`` (a new one for ``None``, or for an object
+    that cannot be weakly referenced: a backend with no driver of its own)."""
+    if driver is None:
+        return GrowGate()
+    with _gates_lock:
+        try:
+            gate = _gates.get(driver)
+            if gate is None:
+                gate = _gates[driver] = GrowGate()
+        except TypeError:
+            return GrowGate()
+        return gate
 
 
 class _Run:
@@ -98,8 +137,10 @@ class PageAllocator:
         self.min_reserved = min_reserved
         self.max_reserved = max_reserved
         self._lock = threading.Lock()
-        self._grow_lock = threading.Lock()  # held around driver growth; taken before _lock
-        self._take_waiting = False  # a take is waiting for the grow lock
+        # Held around driver growth, taken before _lock; shared by every
+        # allocator over this mapper's driver.
+        self._gate = gate_for(getattr(mapper, "driver", None))
+        self._grow_lock = self._gate.lock
         self._state = bytearray(n)  # all UNMAPPED
         self._run: list[_Run | None] = [None] * n
         self._idle_runs: dict[int, _Run] = {}  # live runs with no used page
@@ -173,9 +214,10 @@ class PageAllocator:
         # asks the budget once, by the mapper's grant: a denial there undoes
         # the pick and misses, as a short headroom would.
         grow_lock = self._grow_lock
-        self._take_waiting = True  # the pool's refill yields to a waiting take
+        gate = self._gate
+        gate.take_waiting = True  # a pool refill yields to a waiting take
         grow_lock.acquire()
-        self._take_waiting = False
+        gate.take_waiting = False
         try:
             lock.acquire()
             try:
@@ -580,11 +622,8 @@ class PageAllocator:
             mapped += got
             if got == 0 or got < asked:  # nothing left to do, or a denial
                 break
-            if want is None and self._take_waiting:
-                # A lock is not fair: without this the refill would win it
-                # back page after page. The take re-asks for the refill if it
-                # leaves the pool short.
-                break
+            if want is None and self._gate.take_waiting:
+                break  # the take asks for the refill again if it leaves the pool short
         return mapped
 
     def _grow_idle_locked(self, want: int | None, most: int | None = None) -> tuple[int, int]:

@@ -216,3 +216,36 @@ def test_a_take_behind_a_refill_waits_for_one_page_not_the_whole_refill(host):
     cache.free(first + second)
     cache.close()
     assert budget.used == 0
+
+
+def test_two_caches_on_one_driver_never_grow_at_once(host):
+    """The grow gate is per driver: two caches of one process (a hybrid
+    model's full and sliding-window pools, say) take turns too."""
+    watch = _GrowWatch(host)
+    caches = [make_cache(watch, small_spec(1, 1), pages=24, background=True,
+                         min_reserved=3, max_reserved=6, max_handle_bytes=0)[0]
+              for _ in range(2)]
+    assert caches[0].pages._gate is caches[1].pages._gate
+    held: list[list[int]] = [[], []]
+
+    def engine(i: int) -> None:
+        per_page = caches[i].geometry.blocks_per_page
+        for _ in range(15):
+            got = caches[i].alloc(per_page)
+            while got is None and caches[i].pages.n_busy:
+                time.sleep(0.0005)
+                got = caches[i].alloc(per_page)
+            assert got is not None
+            held[i].extend(got)
+
+    threads = [threading.Thread(target=engine, args=(i,), name=f"engine-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+    assert not any(t.is_alive() for t in threads), "an engine thread is stuck"
+    assert {"engine-0", "engine-1", "kvcached-pages"} <= watch.threads, watch.threads
+    assert watch.most_at_once == 1, f"{watch.most_at_once} threads grew at once"
+    for cache, blocks in zip(caches, held, strict=True):
+        cache.free(blocks)
+        cache.close()
