@@ -20,20 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.cuda_marks import requires_cuda_driver
 
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-requires_cuda = pytest.mark.skipif(not _cuda_ready(),
-                                   reason="needs a CUDA device, torch with CUDA and cuda-python")
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = [pytest.mark.gpu, requires_cuda_driver]
 
 MIB = 1 << 20
 

@@ -19,18 +19,8 @@ import uuid
 import pytest
 
 from tests.control.kvctl_helpers import Child, run_kvctl, wait_until
+from tests.gpu.cuda_marks import requires_cuda
 
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.version.cuda) and torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-requires_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
 GIB = 1 << 30
 
 

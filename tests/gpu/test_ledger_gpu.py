@@ -14,17 +14,8 @@ import sys
 
 import pytest
 
+from tests.gpu.cuda_marks import requires_cuda
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.version.cuda) and torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-requires_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

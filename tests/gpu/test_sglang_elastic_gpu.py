@@ -22,17 +22,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from tests.gpu.cuda_marks import requires_cuda
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.version.cuda) and torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-requires_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 # 2048 bytes per token and buffer (8 heads x 128 dims, fp16): 1024 tokens per 2 MiB page.

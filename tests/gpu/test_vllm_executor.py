@@ -28,21 +28,9 @@ import torch.nn.functional as F
 from kvcached.integrations.vllm.executor import PageExecutor
 from kvcached.integrations.vllm.geometry import TensorShape, lanes_of
 from kvcached.memory.planned import MAP, UNMAP
+from tests.gpu.cuda_marks import requires_cuda_driver
 
-
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-requires_cuda = pytest.mark.skipif(not _cuda_ready(),
-                                   reason="needs a CUDA device, torch with CUDA and cuda-python")
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = [pytest.mark.gpu, requires_cuda_driver]
 
 MIB = 1 << 20
 LAYERS, KV_HEADS, Q_HEADS, TOKENS, HEAD_DIM = 4, 8, 32, 16, 128
