@@ -66,6 +66,21 @@ class PoolUsage:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def of_cache(cls, name: str, gpu: str, backend: str, u: Any, *,
+                 prefix_cache_bytes: int = 0, misses: int = 0) -> PoolUsage:
+        """The reading of a pool backed by one :class:`~kvcached.memory.KVCache`,
+        from its ``usage()`` ``u``."""
+        return cls(
+            name=name, gpu=gpu, backend=backend,
+            blocks_used=u.blocks_used, blocks_total=u.blocks_total,
+            block_bytes=u.page_bytes // max(1, u.blocks_per_page),
+            pages_mapped=u.pages_mapped, pages_reserved=u.pages_reserved,
+            bytes_mapped=u.bytes_mapped, bytes_reserved=u.pages_reserved * u.page_bytes,
+            prefix_cache_bytes=prefix_cache_bytes,
+            virtual_bytes=u.pages_total * u.page_bytes, misses=misses,
+        )
+
 
 @runtime_checkable
 class PoolSource(Protocol):
@@ -122,16 +137,10 @@ class KVCachePool:
         self.misses = 0
 
     def pool_usage(self) -> PoolUsage:
-        u = self.cache.usage()
-        return PoolUsage(
-            name=self.name, gpu=self.gpu, backend=self.backend,
-            blocks_used=u.blocks_used, blocks_total=u.blocks_total,
-            block_bytes=u.page_bytes // max(1, u.blocks_per_page),
-            pages_mapped=u.pages_mapped, pages_reserved=u.pages_reserved,
-            bytes_mapped=u.bytes_mapped, bytes_reserved=u.pages_reserved * u.page_bytes,
+        return PoolUsage.of_cache(
+            self.name, self.gpu, self.backend, self.cache.usage(),
             prefix_cache_bytes=self._prefix_cache_bytes() if self._prefix_cache_bytes else 0,
-            virtual_bytes=u.pages_total * u.page_bytes, misses=self.misses,
-        )
+            misses=self.misses)
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.cache.set_limit(limit_bytes or None)

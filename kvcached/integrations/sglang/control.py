@@ -52,16 +52,9 @@ class SGLangPoolSource:
     def pool_usage(self) -> PoolUsage:
         u = self.kv.cache.usage()
         cached = self.prefix_cache_tokens() if self.prefix_cache_tokens is not None else 0
-        return PoolUsage(
-            name=self.name, gpu=self.gpu, backend=self.backend,
-            blocks_used=u.blocks_used, blocks_total=u.blocks_total,
-            block_bytes=u.page_bytes // max(1, u.blocks_per_page),
-            pages_mapped=u.pages_mapped, pages_reserved=u.pages_reserved,
-            bytes_mapped=u.bytes_mapped, bytes_reserved=u.pages_reserved * u.page_bytes,
-            prefix_cache_bytes=cached * self.token_bytes,
-            virtual_bytes=u.pages_total * u.page_bytes,
-            misses=self.slots.misses if self.slots is not None else 0,
-        )
+        return PoolUsage.of_cache(
+            self.name, self.gpu, self.backend, u, prefix_cache_bytes=cached * self.token_bytes,
+            misses=self.slots.misses if self.slots is not None else 0)
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.kv.cache.set_limit(limit_bytes or None)
