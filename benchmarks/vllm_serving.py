@@ -50,7 +50,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
 
 from vllm_model import write_tiny_llama  # noqa: E402
-from vllm_server import ServerOptions, StreamedCompletion, VllmServer  # noqa: E402
+from vllm_server import (  # noqa: E402
+    ServerOptions,
+    StreamedCompletion,
+    VllmServer,
+    group_stats,
+)
 
 
 def request_set(seed: int, count: int, min_len: int, max_len: int) -> list[list[int]]:
@@ -68,17 +73,8 @@ def group_cpu_s(server: VllmServer) -> float:
     """CPU seconds (user + system) used so far by every live process of the
     server's process group (API server, engine core, workers)."""
     assert server.proc is not None
-    pgid, total = server.proc.pid, 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 13 and int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
+    total = sum(int(fields[11]) + int(fields[12])
+                for _, fields in group_stats(server.proc.pid) if len(fields) > 13)
     return total / _TICK
 
 

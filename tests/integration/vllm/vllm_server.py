@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -474,9 +474,11 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _group_pids(pgid: int) -> tuple[int, ...]:
-    """Live (not zombie) processes of process group ``pgid``, from /proc."""
-    pids = []
+def group_stats(pgid: int) -> Iterator[tuple[int, list[str]]]:
+    """``(pid, fields)`` of every process of process group ``pgid`` (zombies
+    too), from /proc/<pid>/stat; ``fields`` start after the parenthesised
+    command: state ppid pgrp session tty tpgid flags minflt cminflt majflt
+    cmajflt utime stime ..."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -484,11 +486,14 @@ def _group_pids(pgid: int) -> tuple[int, ...]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        # Fields after the parenthesised command: state ppid pgrp ...
         fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return tuple(sorted(pids))
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            yield int(entry), fields
+
+
+def _group_pids(pgid: int) -> tuple[int, ...]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    return tuple(sorted(pid for pid, fields in group_stats(pgid) if fields[0] != "Z"))
 
 
 def _wait_group_empty(pgid: int, timeout_s: float) -> tuple[int, ...]:
