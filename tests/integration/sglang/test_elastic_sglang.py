@@ -47,6 +47,7 @@ from kvcached.integrations.sglang import groups, pools  # noqa: E402
 from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape  # noqa: E402
 from kvcached.integrations.sglang.patch import Patcher  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
+from tests.budgets import ExactBudget  # noqa: E402
 from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -69,33 +70,6 @@ def host_env(tmp_path, monkeypatch):
     config.reload_config()
     yield
     config.reload_config()
-
-
-class CappedBudget:
-    """A physical budget of a fixed number of bytes (exact figures for the model)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-
-    def grant(self, nbytes: int) -> bool:
-        if self.used + nbytes > self.capacity:
-            return False
-        self.used += nbytes
-        return True
-
-    def refund(self, nbytes: int) -> None:
-        self.used -= nbytes
-        assert self.used >= 0, "refunded more than was granted"
-
-    def headroom(self) -> int:
-        return self.capacity - self.used
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 # -- the configurator builds the elastic classes ------------------------------------
@@ -269,7 +243,7 @@ def elastic_allocator(size: int, page_size: int, budget_pages: int | None):
     driver = HostDriver(index=71, capacity=512 * MIB)
     shape = KVShape(layers=1, page_size=page_size, size=size, heads=HEADS, head_dim=HEAD_DIM,
                     dtype=torch.float32)
-    budget = CappedBudget(10**12 if budget_pages is None else budget_pages * 4 * MIB)
+    budget = ExactBudget(10**12 if budget_pages is None else budget_pages * 4 * MIB)
     kv = ElasticKV(shape, driver=driver, budget=budget, register=False, min_reserved=1,
                    max_reserved=2, background=False, max_handle_bytes=0)
     kvcache = NS(kvcached=kv)

@@ -28,6 +28,7 @@ from kvcached.integrations.vllm.patching import STATE, PatchGroup, install_group
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
 from kvcached.memory.planned import MAP
 from kvcached.units import MIB
+from tests.budgets import ExactBudget
 from tests.engines import require_engine_version
 
 VLLM_VERSION = require_engine_version(
@@ -158,29 +159,6 @@ class FakeContext:
         self.pool = pool
 
 
-class CountingBudget:
-    def __init__(self, capacity: int) -> None:
-        self.capacity, self.used = capacity, 0
-
-    def grant(self, n: int) -> bool:
-        if self.used + n > self.capacity:
-            return False
-        self.used += n
-        return True
-
-    def refund(self, n: int) -> None:
-        self.used -= n
-
-    def headroom(self) -> int:
-        return self.capacity - self.used
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def engine_patched():
     """The engine-core patch groups installed into vLLM's modules (they pass
@@ -207,7 +185,7 @@ def make_manager(budget_pages: int | None = None, cap_tokens: int = -1):
     planner = None
     if budget_pages is not None:
         g = planner_geometry(NUM_BLOCKS // 256, 256, 4 * MIB, 2 * MIB)
-        planner = StepPlanner(g, CountingBudget(budget_pages * g.page_bytes))
+        planner = StepPlanner(g, ExactBudget(budget_pages * g.page_bytes))
         engine.ENGINE.pending = FakeContext(planner)
         engine.ENGINE.block_size = BLOCK
     os.environ["KVCACHED_MAX_CACHED_TOKENS"] = str(cap_tokens)

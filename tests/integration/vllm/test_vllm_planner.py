@@ -20,37 +20,10 @@ from kvcached.integrations.vllm.geometry import (
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
 from kvcached.memory.planned import MAP, UNMAP
 from kvcached.units import KIB, MIB
+from tests.budgets import ExactBudget
 
 G = 2 * MIB
 HOST_INDEX = 29  # apart from device 0, which other suites share
-
-
-class CountingBudget:
-    """A budget of ``capacity`` bytes that records every call."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.flushes = 0
-
-    def grant(self, n: int) -> bool:
-        if self.used + n > self.capacity:
-            return False
-        self.used += n
-        return True
-
-    def refund(self, n: int) -> None:
-        assert 0 <= n <= self.used
-        self.used -= n
-
-    def headroom(self) -> int:
-        return self.capacity - self.used
-
-    def flush(self) -> None:
-        self.flushes += 1
-
-    def close(self) -> None:
-        pass
 
 
 # -- geometry ----------------------------------------------------------------------------------
@@ -107,9 +80,9 @@ def test_lanes_refuse_blocks_that_do_not_fill_pages() -> None:
 
 # -- the planner ---------------------------------------------------------------------------------
 def make_planner(num_pages: int = 16, budget_pages: int = 16, world_size: int = 1,
-                 min_reserved: int = 0, max_reserved: int = 0) -> tuple[StepPlanner, CountingBudget]:
+                 min_reserved: int = 0, max_reserved: int = 0) -> tuple[StepPlanner, ExactBudget]:
     g = planner_geometry(num_pages, 8, 4 * MIB, G)
-    budget = CountingBudget(budget_pages * g.page_bytes)
+    budget = ExactBudget(budget_pages * g.page_bytes)
     sent: list = []
     planner = StepPlanner(g, budget, world_size=world_size, min_reserved=min_reserved,
                           max_reserved=max_reserved, rpc=sent.append)
