@@ -32,7 +32,6 @@ import argparse
 import ctypes
 import datetime
 import gc
-import json
 import os
 import platform
 import statistics
@@ -44,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
+
+import _provenance  # noqa: E402
 
 from kvcached.driver import _libc, make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.iters < 1 or args.rounds < 1:
         parser.error("--iters and --rounds must be at least 1")
+    prov = _provenance.start(argv)
     driver = make_driver(args.backend, args.device)
     result: dict = {
         "benchmark": "driver",
@@ -320,9 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
         suffix = "" if label == "2MiB" else f"_{label}"
         result["overhead_ratio" + suffix] = round(ours["p50"] / raw["p50"], 4)
         result["overhead_ratio_mean" + suffix] = round(ours["mean"] / raw["mean"], 4)
-    out = Path(args.out or ROOT / DEFAULT_OUT[args.backend])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = _provenance.write_result(args.out or ROOT / DEFAULT_OUT[args.backend], result, prov)
     print(f"overhead_ratio (2 MiB, p50 of per-page totals): {result['overhead_ratio']:.4f}; "
           f"wrote {out}")
     return result

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _provenance  # noqa: E402
 from grow_overhead import raw_growth, raw_growth_threads  # noqa: E402
 
 from kvcached.driver import make_driver  # noqa: E402
@@ -130,6 +131,7 @@ def main() -> dict:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    prov = _provenance.start()
     driver = make_driver(args.backend, args.device)
     g = driver.granularity
     pages = args.mib * MIB // g
@@ -156,10 +158,11 @@ def main() -> dict:
         "ratio_over_serial_median": {k: round(med[k] / med["serial"], 3) for k in names},
     }
     driver.close()
-    text = json.dumps(result, indent=2)
-    print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        _provenance.write_result(args.out, result, prov)
+    else:
+        result["provenance"] = _provenance.finish(prov)
+    print(json.dumps(result, indent=2))
     return result
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _provenance  # noqa: E402
 import torch  # noqa: E402
 
 from kvcached.driver.base import DeviceInfo, Driver  # noqa: E402
@@ -427,6 +428,7 @@ def main() -> None:
     ap.add_argument("--pages-per-take", type=int, default=1)
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args()
+    prov = _provenance.start()
     result: dict[str, Any] = {
         "benchmark": "grow_overhead",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -441,10 +443,11 @@ def main() -> None:
         result["split_us_per_page"] = split(driver, args.pages * driver.granularity,
                                             rounds=min(args.rounds, 3))
         driver.close()
-    text = json.dumps(result, indent=2)
-    print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        _provenance.write_result(args.out, result, prov)
+    else:
+        result["provenance"] = _provenance.finish(prov)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _provenance  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -266,6 +267,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    prov = _provenance.start()
     result = run(args)
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         "kv-layout-h200.json" if args.device.startswith("cuda") else "kv-layout-cpu.json")
@@ -275,7 +277,7 @@ def main() -> None:
     result["torch"] = torch.__version__
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    _provenance.write_result(out, result, prov)
     print(json.dumps({"summary": result["summary"], "faster_layout": result["faster_layout"],
                       "triton": result["triton"][:200]}, indent=2))
     print(f"wrote {out}")

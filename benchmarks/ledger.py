@@ -45,6 +45,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _provenance  # noqa: E402
+
 from kvcached.ledger import Ledger  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
@@ -151,6 +153,7 @@ def main() -> None:
         os.path.dirname(os.path.abspath(__file__)), "results", "ledger-host.json"))
     args = parser.parse_args()
 
+    prov = _provenance.start()
     load_before = os.getloadavg()
     samples = {(v, p, n): [] for v in VARIANTS for p in PATTERNS for n in COUNTS}
     for rnd in range(args.rounds):
@@ -223,10 +226,7 @@ def main() -> None:
         "pair": pair,
         "growshrink": grow,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    _provenance.write_result(args.out, result, prov)
     print(json.dumps({k: result[k] for k in ("pair_p50_us", "pair_p99_us", "pairs_per_s",
                                               "speedup_vs_flock")}, indent=2))
     print("growshrink:", json.dumps({k: grow[k] for k in ("pairs_per_s", "speedup_vs_flock")}))

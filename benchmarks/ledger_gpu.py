@@ -43,6 +43,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _provenance  # noqa: E402
+
 MIB = 1 << 20
 SLOT = 64 * MIB
 SIZES = (2 * MIB, 2 * MIB, 2 * MIB, 32 * MIB, 64 * MIB)
@@ -239,6 +241,7 @@ def main() -> int:
         os.path.dirname(os.path.abspath(__file__)), "results")
     parser.add_argument("--out", default=os.path.join(out_dir, "ledger-gpu.json"))
     args = parser.parse_args()
+    prov = _provenance.start()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     log_path = os.path.splitext(args.out)[0] + ".log"
     reports = []
@@ -250,9 +253,7 @@ def main() -> int:
                   flush=True)
     result = {"command": "python benchmarks/ledger_gpu.py " + " ".join(sys.argv[1:]),
               "ok": all(r["ok"] for r in reports), "runs": reports}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    _provenance.write_result(args.out, result, prov)
     print(("PASS" if result["ok"] else "FAIL") + f": {args.out}, samples in {log_path}")
     return 0 if result["ok"] else 1
 

@@ -76,6 +76,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _provenance  # noqa: E402
 import torch  # noqa: E402
 from grow_overhead import (  # noqa: E402
     LLAMA3_8B,
@@ -430,6 +431,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.backend == "host" and "KVCACHED_HOST_CAPACITY" not in os.environ:
         os.environ["KVCACHED_HOST_CAPACITY"] = "4G"
+    prov = _provenance.start()
     driver = make_driver(args.backend, args.device)
     info = driver.info()
     grow_mib = args.grow_mib or (64 if args.backend == "host" else 1024)
@@ -457,8 +459,7 @@ def main() -> None:
             "coalescing cannot win there; the per-handle cost it removes is a GPU driver's")
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         "memory-host.json" if args.backend == "host" else "memory-h200.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    _provenance.write_result(out, result, prov)
     print(json.dumps({k: v for k, v in result.items()
                       if "ratio" in k or k.endswith("_us") or k.startswith("grow_")}, indent=2))
     print(f"wrote {out}")

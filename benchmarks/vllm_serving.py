@@ -32,7 +32,6 @@ Writes ``benchmarks/results/vllm-cpu.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -49,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The tests' server harness: one implementation of starting and driving vLLM.
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
 
+import _provenance  # noqa: E402
 from vllm_model import write_tiny_llama  # noqa: E402
 from vllm_server import (  # noqa: E402
     ServerOptions,
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="where server logs go (default: a temporary directory)")
     args = ap.parse_args(argv)
+    prov = _provenance.start(argv)
     control = args.control if args.control is not None else args.candidate == "kvcached"
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-vllm-bench-"))
@@ -244,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         **info,
         "rounds": rounds,
     })
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    _provenance.write_result(args.out, report, prov, indent=1)
     for entry in [main_ratios] + ([report["control"]] if "control" in report else []):
         print(f"{entry['candidate']}/native: throughput_ratio {entry['throughput_ratio']:.3f} "
               f"[{entry['throughput_ratio_range'][0]:.3f}, {entry['throughput_ratio_range'][1]:.3f}], "

@@ -17,7 +17,12 @@ def run_benchmark(fake_libcuda, out, script: str, *args: str) -> dict:  # noqa: 
     result = _run_with_fake(fake_libcuda, [f"benchmarks/{script}", "--backend", "cuda", *args,
                                            "--out", str(out)], **FAKE)
     assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    prov = data["provenance"]  # benchmarks/_provenance.py: every result file says where it came from
+    assert prov["command"].startswith(f"python benchmarks/{script} --backend cuda"), prov
+    assert prov["commit"] and prov["machine"]["cpus"] >= 1, prov
+    assert len(prov["load_average_start"]) == len(prov["load_average_end"]) == 3, prov
+    return data
 
 
 def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811

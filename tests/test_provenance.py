@@ -1,0 +1,50 @@
+"""benchmarks/_provenance.py: the block every result file carries (commit, command,
+machine, load average), and the commit a copied tree names through the environment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _provenance  # noqa: E402
+
+
+def test_a_written_result_records_commit_command_machine_and_load(tmp_path, monkeypatch):
+    monkeypatch.delenv(_provenance.COMMIT_ENV, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "memory.py"), "--backend", "host"])
+    block = _provenance.start()
+    out = _provenance.write_result(tmp_path / "sub" / "r.json", {"ratio": 1.0}, block)
+    data = json.loads(out.read_text())
+    prov = data["provenance"]
+    assert data["ratio"] == 1.0
+    assert prov["command"] == "python benchmarks/memory.py --backend host"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    if head:  # a checkout: the commit is git's
+        assert prov["commit"] == head and isinstance(prov["tree_dirty"], bool)
+    assert prov["machine"]["cpus"] >= 1 and prov["machine"]["python"]
+    assert len(prov["load_average_start"]) == len(prov["load_average_end"]) == 3
+    assert prov["started_utc"] <= prov["finished_utc"]
+    assert "load_average_end" not in block  # finish() copies
+
+
+def test_a_copied_tree_names_its_commit_through_the_environment(monkeypatch):
+    monkeypatch.setenv(_provenance.COMMIT_ENV, "abc1234")
+    assert _provenance.start(["--x"])["commit"] == "abc1234"
+
+
+def test_argv_given_to_main_is_the_recorded_command(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/vllm_serving.py"])
+    assert _provenance.command(["--rounds", "3"]) == "python benchmarks/vllm_serving.py --rounds 3"
+
+
+def test_a_result_must_be_a_dict(tmp_path):
+    with pytest.raises(TypeError, match="result must be a dict"):
+        _provenance.write_result(tmp_path / "x.json", [1], _provenance.start([]))
