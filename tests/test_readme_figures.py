@@ -1,0 +1,188 @@
+"""Every figure the README quotes, against the committed result file it comes from.
+
+To quote a new figure, add a ``Figure`` to ``FIGURES`` with the README's words and the
+number in braces (``tests/readme_figures.py`` says what braces mean), the result file
+(or a glob of runs: a range then covers every run, outliers included) and the key. A
+number that is not ours to measure goes in ``UNMEASURED`` with the reason. A ratio,
+µs or % figure in the README's prose that neither covers fails ``test_no_figure_goes_unchecked``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import readme_figures as rf
+from readme_figures import Figure, Unmeasured
+
+README = (rf.ROOT / "README.md").read_text()
+
+MEMORY_RUNS = "h200/run*/memory-h200.json"
+# Runs after the grow lock (runs 5 on): the pooled figure's "after".
+MEMORY_RUNS_LOCKED = ("h200/run[5-9]/memory-h200.json", "h200/run[1-9][0-9]/memory-h200.json")
+
+
+FIGURES: list[Figure] = [
+    # vLLM
+    Figure("throughput {1.012}x native (median of {11} rounds; TTFT p50 {0.97}x), while the "
+           "native control measured {0.971}x, so differences of a few percent are noise at "
+           "this scale (`benchmarks/results/vllm-cpu.json`; stale:",
+           "vllm-cpu.json",
+           ("throughput_ratio", "settings.rounds", "ttft_p50_ratio", "control.throughput_ratio")),
+    Figure("(`benchmarks/vllm_block_pool.py`, {96} requests, {32} running at once), kvcached "
+           "adds {0.8} µs per `allocate_slots` call, {25.5} µs per decode step, and the "
+           "manager's work takes {1.116}x native's time (median of {9} rounds, {0.98–1.29}x; "
+           "`vllm-block-pool.json`, stale likewise)",
+           "vllm-block-pool.json",
+           ("settings.requests", "settings.concurrency", "extra_us_per_allocate_slots",
+            "extra_us_per_decode_step", "time_ratio", "settings.rounds", "time_ratio_range")),
+    # driver
+    Figure("costs {0.96}x the raw ctypes loop (p50 {74.9} µs against {78.0} µs;",
+           "driver-h200.json",
+           ("overhead_ratio", "kvcached_us.2MiB.total.p50", "raw_us.2MiB.total.p50")),
+    Figure("64 MiB handles {0.98}x (`benchmarks/results/driver-h200.json`)",
+           "driver-h200.json", "overhead_ratio_64MiB"),
+    Figure("On the host backend, {1.03}x (`driver-host.json`)", "driver-host.json",
+           "overhead_ratio"),
+    # memory
+    Figure("in O(1) ({0.17–0.39} µs on the H200 machine over {#eight} runs)", MEMORY_RUNS,
+           "available_size_us"),
+    Figure("growing 64 MiB at a time is {19–21}x faster than a raw loop of 2 MiB handles on "
+           "the H200 ({#eight} runs)", MEMORY_RUNS, "grow_ratio_coalesced_64mib"),
+    Figure("one page per take, runs at {0.87–0.95}x a raw driver loop on the H200 over "
+           "{#eight} runs", MEMORY_RUNS, "grow_ratio"),
+    Figure("(paired-round median {0.88–0.92} over {#four}; target 0.95, not met)", MEMORY_RUNS,
+           "paired_round_median.grow_ratio"),
+    Figure("kvcached adds {1.97–3.99} µs of Python per page (null driver) to {34–55} µs of "
+           "driver calls", MEMORY_RUNS,
+           ("grow_explained.python_us_per_page_null_driver",
+            "grow_split_us_per_page.raw.total")),
+    Figure("32 pages per take: {0.90–1.00}x (paired {0.94–0.96})", MEMORY_RUNS,
+           ("grow_ratio_batched_32", "paired_round_median.grow_ratio_batched_32")),
+    Figure("grows at {1.005}x a raw loop making the same calls at the same addresses",
+           "memory-h200.json", "grow_ratio_llama3_8b_same_addresses"),
+    Figure("and at {0.920–0.995}x the sequential raw loop", MEMORY_RUNS, "grow_ratio_llama3_8b"),
+    Figure("runs at {0.885}x the sequential one in its best round, {0.947}x in the median one",
+           "driver-threads-h200.json",
+           ("ratio_over_serial_best.lanes_64", "ratio_over_serial_median.lanes_64")),
+    Figure("one 128 MiB handle and grows {49–52}x the raw loop", MEMORY_RUNS,
+           "grow_ratio_llama3_8b_contiguous"),
+    Figure("alloc + free costs {0.91}x vLLM's own `BlockPool` ({0.84}x without the lock) on the "
+           "CPU machine (`benchmarks/results/memory-host.json`; stale:", "memory-host.json",
+           ("alloc_free_ratio_thread_safe", "alloc_free_ratio")),
+    Figure("once ran at {0.733}x one thread in the best round and {0.923}x in the median one "
+           "on the H200 (`driver-threads-h200.json`, run 8;", "driver-threads-h200.json",
+           ("ratio_over_serial_best.threads_2", "ratio_over_serial_median.threads_2")),
+    Figure("run 4: {0.683}x and {0.805}x)", "h200/run4/driver-threads-h200.json",
+           ("ratio_over_serial_best.threads_2", "ratio_over_serial_median.threads_2")),
+    Figure("went from {0.53}x", "h200/run4/memory-h200.json", "grow_ratio_pooled"),
+    Figure("to {0.85–0.91}x the raw loop", MEMORY_RUNS_LOCKED, "grow_ratio_pooled"),
+    # layouts
+    Figure("contiguous over per-layer {1.003} with shuffled blocks, {1.001} with sequential "
+           "ones; against plain torch tensors, per-layer {1.000} and {1.003}, contiguous "
+           "{1.003} and {1.005}; a gather + SDPA read of sequential blocks {1.02} on contiguous",
+           "kv-layout-h200.json",
+           ("summary.triton_paged_shuffled.contiguous_over_per_layer",
+            "summary.triton_paged_sequential.contiguous_over_per_layer",
+            "summary.triton_paged_shuffled.per_layer_over_native",
+            "summary.triton_paged_sequential.per_layer_over_native",
+            "summary.triton_paged_shuffled.contiguous_over_native",
+            "summary.triton_paged_sequential.contiguous_over_native",
+            "summary.gather_sdpa_sequential.contiguous_over_per_layer")),
+    Figure("a contiguous page is one handle ({49–52}x the raw 2 MiB loop for a Llama-3-8B page)",
+           MEMORY_RUNS, "grow_ratio_llama3_8b_contiguous"),
+    Figure("where a per-layer page is one handle per layer and buffer ({0.92}x)",
+           "memory-h200.json", "grow_ratio_llama3_8b"),
+    Figure("KV writes up to {1.58}x slower on contiguous", "kv-layout-h200.json",
+           "summary.write_sequential.contiguous_over_per_layer"),
+    # ledger
+    Figure("One grant+refund pair costs {1.06} µs (p50) on the CPU machine; at 4 processes the "
+           "ledger runs {3.5}x the throughput", "ledger-host.json",
+           ("pair_p50_us", "speedup_vs_flock.4")),
+]
+
+UNMEASURED: list[Unmeasured] = [
+    Unmeasured("Upstream made contiguous the CUDA default yet measured it 31% slower in "
+               "attention on one GPU", "upstream's own figure, quoted as theirs"),
+]
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: rf.normalize(f.text)[:60])
+def test_each_quoted_figure_is_what_its_file_says(figure):
+    problems = rf.check(figure, README)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_figure_goes_unchecked():
+    claims = [f.text for f in FIGURES] + [u.text for u in UNMEASURED]
+    left = rf.unclaimed(README, claims)
+    assert not left, ("README figures no Figure in tests/test_readme_figures.py checks "
+                      f"(add one, or an Unmeasured entry saying why): {left}")
+
+
+def test_every_result_file_records_where_it_came_from():
+    problems = []
+    for path in sorted(rf.RESULTS.rglob("*.json")):
+        problems += rf.provenance_problems(path, rf.load(path))
+    assert not problems, "\n".join(problems)
+
+
+# -- the mechanism itself, on files made here -------------------------------------------------
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(rf, "RESULTS", tmp_path)
+    monkeypatch.setattr(rf, "ROOT", tmp_path)
+    prov = {"commit": "abc", "command": "python benchmarks/x.py", "machine": {"cpus": 2},
+            "load_average_start": [1, 1, 1]}
+
+    def write(name: str, stale: bool = False, **values) -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        block = dict(prov, **({"stale": "code changed"} if stale else {}))
+        path.write_text(json.dumps({**values, "provenance": block}))
+        return path
+    return write
+
+
+def test_a_value_off_by_more_than_its_precision_fails(results):
+    results("a.json", ratio=0.9605)
+    assert not rf.check(Figure("costs {0.96}x", "a.json", "ratio"), "it costs 0.96x here")
+    assert not rf.check(Figure("costs {0.961}x", "a.json", "ratio"), "it costs 0.961x")
+    wrong = rf.check(Figure("costs {0.95}x", "a.json", "ratio"), "it costs 0.95x")
+    assert wrong and "0.9605" in wrong[0]
+
+
+def test_a_range_must_reach_every_run_outliers_included(results):
+    for i, v in enumerate((0.914, 0.87, 0.951)):
+        results(f"run{i}/m.json", grow=v)
+    readme = "at 0.87–0.95x over three runs, or 0.88–0.95x"
+    assert not rf.check(Figure("at {0.87–0.95}x over {#three} runs", "run*/m.json", "grow"),
+                        readme)
+    dropped = rf.check(Figure("or {0.88–0.95}x", "run*/m.json", "grow"), readme)
+    assert dropped and "0.87..0.951" in dropped[0]
+    miscount = rf.check(Figure("at {0.87–0.95}x over {#four} runs", "run*/m.json", "grow"),
+                        "at 0.87–0.95x over four runs")
+    assert miscount and "3 files" in miscount[0]
+
+
+def test_a_stale_file_is_quoted_only_as_stale(results):
+    results("old.json", stale=True, ratio=1.1)
+    results("new.json", ratio=1.1)
+    assert rf.check(Figure("takes {1.1}x", "old.json", "ratio"), "takes 1.1x")
+    assert not rf.check(Figure("takes {1.1}x (stale)", "old.json", "ratio"), "takes 1.1x (stale)")
+    assert rf.check(Figure("takes {1.1}x (stale)", "new.json", "ratio"), "takes 1.1x (stale)")
+
+
+def test_text_missing_from_the_readme_and_files_without_provenance_fail(results, tmp_path):
+    results("a.json", ratio=2.0)
+    assert "not in the README" in rf.check(Figure("is {2.0}x", "a.json", "ratio"), "is 3x")[0]
+    (tmp_path / "bare.json").write_text(json.dumps({"ratio": 2.0}))
+    assert any("no provenance" in p
+               for p in rf.check(Figure("is {2.0}x", "bare.json", "ratio"), "is 2.0x"))
+
+
+def test_unclaimed_finds_ratios_microseconds_and_bold_numbers_outside_code():
+    readme = ("Fast: **1.5x** and 3 µs, 40% of it.\n\n```\n9.9x in code\n```\n"
+              "<!-- 7x hidden -->\nChecked: 2.0x here.\n")
+    assert rf.unclaimed(readme, ["Checked: {2.0}x here."]) == ["**1.5x**", "1.5x", "3 µs", "40%"]
