@@ -29,7 +29,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,13 @@ SHM_DIR = "/dev/shm"
 
 def segment_name(instance: str, pid: int) -> str:
     return f"/{PREFIX}{instance}.{pid}"
+
+
+def _unlink_at_exit(name: str, owner_pid: int) -> None:
+    # A forked child inherits the finalizer but not the segment: only its creator unlinks.
+    if os.getpid() == owner_pid:
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(name)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ class SnapshotPublisher:
         self._seq = 0
         self._map[: HEADER.size] = HEADER.pack(MAGIC, 0, 0)
         self._closed = False
+        # An engine that never calls close() (or a KV cache closed, but not its instance)
+        # still leaves no segment behind at interpreter exit.
+        self._at_exit = weakref.finalize(self, _unlink_at_exit, self.name, os.getpid())
 
     def publish(self, doc: dict[str, Any]) -> None:
         payload = json.dumps(doc, separators=(",", ":"), default=str).encode()
@@ -102,6 +113,7 @@ class SnapshotPublisher:
             if self._closed:
                 return
             self._closed = True
+            self._at_exit.detach()
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(self.name)
             self._map.close()
@@ -171,27 +183,3 @@ def read_snapshots(cleanup: bool = True) -> list[Snapshot]:
         found.append(Snapshot(instance, int(pid_text), alive, data, "/" + entry))
     return found
 
-
-class PeriodicPublisher:
-    """Calls ``collect()`` every ``interval_s`` on a daemon thread and publishes
-    the result; stops on ``close()``."""
-
-    def __init__(self, publisher: SnapshotPublisher, collect: Callable[[], dict[str, Any]],
-                 interval_s: float = 0.5) -> None:
-        self.publisher = publisher
-        self._collect = collect
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvcached-snapshot", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(Exception):  # a bad sample must not kill the thread
-                self.publisher.publish(self._collect())
-            self._stop.wait(self._interval)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.publisher.close()
