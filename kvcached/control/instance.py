@@ -27,7 +27,6 @@ its pages are idle.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -162,6 +161,7 @@ class _Member:
     watch: LimitWatch | None
     revision_seen: int = -1
     fresh: bool = False  #: its limit changed this pass: let its own cap act first
+    flush_error: tuple[str, str] | None = None  #: the last refund flush failure logged
 
 
 class Instance:
@@ -265,19 +265,33 @@ class Instance:
                 # leaves above it, from the next tick on.
                 continue
             for m in group:  # batched refunds first: they are memory already released
-                with contextlib.suppress(Exception):
-                    m.watch.flush()  # type: ignore[union-attr]
+                self._flush(m)
             over = watch.instance_charged() - limit
             for m in group:
                 if over <= 0:
                     break
                 got = m.source.reclaim(over)
-                with contextlib.suppress(Exception):
-                    m.watch.flush()  # type: ignore[union-attr]
+                self._flush(m)
                 over -= got
                 released += got
         self.reclaimed_bytes += released
         return released
+
+    def _flush(self, member: _Member) -> None:
+        """Write a pool's batched refunds. A failed flush keeps its batch (the ledger
+        retries it with the next one), so reclaim goes on; the failure is logged once
+        per pool and error until a flush succeeds again."""
+        try:
+            member.watch.flush()  # type: ignore[union-attr]
+        except Exception as e:
+            seen = (type(e).__name__, str(e))
+            if member.flush_error != seen:
+                member.flush_error = seen
+                log.warning("instance %s: refund flush of pool %s failed (kept for the "
+                            "next one): %s", self.name, member.source.pool_usage().name, e,
+                            exc_info=True)
+        else:
+            member.flush_error = None
 
     def _run(self) -> None:
         while not self._stop.wait(self._tick_s):

@@ -149,3 +149,64 @@ def test_reclaim_evicts_unreferenced_prefix_cache_blocks_but_never_blocks_in_use
         cache.close()
         budget.close()
         ledger.close()
+
+
+class _FailingFlushWatch:
+    """A ledger account whose refund flush fails while ``failing`` (fake: the failure
+    of a real ledger's flush cannot be provoked on demand)."""
+
+    limit = 1 * MIB
+    limit_revision = 1
+
+    def __init__(self) -> None:
+        self.failing = True
+        self.charged = 10 * MIB
+
+    def instance_charged(self) -> int:
+        return self.charged
+
+    def flush(self) -> None:
+        if self.failing:
+            raise OSError("ledger file gone")
+
+
+class _IdleSource:
+    def __init__(self) -> None:
+        self.reclaimed: list[int] = []
+
+    def pool_usage(self):
+        from kvcached.control.instance import PoolUsage
+
+        return PoolUsage(name="kv", gpu="host-9", backend="host")
+
+    def apply_limit(self, limit_bytes):
+        pass
+
+    def reclaim(self, nbytes: int) -> int:
+        self.reclaimed.append(nbytes)
+        return 0
+
+
+def test_a_failed_refund_flush_is_logged_once_and_reclaim_goes_on(caplog):
+    import logging
+
+    logger = logging.getLogger("kvcached")
+    logger.addHandler(caplog.handler)  # kvcached's logger does not propagate
+    try:
+        instance = Instance("flush-test", engine="test", start=False)
+        watch, source = _FailingFlushWatch(), _IdleSource()
+        instance.add_pool(source, watch)  # its first pass only passes the limit on
+        caplog.clear()
+        for _ in range(3):
+            instance.enforce()
+        assert source.reclaimed == [9 * MIB] * 3  # the failure did not stop reclaim
+        failed = [r for r in caplog.records if "refund flush" in r.getMessage()]
+        assert len(failed) == 1 and "ledger file gone" in failed[0].getMessage()
+        watch.failing = False
+        instance.enforce()
+        watch.failing = True
+        instance.enforce()  # a new failure after a success is logged again
+        assert len([r for r in caplog.records if "refund flush" in r.getMessage()]) == 2
+        instance.close()
+    finally:
+        logger.removeHandler(caplog.handler)

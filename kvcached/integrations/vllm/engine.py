@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from types import ModuleType
 from typing import Any
@@ -208,8 +207,11 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
                               max_reserved=config.max_reserved_pages)
     except BaseException:
         for pool in pools:
-            with contextlib.suppress(Exception):
+            try:
                 pool.close()
+            except Exception:  # the setup's own error is the one to raise
+                log.warning("closing a ledger pool after a failed engine setup failed",
+                            exc_info=True)
         raise
     return EngineContext(planner, instance=instance, devices=[d["device_id"] for d in descs],
                          backend=first["backend"], pools=pools, ledgers=list(ledgers.values()))
@@ -350,8 +352,10 @@ def _shutdown(self: Any) -> None:
         workers_gone = True
     finally:
         if context is not None:
-            with contextlib.suppress(Exception):
+            try:
                 context.close(workers_gone=workers_gone)
+            except Exception:  # shutdown goes on; an error of vLLM's own shutdown wins
+                log.exception("closing kvcached's engine context at shutdown failed")
 
 
 # -- patch groups --------------------------------------------------------------------------------

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from types import ModuleType
 from typing import Any
@@ -246,8 +245,11 @@ def _gpu_determine_available_memory(self: Any) -> int:
     finally:
         cache.kv_cache_memory_bytes = None
     own = 0
-    with contextlib.suppress(Exception):
+    try:
         own = torch.cuda.max_memory_reserved(self.device)
+    except Exception as e:  # no CUDA statistics: the worker's own use counts as 0
+        log.warning("torch.cuda.max_memory_reserved(%s) failed (%s); counting none",
+                    self.device, e)
     return max(1, int(total * get_config().gpu_utilization) - own)
 
 
