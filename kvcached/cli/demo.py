@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from kvcached.cli.demo_load import burst_windows, bursty_trace, replay
+from kvcached.config import get_config
 from kvcached.units import GIB, MIB, format_bytes
 
 NAMES = ("chat", "code", "batch", "search", "agent", "summarize", "translate", "vision")
@@ -93,6 +94,20 @@ class Summary:
                                  "requests": self.total("requests")}}
 
 
+# ``python -m`` (or ``-c``) puts the working directory first on sys.path, so a
+# ``kvcached/`` folder there (the clone, seen from its parent) would shadow the
+# package. The worker's first path entry is the directory this very kvcached was
+# imported from instead: it runs the parent's code, wherever the demo is started.
+_WORKER_BOOT = ("import sys; sys.path[0] = sys.argv.pop(1); "
+                "from kvcached.cli.demo_worker import main; sys.exit(main())")
+
+
+def _package_root() -> str:
+    import kvcached
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(kvcached.__file__)))
+
+
 def _host_index() -> int:
     """A host device index of this demo's own: the host backend counts every
     process' memory of a device index across the machine, so two demos (or a
@@ -110,7 +125,7 @@ def _start_worker(name: str, index: int, budget: int, ledger_dir: str,
         "KVCACHED_LOG_LEVEL": "ERROR",
     })
     fd, stderr_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=ledger_dir)
-    cmd = [sys.executable, "-m", "kvcached.cli.demo_worker",
+    cmd = [sys.executable, "-c", _WORKER_BOOT, _package_root(),
            json.dumps({"index": index, "capacity": budget})]
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd,
@@ -163,6 +178,23 @@ class _Sampler:
             self._ledger = None
 
 
+def demo_page_bytes() -> int:
+    """One page of the workers' cache: K and V of their one layer, a
+    ``KVCACHED_PAGE_SIZE_MB`` span each (their blocks tile it)."""
+    from kvcached.cli.demo_worker import DEMO_SPEC_ARGS
+
+    return get_config().page_size * 2 * DEMO_SPEC_ARGS["num_layers"]
+
+
+def min_budget(instances: int) -> int:
+    """The smallest budget on which ``instances`` workers all start: each maps its
+    first page and keeps its reserved pool filled, within the budget less the
+    ledger's safety margin (``KVCACHED_GPU_UTILIZATION``)."""
+    config = get_config()
+    at_rest = instances * (1 + config.min_reserved_pages) * demo_page_bytes()
+    return int(-(-at_rest // config.gpu_utilization))
+
+
 def _validate(duration_s: float, instances: int, budget: int) -> None:
     if not 2 <= instances <= len(NAMES):
         raise DemoError(f"--instances {instances}: must be 2 to {len(NAMES)}")
@@ -170,6 +202,16 @@ def _validate(duration_s: float, instances: int, budget: int) -> None:
         raise DemoError(f"--duration {duration_s:g}: must be 5 to 600 seconds")
     if budget < 64 * MIB:
         raise DemoError(f"--budget {format_bytes(budget)}: must be at least 64M")
+    need = min_budget(instances)
+    if budget < need:
+        config = get_config()
+        at_rest = (1 + config.min_reserved_pages) * demo_page_bytes()
+        raise DemoError(
+            f"--budget {format_bytes(budget)} is too small for {instances} instances: each "
+            f"holds {format_bytes(at_rest)} at rest (its first page and "
+            f"KVCACHED_MIN_RESERVED_PAGES={config.min_reserved_pages} reserved pages of "
+            f"{format_bytes(demo_page_bytes())}) within what the ledger's safety margin "
+            f"leaves; raise --budget to {-(-need // MIB)}M or more, or use fewer --instances")
     from kvcached.driver.host import available_ram
 
     if budget > available_ram() // 2:

@@ -168,3 +168,33 @@ def test_bad_demo_options_exit_2(argv, message, capsys):
     assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_demo_started_beside_a_kvcached_folder_runs_the_installed_package(tmp_path):
+    """Workers start with ``python -c``; a ``kvcached/`` folder in the working directory
+    (the clone, seen from its parent) must not replace the package they import."""
+    work = tmp_path / "work"
+    (work / "kvcached").mkdir(parents=True)
+    (work / "kvcached" / "__init__.py").write_text("")  # no __version__, no cli
+    launcher = tmp_path / "bin" / "kvcached_cli.py"  # like the console script: not in cwd
+    launcher.parent.mkdir()
+    launcher.write_text("import sys\nfrom kvcached.cli.main import main\nsys.exit(main())\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("KVCACHED_IPC_NAME", None)
+    done = subprocess.run([sys.executable, str(launcher), "demo", "--instances", "2",
+                           "--duration", "5", "--budget", "64M", "--json"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=work)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"instances": 2' in done.stdout, done.stdout
+
+
+def test_too_many_instances_for_the_budget_is_refused_with_the_budget_to_ask_for(capsys):
+    from kvcached.cli.demo import min_budget
+    from kvcached.cli.main import main
+
+    assert main(["demo", "--budget", "64M", "--instances", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--budget 64.00 MiB is too small for 8 instances" in err, err
+    assert f"raise --budget to {-(-min_budget(8) // (1 << 20))}M or more" in err, err
+    assert "KVCACHED_GPU_UTILIZATION" not in err and len(err.strip().splitlines()) == 1
+    assert min_budget(2) <= 64 << 20  # the smallest budget still runs two
