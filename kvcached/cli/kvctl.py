@@ -148,8 +148,11 @@ def parse_limit(text: str | None) -> int | None:
         value = parse_size(text)
     except ValueError as exc:
         raise UsageError(f"limit: SIZE {exc}") from None
-    if value <= 0:
-        raise UsageError(f"limit: SIZE {text!r} must be above 0 (none removes the limit)")
+    from kvcached.control.limits import MAX_LIMIT_BYTES
+
+    if not 0 < value <= MAX_LIMIT_BYTES:
+        raise UsageError(f"limit: SIZE {text!r} is out of range: give 1 byte to "
+                         f"{MAX_LIMIT_BYTES} bytes (8 EiB), or none to remove the limit")
     return value
 
 
@@ -159,13 +162,16 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     rows, _gpus, problems = _gather(args, args.names)
     _warn(problems)
-    if not rows:
-        raise _not_running(args.names) if args.names else UsageError(
+    missing = [n for n in dict.fromkeys(args.names) if n not in {r.name for r in rows}]
+    if not rows and (missing or not args.json):
+        raise _not_running(missing) if missing else UsageError(
             "no kvcached instance is running on this machine")
     if args.json:
-        _print_json([r.as_dict() for r in rows])
+        _print_json([r.as_dict() for r in rows])  # nothing running: [] (an answer, not an error)
     else:
         print(render_table(rows))
+    if missing:  # the ones found are listed; each unknown one is an error, as ls does
+        raise _not_running(missing)
     return 0
 
 

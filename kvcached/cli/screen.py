@@ -106,7 +106,8 @@ class Screen:
 def run_live(render: Callable[[int, int], str], interval_s: float, *,
              count: int | None = None, screen: Screen | None = None) -> int:
     """Draw ``render(columns, lines)`` every ``interval_s`` until ``q``,
-    Ctrl-C or ``count`` frames. Returns 0."""
+    Ctrl-C, ``count`` frames or SIGTERM. Returns 0, or 143 after SIGTERM (the
+    terminal is restored either way)."""
     screen = screen or Screen()
     frames = 0
     with ctrl_c_sets() as stop, screen:
@@ -118,21 +119,29 @@ def run_live(render: Callable[[int, int], str], interval_s: float, *,
                 break
             if screen.wait(interval_s, stop):
                 break
-    return 0
+    return 128 + signal.SIGTERM if getattr(stop, "signum", None) == signal.SIGTERM else 0
 
 
 @contextlib.contextmanager
 def ctrl_c_sets() -> Iterator[threading.Event]:
-    """Within the block, Ctrl-C (SIGINT) sets the event instead of raising
-    ``KeyboardInterrupt``: a refresh interrupted half way (inside a ledger's
-    lock, say) would leave state behind that the exit then waits on. The loop
-    checks the event at least every :data:`_POLL_S`."""
+    """Within the block, Ctrl-C (SIGINT) and SIGTERM set the event instead of
+    raising ``KeyboardInterrupt`` or killing the process: a refresh interrupted
+    half way (inside a ledger's lock, say) would leave state behind that the exit
+    then waits on, and a killed full-screen view would leave the terminal in the
+    alternate screen with the cursor hidden. The loop checks the event at least
+    every :data:`_POLL_S`; ``stop.signum`` is the signal that set it."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.signum = signum  # type: ignore[attr-defined]
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -60,6 +60,9 @@ class LimitResult:
                 "devices": [d.as_dict() for d in self.devices]}
 
 
+#: The largest limit a ledger's instance record holds (a signed 64-bit byte count).
+MAX_LIMIT_BYTES = (1 << 63) - 1
+
 _ORDER = (LimitStatus.APPLIED, LimitStatus.DEFERRED, LimitStatus.STALE, LimitStatus.CONFLICT)
 
 
@@ -170,6 +173,10 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
                                       or not isinstance(limit_bytes, int) or limit_bytes <= 0):
         raise ValueError(f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None "
                          "to remove the limit")
+    elif limit_bytes is not None and limit_bytes > MAX_LIMIT_BYTES:
+        raise ValueError(f"limit_bytes={limit_bytes}: must be at most {MAX_LIMIT_BYTES} "
+                         "(2**63 - 1, what a ledger's limit field holds), or None to remove "
+                         "the limit")
     if wait_s < 0:
         raise ValueError(f"wait_s={wait_s!r}: must be >= 0 seconds")
     dirs = ledger_dirs(directory)

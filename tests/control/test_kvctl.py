@@ -187,6 +187,8 @@ def test_python_api_for_controllers(pair):
     assert result.as_dict()["devices"][0]["limit_bytes"] == 64 * MIB
     assert set_limit(a.name, 32 * MIB, revision=1).status == LimitStatus.STALE
     assert set_limit(a.name, None).status == LimitStatus.APPLIED
+    with pytest.raises(ValueError, match=r"limit_bytes=\d+: must be at most 9223372036854775807"):
+        set_limit(a.name, 1 << 63)
 
 
 def test_gpus_and_metrics(pair, capsys):
@@ -215,7 +217,10 @@ def test_gpus_and_metrics(pair, capsys):
     (["limit", "{a}", "12X"], "'12X' is not a size"),
     (["limit", "{a}", "-5M"], "unrecognized arguments: -5M"),
     (["limit", "{a}", "5 M B"], "'5 M B' is not a size"),
-    (["limit", "{a}", "0"], "must be above 0 (none removes the limit)"),
+    (["limit", "{a}", "0"], "SIZE '0' is out of range: give 1 byte to 9223372036854775807 bytes"),
+    (["limit", "{a}", "99999999999999999999999"],
+     "SIZE '99999999999999999999999' is out of range: give 1 byte to 9223372036854775807 bytes"),
+    (["list", "{a}", "kvt-nosuch"], "no kvcached instance named 'kvt-nosuch' is running"),
     (["limit", "{a}"], "give SIZE"),
     (["limit", "{a}", "1G", "--percent", "10"], "not both"),
     (["limit", "{a}", "--percent", "0"], "percent 0 must be in (0, 100]"),
@@ -237,7 +242,10 @@ def test_bad_input_is_one_line_and_exit_2(pair, capsys, argv, message):
     out, err = capsys.readouterr()
     assert rc == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
-    assert out == ""
+    if argv[0] == "list" and a.name in argv:  # the running ones are still listed
+        assert a.name in out
+    else:
+        assert out == ""
 
 
 def test_bad_input_exit_code_through_the_entry_point(pair):
@@ -258,6 +266,10 @@ def test_no_kvcached_running(tmp_path, monkeypatch, capsys):
     config.reload_config()
     rc, out, err = ctl(capsys, "list")
     assert (rc, out) == (2, "") and err == "kvctl: no kvcached instance is running on this machine\n"
+    rc, out, err = ctl(capsys, "list", "--json")  # an answer, like metrics --json: none
+    assert (rc, json.loads(out), err) == (0, [], "")
+    rc, out, err = ctl(capsys, "list", "--json", "nosuch")
+    assert (rc, out) == (2, "") and "no kvcached instance is running" in err
     rc, out, err = ctl(capsys, "limit", "anything", "1G")
     assert rc == 2 and "no kvcached instance is running" in err
     rc, out, err = ctl(capsys, "gpus")
@@ -320,9 +332,10 @@ def test_instances_without_a_name_get_distinct_ones_and_dead_ones_go(tmp_path, c
         assert set(rows) == {first.name, second.name}
         os.kill(second.pid, signal.SIGKILL)
         second.proc.wait(10)
-        # A dead instance is never left looking alive: its snapshot is cleaned up.
+        # A dead instance is never left looking alive: its snapshot is cleaned up, and
+        # asking for it by name is an error (the live one is still listed).
         rc, out, err = ctl(capsys, "list", "--json", first.name, second.name)
-        assert rc == 0, err
+        assert rc == 2 and f"no kvcached instance named {second.name!r}" in err, err
         assert [r["name"] for r in json.loads(out)] == [first.name]
     finally:
         for c in (first, second):

@@ -111,6 +111,19 @@ def test_top_draws_bars_for_gpu_and_instances_and_quits_on_q(two):
         term.close()
 
 
+def test_top_gives_the_terminal_back_on_sigterm(two):
+    x, _, _ = two
+    term = Terminal("top", "--refresh", "0.2", x.name)
+    try:
+        assert term.read_until(lambda out: out.count(b"kvcached top") >= 2), term.output[-2000:]
+        os.kill(term.pid, signal.SIGTERM)
+        assert term.wait() == 143
+        tail = term.output[term.output.rindex(b"kvcached top"):]
+        assert ALT_SCREEN_OFF in tail and b"\x1b[?25h" in tail  # main screen, cursor shown
+    finally:
+        term.close()
+
+
 def test_watch_refreshes_the_table_and_stops_on_ctrl_c(two):
     x, y, _ = two
     term = Terminal("watch", "-n", "0.2", x.name, y.name)
