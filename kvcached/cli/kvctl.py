@@ -17,8 +17,9 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any
 
+from kvcached.cli.usage import OneLineParser, bare_command
 from kvcached.units import format_bytes, parse_size
 
 PROG = "kvctl"
@@ -28,10 +29,8 @@ class UsageError(Exception):
     """A command cannot run as asked: one line for stderr, exit 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, like every other kvctl error (argparse would add a usage block).
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+# One line, like every other kvctl error, in the same style as ``kvcached``'s.
+_Parser = OneLineParser
 
 
 def _common() -> argparse.ArgumentParser:
@@ -320,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
+        return bare_command(parser)
     from kvcached.errors import KVCachedError
 
     try:

@@ -6,16 +6,17 @@ import argparse
 import sys
 
 from kvcached import __version__
+from kvcached.cli.usage import OneLineParser, bare_command, positive_int
 from kvcached.errors import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvcached",
         description="Elastic KV cache for LLM serving: run the demo, see what kvcached sees.",
     )
     parser.add_argument("--version", action="version", version=f"kvcached {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     p_demo = sub.add_parser(
         "demo", help="watch several instances share one memory budget (no GPU needed)",
         description="Run instances in separate processes, each with its burst of requests at "
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no live view; print the summary as one JSON object")
     p_info = sub.add_parser("info", help="name the backend and device and prove the driver works")
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
-    p_info.add_argument("--pages", type=int, default=8, help="pages to map in the check (default 8)")
+    p_info.add_argument("--pages", type=positive_int, default=8,
+                        help="pages to map in the check (default 8)")
     p_info.add_argument("--backend", choices=("auto", "cuda", "hip", "host"),
                         help="override KVCACHED_DRIVER for this run")
     return parser
@@ -49,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             from kvcached.cli.info import info
 
-            if args.pages < 1:
-                parser.error(f"--pages={args.pages}: must be at least 1")
             return info(as_json=args.json, pages=args.pages,
                         backend=None if args.backend in (None, "auto") else args.backend)
         if args.command == "demo":
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 2
-    parser.print_help()
-    return 2
+    return bare_command(parser)
 
 
 if __name__ == "__main__":
