@@ -185,7 +185,7 @@ def check(figure: Figure, readme: str) -> list[str]:
             if not (rounds_to(min(values), lo) and rounds_to(max(values), hi)):
                 problems.append(f"{where}: {shown} is not the range of {key!r} over "
                                 f"{figure.source}: {min(values):g}..{max(values):g} "
-                                f"({len(values)} files)")
+                                f"({len(values)} values)")
         elif re.fullmatch(NUMBER, shown):
             if len(values) != 1:
                 problems.append(f"{where}: {shown} is one value, {len(values)} files have "

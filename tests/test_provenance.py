@@ -4,6 +4,7 @@ machine, load average), and the commit a copied tree names through the environme
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,16 @@ def test_argv_given_to_main_is_the_recorded_command(monkeypatch):
 def test_a_result_must_be_a_dict(tmp_path):
     with pytest.raises(TypeError, match="result must be a dict"):
         _provenance.write_result(tmp_path / "x.json", [1], _provenance.start([]))
+
+
+def test_the_demo_benchmark_writes_the_summary_with_its_provenance(tmp_path):
+    out = tmp_path / "demo.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("KVCACHED_IPC_NAME", None)
+    done = subprocess.run([sys.executable, "benchmarks/demo.py", "--duration", "5",
+                           "--instances", "2", "--budget", "64M", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    assert data["summary"]["instances"] == 2 and data["summary"]["kvcached"]["requests"] > 0
+    assert data["provenance"]["command"].startswith("python benchmarks/demo.py --duration 5")

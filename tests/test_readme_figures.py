@@ -121,6 +121,24 @@ def test_no_figure_goes_unchecked():
                       f"(add one, or an Unmeasured entry saying why): {left}")
 
 
+def test_the_readme_demo_output_is_the_committed_run():
+    """The demo's output in the README is ``demo-host.json`` (``python benchmarks/demo.py``)
+    rendered as the demo prints it."""
+    from kvcached.cli.demo import Summary, render_summary
+
+    path = rf.RESULTS / "demo-host.json"
+    data = rf.load(path)
+    assert not rf.provenance_problems(path, data)
+    assert not data["provenance"].get("stale"), "re-run python benchmarks/demo.py"
+    s = data["summary"]
+    summary = Summary(**{k: s[k] for k in (
+        "instances", "budget_bytes", "usable_bytes", "duration_s", "per_instance",
+        "peak_total_bytes", "sum_of_peaks_bytes", "static_capacity_bytes")})
+    shown = render_summary(summary).strip("\n")
+    assert f"```text\n{shown}\n```" in README, (
+        "the README's demo output is not demo-host.json's; paste this:\n" + shown)
+
+
 def test_every_result_file_records_where_it_came_from():
     problems = []
     for path in sorted(rf.RESULTS.rglob("*.json")):
