@@ -75,36 +75,51 @@ def test_prometheus_escapes_labels():
     assert 'instance="a\\"b",gpu="g\\\\1"' in prometheus([row], [])
 
 
+def _exit_run(script: str, name: str, tmp_path) -> list[str]:
+    env = dict(os.environ, KVCACHED_IPC_NAME=name, KVCACHED_LEDGER_DIR=str(tmp_path),
+               KVCACHED_LOG_LEVEL="WARNING")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.split()
+
+
 def test_a_process_that_exits_leaves_no_segment(tmp_path):
     """open_kv_cache, close_kv_cache, exit: the instance is never closed, yet its
-    segment is gone (unlinked at interpreter exit); a forked child's exit leaves the
-    parent's segment alone."""
+    segment is gone (unlinked at interpreter exit)."""
+    from tests.control.kvctl_helpers import unique_index
+
     name = unique("exit")
-    script = textwrap.dedent(f"""
-        import os, sys
+    segment, = _exit_run(f"""
         import torch
         from kvcached.control.instance import close_kv_cache, get_instance, open_kv_cache
         from kvcached.driver.host import HostDriver
         from kvcached.memory.spec import KVCacheSpec
         spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=2, head_dim=64,
                            dtype=torch.float16)
-        cache = open_kv_cache(spec, engine="test", driver=HostDriver(index={os.getpid() % 40000 + 20000},
-                              capacity=64 << 20), capacity_bytes=16 << 20, max_handle_bytes=0)
-        segment = "/dev/shm" + get_instance()._publisher.name
-        pid = os.fork()
-        if pid == 0:
-            sys.exit(0)  # a normal interpreter exit in the child
-        os.waitpid(pid, 0)
-        print(segment, os.path.exists(segment), flush=True)
+        driver = HostDriver(index={unique_index()}, capacity=64 << 20)
+        cache = open_kv_cache(spec, engine="test", driver=driver, capacity_bytes=16 << 20,
+                              max_handle_bytes=0)
+        print("/dev/shm" + get_instance()._publisher.name, flush=True)
         close_kv_cache(cache)
-    """)
-    env = dict(os.environ, KVCACHED_IPC_NAME=name, KVCACHED_LEDGER_DIR=str(tmp_path),
-               KVCACHED_LOG_LEVEL="WARNING")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    segment, after_fork = done.stdout.split()
+    """, name, tmp_path)
     assert f"/kvcached.snap.{name}." in segment
-    assert after_fork == "True"  # the child's exit did not unlink its parent's segment
     assert not os.path.exists(segment)
     assert not [s for s in read_snapshots(cleanup=False) if s.instance == name]
+
+
+def test_a_forked_childs_exit_leaves_its_parents_segment(tmp_path):
+    name = unique("fork")
+    segment, after_fork = _exit_run(f"""
+        import os, sys
+        from kvcached.control.snapshot import SnapshotPublisher
+        pub = SnapshotPublisher({name!r})
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal interpreter exit, finalizers and all
+        os.waitpid(pid, 0)
+        path = "/dev/shm" + pub.name
+        print(path, os.path.exists(path), flush=True)
+    """, name, tmp_path)
+    assert after_fork == "True"  # the child did not unlink its parent's segment
+    assert not os.path.exists(segment)  # the parent's own exit did
