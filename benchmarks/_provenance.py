@@ -134,3 +134,79 @@ def write_result(path: str | os.PathLike[str], result: dict[str, Any],
     result["provenance"] = finish(block)
     out.write_text(json.dumps(result, indent=indent) + "\n")
     return out
+
+
+# -- for files written without this module -----------------------------------------------------
+RETROFIT_NOTE = ("retrofitted from the file's own fields and git history: commit is the commit "
+                 "that last changed this file (the measured tree was that commit's working "
+                 "tree); fields the run did not record are null")
+
+
+def retrofit(path: str | os.PathLike[str]) -> bool:
+    """Add a provenance block to a committed result file written without one, from
+    its own ``command``/``machine`` fields and git history. False if it has one."""
+    file = Path(path).resolve()
+    data = json.loads(file.read_text())
+    if "provenance" in data:
+        return False
+    rel = file.relative_to(ROOT)
+    sha = _git("log", "-1", "--format=%H", "--", str(rel))
+    if not sha:
+        raise ValueError(f"{rel}: not committed; commit it first (its commit is what is recorded)")
+    if not data.get("command"):
+        raise ValueError(f"{rel}: has no 'command' field; add the command that made it")
+    recorded = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+    data["provenance"] = {
+        "commit": sha, "tree_dirty": None, "command": data["command"],
+        "machine": recorded or {"note": "not recorded; see the file's own fields"},
+        "load_average_start": recorded.get("load_average_before"),
+        "load_average_end": recorded.get("load_average_after"),
+        "started_utc": None, "finished_utc": None, "retrofitted": RETROFIT_NOTE,
+    }
+    second = file.read_text().splitlines()[1:2] or [""]
+    indent = len(second[0]) - len(second[0].lstrip(" ")) or 2
+    file.write_text(json.dumps(data, indent=indent) + "\n")
+    return True
+
+
+def mark_stale(path: str | os.PathLike[str], reason: str) -> None:
+    """Mark a result file stale: the code it measures changed since (say which commits,
+    and the command that re-measures it). The README check then quotes it only as stale."""
+    if not reason.strip():
+        raise ValueError("reason must say what changed and how to re-measure")
+    file = Path(path)
+    data = json.loads(file.read_text())
+    if "provenance" not in data:
+        raise ValueError(f"{file}: no provenance block; retrofit it first")
+    data["provenance"]["stale"] = reason
+    second = file.read_text().splitlines()[1:2] or [""]
+    indent = len(second[0]) - len(second[0].lstrip(" ")) or 2
+    file.write_text(json.dumps(data, indent=indent) + "\n")
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python benchmarks/_provenance.py",
+                                 description="Provenance of committed result files.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("retrofit", help="add a block to files written without one")
+    r.add_argument("files", nargs="+")
+    s = sub.add_parser("stale", help="mark a file stale")
+    s.add_argument("file")
+    s.add_argument("reason")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "retrofit":
+            for f in args.files:
+                print(f"{f}: {'retrofitted' if retrofit(f) else 'has a provenance block'}")
+        else:
+            mark_stale(args.file, args.reason)
+    except (ValueError, OSError) as exc:
+        print(f"{ap.prog}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -62,3 +62,44 @@ def test_the_demo_benchmark_writes_the_summary_with_its_provenance(tmp_path):
     data = json.loads(out.read_text())
     assert data["summary"]["instances"] == 2 and data["summary"]["kvcached"]["requests"] > 0
     assert data["provenance"]["command"].startswith("python benchmarks/demo.py --duration 5")
+
+
+def test_stale_marks_a_file_and_needs_a_reason(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"x": 1, "provenance": {"commit": "abc"}}, indent=1) + "\n")
+    _provenance.mark_stale(path, "measured before abc changed memory; re-measure with: python x")
+    assert json.loads(path.read_text())["provenance"]["stale"].startswith("measured before")
+    assert path.read_text().splitlines()[1].startswith(' "x"')  # its indent kept
+    with pytest.raises(ValueError, match="reason must say"):
+        _provenance.mark_stale(path, " ")
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"x": 1}))
+    with pytest.raises(ValueError, match="no provenance block"):
+        _provenance.mark_stale(bare, "changed")
+
+
+def test_retrofit_leaves_a_file_with_provenance_alone():
+    assert _provenance.retrofit(ROOT / "benchmarks" / "results" / "driver-host.json") is False
+
+
+def test_retrofit_records_the_commit_that_added_the_file(tmp_path, monkeypatch):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+    git("init", "-q")
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"command": "python benchmarks/x.py", "ratio": 1.0,
+                                  "machine": {"cpus": 2, "load_average_before": [1, 1, 1]}},
+                                 indent=2) + "\n")
+    git("add", "r.json")
+    git("commit", "-q", "-m", "a result")
+    monkeypatch.setattr(_provenance, "ROOT", tmp_path)
+    assert _provenance.retrofit(result) is True
+    prov = json.loads(result.read_text())["provenance"]
+    assert prov["commit"] == git("rev-parse", "HEAD").strip()
+    assert prov["command"] == "python benchmarks/x.py" and prov["load_average_start"] == [1, 1, 1]
+    assert "retrofitted" in prov
+    uncommitted = tmp_path / "new.json"
+    uncommitted.write_text(json.dumps({"command": "x"}))
+    with pytest.raises(ValueError, match="not committed"):
+        _provenance.retrofit(uncommitted)
