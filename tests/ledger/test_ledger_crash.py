@@ -18,8 +18,9 @@ import sys
 import pytest
 
 from kvcached.ledger import layout
-from kvcached.ledger.locks import ByteLock
 from kvcached.units import GIB, MIB
+
+from .conftest import data_lock_is_free as lock_free
 
 CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,11 +38,7 @@ def run_child(directory: str, action: str, point: str = "-") -> None:
 def data_lock_is_free(ledger) -> bool:
     fd = os.open(ledger.path, os.O_RDWR)
     try:
-        lock = ByteLock(fd, layout.DATA_LOCK_BYTE, "probe")
-        if lock.acquire(wait=False):
-            lock.release()
-            return True
-        return False
+        return lock_free(fd)
     finally:
         os.close(fd)
 
