@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvcached.config import get_config
 from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerPermissionError
 from kvcached.ledger.file import list_ledgers
-from kvcached.ledger.ledger import Ledger, check_instance_name
+from kvcached.ledger.ledger import LOCK_WAIT_S, Ledger, check_instance_name
 from kvcached.ledger.snapshot import LedgerSnapshot, LimitStatus
 
 if TYPE_CHECKING:
@@ -103,23 +103,22 @@ def _listed(directory: str) -> list[str]:
             "access to it", directory) from exc
 
 
-def ledger_paths(directory: str | None = None,
-                 snapshots: Sequence[Snapshot] | None = None) -> list[str]:
-    """Every ledger file in :func:`ledger_dirs`."""
-    return [p for d in ledger_dirs(directory, snapshots) for p in _listed(d)]
-
-
 def ledger_snapshots(directory: str | None = None,
                      snapshots: Sequence[Snapshot] | None = None,
-                     problems: list[str] | None = None) -> list[LedgerSnapshot]:
+                     problems: list[str] | None = None,
+                     timeout: float = LOCK_WAIT_S) -> list[LedgerSnapshot]:
     """A snapshot of every ledger file (see :func:`ledger_dirs` for which).
 
-    A ledger that cannot be read (no permission, another layout version)
-    raises its :class:`~kvcached.errors.LedgerError` (for no permission a
-    :class:`~kvcached.errors.LedgerPermissionError`, a ``PermissionError``),
-    unless ``problems`` is given: then its message is appended there and the
-    ledger skipped.
+    A ledger that cannot be read (no permission, another layout version, a
+    corrupt record) raises its :class:`~kvcached.errors.LedgerError` (for no
+    permission a :class:`~kvcached.errors.LedgerPermissionError`, a
+    ``PermissionError``), unless ``problems`` is given: then its message is
+    appended there and the ledger skipped. All of them together wait at most
+    ``timeout`` seconds for data locks that other processes hold; a ledger
+    still held then is read without its lock (its snapshot's ``locked_by``
+    names the holder).
     """
+    deadline = time.monotonic() + timeout
     out = []
     paths: list[str] = []
     for d in ledger_dirs(directory, snapshots):
@@ -138,7 +137,11 @@ def ledger_snapshots(directory: str | None = None,
             problems.append(str(exc))
             continue
         try:
-            out.append(ledger.snapshot())
+            out.append(ledger.snapshot(max(0.0, deadline - time.monotonic())))
+        except (LedgerError, OSError) as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
         finally:
             ledger.close()
     return out
@@ -146,7 +149,7 @@ def ledger_snapshots(directory: str | None = None,
 
 def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | None = None,
               revision: int | None = None, directory: str | None = None,
-              wait_s: float = 0.0) -> LimitResult:
+              wait_s: float = 0.0, timeout: float = LOCK_WAIT_S) -> LimitResult:
     """Set instance ``name``'s limit on every device it uses.
 
     Give ``limit_bytes`` (``None``: remove the limit) or ``percent`` of each
@@ -157,7 +160,8 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
     :class:`InstanceNotFoundError` when no ledger has a pool of ``name``,
     ``ValueError`` for a bad argument, and
     :class:`~kvcached.errors.LedgerPermissionError` when a ledger may not be
-    written by this user.
+    written by this user, :class:`~kvcached.errors.LedgerBusyError` when a
+    ledger's data lock stays held by another process for ``timeout`` seconds.
     """
     check_instance_name(name)
     if percent is not None:
@@ -188,14 +192,16 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
             unreadable.append(exc)  # fatal only if the instance is found nowhere else
             continue
         try:
-            snap = ledger.snapshot()
+            snap = ledger.snapshot(timeout)
+            if snap.locked_by:
+                raise ledger._busy_error(snap.lock_waited_s)
             inst = snap.instance(name)
             if inst is None or inst.pools == 0:
                 continue
             total = snap.header.total_bytes
             limit = max(1, int(total * percent / 100)) if percent is not None else limit_bytes
             rev = inst.revision + 1 if revision is None else revision
-            status = ledger.set_limit(name, limit, rev)
+            status = ledger.set_limit(name, limit, rev, timeout=timeout)
             results.append(DeviceLimit(snap.header.device_id, status, limit or None, rev,
                                        inst.charged, total))
         finally:

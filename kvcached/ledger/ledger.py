@@ -447,7 +447,8 @@ class Ledger:
         """Stop granting on this file, for ``reason`` (logged once)."""
         if self.refusal is None:
             self.refusal = reason
-            log.error("%s; this process grants nothing more on it", reason)
+            if self.sampler is not None or self._pools:  # a reader (kvctl) says it itself
+                log.error("%s; this process grants nothing more on it", reason)
 
     def validate_locked(self) -> None:
         """Check every record (under the data lock); a corrupt file is refused."""
@@ -890,7 +891,11 @@ class Ledger:
             return self._snapshot_unlocked(exc)
         try:
             image = bytes(self.file.mm[: layout.FILE_SIZE])
-            check_image(image, self.path, locked=True)
+            try:
+                check_image(image, self.path, locked=True)
+            except LedgerError as exc:
+                self._refuse(str(exc))
+                raise
             alive = {s: self._lease(s).held_elsewhere() for s in _live_slots(image)}
         finally:
             self._unlock_data()

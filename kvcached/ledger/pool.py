@@ -237,7 +237,12 @@ class PoolBudget:
             self._finalizer.detach()
             try:
                 locked = False
-                if not led.closed:
+                if led.refusal is not None:
+                    # Nothing is written to a corrupt or replaced file; the dropped
+                    # lease marks the record dead for whoever repairs the device.
+                    log.warning("%s; pool %d closes without touching it", led.refusal,
+                                self.slot)
+                elif not led.closed:
                     try:
                         led._lock_data()
                         locked = True

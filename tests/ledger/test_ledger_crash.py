@@ -113,3 +113,17 @@ def test_a_limit_write_killed_before_its_revision(ledger, ledger_dir):
     inst = ledger.snapshot().instance("victim")
     # the value landed, the revision did not: a retry at the same revision applies cleanly
     assert (inst.limit, inst.revision) == (5 * MIB, 0)
+
+
+def test_a_calibrator_killed_between_budget_and_sequence_leaves_neither_half(ledger,
+                                                                             ledger_dir):
+    """Publication is journaled: killed after its commit and before it applied it,
+    the calibrator leaves the old pair (budget 7 GiB, sequence 1) until the next
+    holder of the data lock applies the new pair, both words together."""
+    run_child(ledger_dir, "calibrate", "calibrate-journaled")
+    assert (ledger.budget, ledger.calibration_seq) == (BUDGET, 1)  # nothing half-written
+    assert data_lock_is_free(ledger)
+    snap = ledger.snapshot()  # the first lock holder finishes the publication
+    assert (snap.header.budget, snap.header.calibration_seq) == (10 * MIB + 2 * GIB, 2)
+    assert ledger.retire_dead() == 1
+    assert ledger.budget == 2 * GIB
