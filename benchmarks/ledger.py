@@ -1,6 +1,6 @@
 """Ledger throughput and latency: grant+refund pairs against one ledger file.
 
-    python benchmarks/ledger.py [--seconds 2] [--rounds 3] [--out benchmarks/results/ledger-host.json]
+    python benchmarks/ledger.py [--seconds 0.5] [--rounds 9] [--out benchmarks/results/ledger-host.json]
 
 A *pair* is ``grant(2 MiB)`` then ``refund(2 MiB)`` on one pool, what the
 memory layer does for a page that comes and goes. Each of 1, 2 and 4
@@ -9,24 +9,33 @@ processes registers its own pool on one ledger (in a fresh directory under
 processes. The budget is large, so no grant is denied: this measures the
 accounting, not admission.
 
-Variants, run in the same rounds, alternating their order:
+Variants, all on the same accounting code, run in the same rounds, in an
+order that alternates from round to round:
 
-* ``ledger`` — as shipped: OFD byte-range data lock, refunds batched below
-  64 MiB, and a grant no larger than the pool's batch re-uses it without any
-  lock (in this pattern every grant after the first does);
-* ``flock`` — the baseline, the seed PR's design on the same code: the data
-  lock replaced by a whole-file ``fcntl.flock(LOCK_EX)``, every grant written
-  to the ledger under it (refunds batched below 64 MiB, as the seed does);
-* ``ledger-no-recycle`` — the OFD lock doing the baseline's work (every grant
-  to the ledger): the two lock primitives compared on equal work.
+* ``ledger`` — as shipped: the data lock is a whole-file ``flock`` taken
+  without blocking (a bounded poll when busy), refunds batched below 64 MiB,
+  and a grant no larger than the pool's batch re-uses it without any lock (in
+  the ``pair`` pattern every grant after the first does);
+* ``ledger-no-recycle`` — as shipped, but every grant goes to the ledger: the
+  baseline's work;
+* ``flock`` — the baseline, the seed PR's design: the data lock is a blocking
+  whole-file ``flock(LOCK_EX)`` behind the lock object the ledger used before
+  (no bound on the wait, no holder pid), every grant to the ledger, refunds
+  batched below 64 MiB as the seed does;
+* ``ofd-no-recycle`` — the lock the ledger used before: an OFD byte-range lock
+  on byte 0 (blocking), every grant to the ledger. It shows where the time
+  went: the kernel's POSIX-lock path costs more than flock's per call.
 
-Patterns: ``pair`` (the top-level figures) and ``growshrink`` (32 grants of
-2 MiB, then 32 refunds: every grant must go to the ledger, in every variant).
+Patterns: ``pair`` and ``growshrink`` (32 grants of 2 MiB, then 32 refunds:
+every grant must go to the ledger, in every variant).
 
-``pairs_per_s`` and ``speedup_vs_flock`` are medians over the rounds (``best_*``:
-the best round of each, less disturbed by other load on a shared machine; the
-load average is recorded). The latency of one pair (p50/p99) is timed pair by
-pair in the one-process runs.
+Speed is a ratio against ``flock`` measured in the same round; the figures
+are the medians of those per-round ratios (and of pairs/s), with every round
+kept in the file and the load average before and after. The top-level targets:
+``no_recycle_vs_flock`` (``ledger-no-recycle`` on the ``pair`` pattern, the
+worst of 1, 2 and 4 processes) and ``growshrink_vs_flock`` (``ledger`` on the
+``growshrink`` pattern, the worst of 1, 2 and 4 processes). The latency of one
+pair (p50/p99) is timed pair by pair in the one-process runs.
 """
 
 from __future__ import annotations
@@ -39,17 +48,20 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvcached.ledger import Ledger  # noqa: E402
+from kvcached.ledger import Ledger, PoolBudget, _hooks  # noqa: E402
+from kvcached.ledger.ledger import H_JOURNAL  # noqa: E402
+from kvcached.ledger.locks import ByteLock  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
 PAGE = 2 * MIB
-VARIANTS = ("ledger", "flock", "ledger-no-recycle")
+VARIANTS = ("ledger", "ledger-no-recycle", "flock", "ofd-no-recycle")
 PATTERNS = ("pair", "growshrink")
 COUNTS = (1, 2, 4)
 
@@ -60,7 +72,7 @@ class Device:
 
 
 class WholeFileFlock:
-    """The baseline's data lock: ``flock(LOCK_EX)`` on the whole file."""
+    """The seed's data lock: a blocking ``flock(LOCK_EX)`` on the whole file."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -73,14 +85,67 @@ class WholeFileFlock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
+class LockObjectLedger(Ledger):
+    """The ledger with the data-lock wrapper it had before (a lock object in
+    ``_data``, waited for without a bound), over the lock :meth:`make_lock` gives."""
+
+    def __init__(self, lfile, sampler=None) -> None:
+        super().__init__(lfile, sampler)
+        self._data = self.make_lock()
+
+    def make_lock(self):
+        raise NotImplementedError
+
+    def _lock_data(self, timeout: float | None = None) -> None:
+        self._tlock.acquire()
+        try:
+            self._data.acquire()
+        except BaseException:
+            self._tlock.release()
+            raise
+        if self.u64[H_JOURNAL]:
+            self._apply_journal()
+        if _hooks.point is not None:
+            _hooks.point("data-locked")
+
+    def _unlock_data(self) -> None:
+        if _hooks.point is not None:
+            _hooks.point("data-unlocking")
+        try:
+            self._data.release()
+        finally:
+            self._tlock.release()
+
+
+class SeedFlockLedger(LockObjectLedger):
+    def make_lock(self):
+        return WholeFileFlock(self.file.fd)
+
+
+class OfdLedger(LockObjectLedger):
+    def make_lock(self):
+        return ByteLock(self.file.fd, 0, "the former OFD data lock")
+
+
+class NoRecyclePool(PoolBudget):
+    """Every grant to the ledger: the shipped pool without its batch re-use."""
+
+    def grant(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._grant_locked(nbytes)
+
+
+LEDGERS = {"ledger": Ledger, "ledger-no-recycle": Ledger, "flock": SeedFlockLedger,
+           "ofd-no-recycle": OfdLedger}
+
+
 def worker(directory: str, variant: str, pattern: str, seconds: float, timed: bool,
            barrier, queue) -> None:
-    ledger = Ledger.open("bench-0", Device(), directory=directory, gpu_utilization=0.9)
-    if variant == "flock":
-        ledger._data = WholeFileFlock(ledger.file.fd)
+    ledger = LEDGERS[variant].open("bench-0", Device(), directory=directory,
+                                   gpu_utilization=0.9)
     pool = ledger.register_pool(f"bench-{os.getpid()}")
     if variant != "ledger":
-        pool._recycle = False
+        pool.__class__ = NoRecyclePool  # the same object, only grant() differs
     grant, refund = pool.grant, pool.refund
     for _ in range(2000):  # warm up
         grant(PAGE)
@@ -143,16 +208,29 @@ def run(variant: str, pattern: str, procs: int, seconds: float) -> dict:
     return out
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvcached", "benchmarks"],
+                               capture_output=True, text=True, timeout=10,
+                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "ledger-host.json"))
     args = parser.parse_args()
 
     load_before = os.getloadavg()
     samples = {(v, p, n): [] for v in VARIANTS for p in PATTERNS for n in COUNTS}
+    loads = []
     for rnd in range(args.rounds):
         order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
         for pattern in PATTERNS:
@@ -164,18 +242,26 @@ def main() -> None:
                              if "p50_us" in r else "")
                     print(f"round {rnd} {pattern:10s} {variant:18s} procs={n}: "
                           f"{r['pairs_per_s']:>11,.0f} pairs/s{extra}", flush=True)
+        loads.append(os.getloadavg()[0])
 
     def med(variant: str, pattern: str, n: int, key: str) -> float:
         return statistics.median(s[key] for s in samples[variant, pattern, n])
+
+    def ratios(variant: str, pattern: str, n: int) -> list[float]:
+        """Per-round ratio against flock in the same round."""
+        return [a["pairs_per_s"] / b["pairs_per_s"]
+                for a, b in zip(samples[variant, pattern, n], samples["flock", pattern, n],
+                                strict=True)]
 
     def summary(pattern: str) -> dict:
         per = {}
         for v in VARIANTS:
             per[v] = {
                 "pairs_per_s": {str(n): round(med(v, pattern, n, "pairs_per_s")) for n in COUNTS},
-                "best_pairs_per_s": {
-                    str(n): round(max(s["pairs_per_s"] for s in samples[v, pattern, n]))
-                    for n in COUNTS},
+                "vs_flock": {str(n): round(statistics.median(ratios(v, pattern, n)), 3)
+                             for n in COUNTS},
+                "rounds_vs_flock": {str(n): [round(x, 3) for x in ratios(v, pattern, n)]
+                                    for n in COUNTS},
                 "rounds_pairs_per_s": {
                     str(n): [round(s["pairs_per_s"]) for s in samples[v, pattern, n]]
                     for n in COUNTS},
@@ -183,43 +269,50 @@ def main() -> None:
             if pattern == "pair":
                 per[v]["pair_p50_us"] = round(med(v, pattern, 1, "p50_us"), 2)
                 per[v]["pair_p99_us"] = round(med(v, pattern, 1, "p99_us"), 2)
-        ours, base = per["ledger"]["pairs_per_s"], per["flock"]["pairs_per_s"]
-        best_ours, best_base = per["ledger"]["best_pairs_per_s"], per["flock"]["best_pairs_per_s"]
-        return {
-            "pairs_per_s": ours,
-            "speedup_vs_flock": {k: round(ours[k] / base[k], 3) for k in ours},
-            "best_speedup_vs_flock": {k: round(best_ours[k] / best_base[k], 3) for k in ours},
-            "variants": per,
-        }
+        return {"variants": per}
 
     pair, grow = summary("pair"), summary("growshrink")
+    no_recycle = pair["variants"]["ledger-no-recycle"]["vs_flock"]
+    growshrink = grow["variants"]["ledger"]["vs_flock"]
+    ofd = pair["variants"]["ofd-no-recycle"]["vs_flock"]
     result = {
         "benchmark": "ledger grant+refund pairs (2 MiB pages), one pool per process, one "
                      "ledger file in /dev/shm; pairs/s summed over the processes",
         "command": "python benchmarks/ledger.py " + " ".join(sys.argv[1:]),
+        "commit": _commit(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "kernel": platform.release(),
-                    "load_average_before": load_before, "load_average_after": os.getloadavg()},
+                    "kernel": platform.release(), "node": platform.node(),
+                    "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                    "load_average_1min_per_round": [round(x, 2) for x in loads]},
         "seconds_per_run": args.seconds,
         "rounds": args.rounds,
+        "no_recycle_vs_flock": min(no_recycle.values()),
+        "no_recycle_vs_flock_by_procs": no_recycle,
+        "growshrink_vs_flock": min(growshrink.values()),
+        "growshrink_vs_flock_by_procs": growshrink,
+        "ofd_no_recycle_vs_flock_by_procs": ofd,
         "pair_p50_us": pair["variants"]["ledger"]["pair_p50_us"],
         "pair_p99_us": pair["variants"]["ledger"]["pair_p99_us"],
-        "pairs_per_s": pair["pairs_per_s"],
-        "speedup_vs_flock": pair["speedup_vs_flock"],
-        "baseline": "flock: the seed PR's design on the same code: whole-file "
-                    "fcntl.flock(LOCK_EX) around every ledger update; every grant goes to "
-                    "the ledger (refunds batched below 64 MiB, as the seed does)",
+        "pairs_per_s": pair["variants"]["ledger"]["pairs_per_s"],
+        "speedup_vs_flock": pair["variants"]["ledger"]["vs_flock"],
+        "baseline": "flock: the seed PR's design on the same accounting code: a blocking "
+                    "whole-file fcntl.flock(LOCK_EX) behind the former lock-object wrapper, "
+                    "every grant to the ledger, refunds batched below 64 MiB as the seed does",
         "variants": {
-            "ledger": "as shipped: OFD byte-range data lock, refunds batched below 64 MiB, "
-                      "grants within the batch re-use it without the lock",
+            "ledger": "as shipped: non-blocking whole-file flock data lock (bounded poll "
+                      "when busy, holder pid recorded), refunds batched below 64 MiB, grants "
+                      "within the batch re-use it without the lock",
+            "ledger-no-recycle": "as shipped, every grant to the ledger: the baseline's work",
             "flock": "the baseline",
-            "ledger-no-recycle": "OFD data lock, batched refunds, every grant to the ledger: "
-                                 "the shipped lock against the baseline's on equal work",
+            "ofd-no-recycle": "the former data lock (OFD byte-range lock on byte 0, "
+                              "blocking), every grant to the ledger",
         },
         "patterns": {
-            "pair": "grant(2 MiB) then refund(2 MiB), repeated (the top-level figures)",
+            "pair": "grant(2 MiB) then refund(2 MiB), repeated",
             "growshrink": "32 grants of 2 MiB then 32 refunds: every grant needs the ledger",
         },
+        "ratios": "median over rounds of (variant pairs/s) / (flock pairs/s) in the same "
+                  "round; the targets take the worst of 1, 2 and 4 processes",
         "pair": pair,
         "growshrink": grow,
     }
@@ -227,9 +320,10 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
-    print(json.dumps({k: result[k] for k in ("pair_p50_us", "pair_p99_us", "pairs_per_s",
-                                              "speedup_vs_flock")}, indent=2))
-    print("growshrink:", json.dumps({k: grow[k] for k in ("pairs_per_s", "speedup_vs_flock")}))
+    print(json.dumps({k: result[k] for k in (
+        "no_recycle_vs_flock", "no_recycle_vs_flock_by_procs", "growshrink_vs_flock",
+        "growshrink_vs_flock_by_procs", "ofd_no_recycle_vs_flock_by_procs", "pair_p50_us",
+        "speedup_vs_flock")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ class GpuRow:
     calibration_seq: int = 0
     calibrated_at: float = 0.0  #: seconds since the epoch
     calibration_free_bytes: int = 0
-    #: 0: read under the data lock; else the pid (-1: unknown) that held it past
+    #: 0: read under the data lock; else the pid (-1: not known) that held it past
     #: kvctl's --timeout, so the figures were read without it
     locked_by: int = 0
     locked_state: str = ""  #: that process' state (``stopped``, ``traced``...)
@@ -87,7 +87,7 @@ class GpuRow:
         if not self.locked_by:
             return ""
         who = (f"pid {self.locked_by} ({self.locked_state})" if self.locked_by > 0
-               else "a process that recorded no pid")
+               else "a process /proc/locks does not name")
         return (f"ledger {self.path}: its data lock is held by {who}; figures read without "
                 "the lock (grants on this GPU are misses until it is free)")
 

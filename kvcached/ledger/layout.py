@@ -55,10 +55,10 @@ class Header(ctypes.Structure):
     * the calibration window: ``window_open`` while a calibrator samples the
       driver, and ``window_granted``, the bytes granted since it opened, which
       its publication subtracts (growth inside the window is in the charges
-      and possibly not yet out of the sampled free memory);
-    * ``lock_pid``: the pid of the data lock's holder, written by it right
-      after it takes the lock and cleared before it drops it (a flock lock
-      does not say who holds it), so ``kvctl`` can name a holder that stalls.
+      and possibly not yet out of the sampled free memory).
+
+    Who holds the data lock is not stored: the kernel lists a flock lock's
+    holder in ``/proc/locks`` (see :func:`kvcached.ledger.locks.flock_holder`).
     """
 
     _fields_ = [
@@ -90,7 +90,7 @@ class Header(ctypes.Structure):
         ("publish_seq", ctypes.c_uint64),
         ("window_granted", ctypes.c_int64),
         ("window_open", ctypes.c_uint32),
-        ("lock_pid", ctypes.c_int32),
+        ("_reserved0", ctypes.c_uint32),
         ("_reserved", ctypes.c_uint8 * 24),
     ]
 

@@ -14,8 +14,8 @@ Rules the ledger keeps (the seed PR #487's semantics, see DESIGN.md):
   ``flock`` lock on the ledger file (cheaper than an OFD lock; see
   :mod:`kvcached.ledger.locks`). No driver call, no sleep and no wait on
   another lock runs under it; it covers a handful of reads and writes of the
-  mapping. Its holder records its pid in the header (``lock_pid``). Nobody
-  waits for it without a bound: a grant waits :data:`GRANT_LOCK_WAIT_S` and
+  mapping. The kernel names its holder (``/proc/locks``). Nobody waits for it
+  without a bound: a grant waits :data:`GRANT_LOCK_WAIT_S` and
   is then a miss (logged once per episode), calibration gives up after
   :data:`CALIBRATE_LOCK_WAIT_S`, registration, limits and snapshots raise
   :class:`~kvcached.errors.LedgerBusyError` naming the holder. Threads of one
@@ -88,7 +88,7 @@ from kvcached.errors import (
 from kvcached.ledger import _hooks, layout
 from kvcached.ledger.file import Initial, LedgerFile, open_file
 from kvcached.ledger.layout import Header, InstanceRecord, PoolRecord
-from kvcached.ledger.locks import ByteLock, process_state, wait_flock
+from kvcached.ledger.locks import ByteLock, flock_holder, process_state, wait_flock
 from kvcached.ledger.snapshot import (
     HeaderView,
     InstanceView,
@@ -137,7 +137,6 @@ H_PUB_TIME = Header.publish_time_ns.offset // 8
 H_PUB_SEQ = Header.publish_seq.offset // 8
 H_WINDOW = Header.window_open.offset // 4
 H_WINDOW_GRANTED = Header.window_granted.offset // 8
-H_LOCK_PID = Header.lock_pid.offset // 4
 
 
 def p_token(slot: int) -> int:
@@ -264,7 +263,6 @@ class Ledger:
         self.safety_margin = head.safety_margin
         self._tlock = threading.Lock()
         self._fd = lfile.fd  # the data lock is a flock lock on this descriptor
-        self._pid = os.getpid()
         #: Why this process grants nothing more on this file (corrupt, replaced), or None.
         self.refusal: str | None = None
         self._busy_since = 0.0  # monotonic start of a lock-busy episode (0: none)
@@ -285,7 +283,6 @@ class Ledger:
         self.instances = lfile.view(u32[p_instance(0) : p_instance(0) + 16 * n : 16])
         self.tokens = lfile.view(u64[p_token(0) : p_token(0) + 8 * n : 8])
         self.released = lfile.view(i64[p_released(0) : p_released(0) + 8 * n : 8])
-        self.i32 = lfile.i32
         self.closed = False
         _LIVE.add(self)
 
@@ -378,7 +375,6 @@ class Ledger:
         except BaseException:
             tlock.release()
             raise
-        self.i32[H_LOCK_PID] = self._pid
         if self.u64[H_JOURNAL]:
             try:
                 self._apply_journal()  # a process died halfway through a journaled change
@@ -391,7 +387,6 @@ class Ledger:
     def _unlock_data(self) -> None:
         if _hooks.point is not None:
             _hooks.point("data-unlocking")
-        self.i32[H_LOCK_PID] = 0
         try:
             _flock(self._fd, _UN)
         finally:
@@ -408,15 +403,15 @@ class Ledger:
             self._unlock_data()
 
     def lock_holder(self) -> tuple[int, str]:
-        """``(pid, state)`` of the process the header names as the data lock's
-        holder (read without the lock; ``(0, "unknown")`` when none is recorded)."""
-        pid = self.i32[H_LOCK_PID]
+        """``(pid, state)`` of the process that holds the data lock, as the kernel
+        lists it (``(0, "unknown")`` when it lists none)."""
+        pid = flock_holder(self._fd)
         return pid, process_state(pid) if pid > 0 else "unknown"
 
     def _busy_error(self, waited: float, who: str | None = None) -> LedgerBusyError:
         pid, state = self.lock_holder() if who is None else (0, who)
         holder = (f"pid {pid} ({state})" if pid > 0 else who or
-                  "a process that recorded no pid (a kvcached of another layout?)")
+                  "a process /proc/locks does not name (another PID namespace?)")
         return LedgerBusyError(
             f"ledger {self.path}: the data lock is held by {holder} and was not free "
             f"within {waited:g} s; a process stopped (SIGSTOP, a debugger, a frozen cgroup) "

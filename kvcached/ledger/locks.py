@@ -139,6 +139,28 @@ def wait_flock(fd: int, timeout: float) -> bool:
         delay = min(delay * 2, 2e-3)
 
 
+def flock_holder(fd: int) -> int:
+    """The pid that holds the whole-file flock lock of ``fd``'s file, from
+    ``/proc/locks`` (the kernel records a flock lock's owner there; seen from
+    another PID namespace it may be 0); 0 when none is listed or it cannot be read."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.readlines()
+    except OSError:
+        return 0
+    for line in lines:
+        parts = line.split()
+        # "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"; waiters have a "->" field
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return 0
+    return 0
+
+
 def process_state(pid: int) -> str:
     """A word for the state of process ``pid`` (``running``, ``stopped``,
     ``traced``, ``gone``...), from ``/proc/PID/stat``; ``unknown`` if unreadable."""

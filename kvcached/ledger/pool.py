@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kvcached.errors import LedgerBusyError, LedgerError
 from kvcached.ledger import _hooks
 from kvcached.ledger.ledger import (
+    GRANT_LOCK_WAIT_S,
     H_BUDGET,
     H_HIGH_WATER,
     H_WINDOW,
@@ -139,7 +140,8 @@ class PoolBudget:
             self._room = 0
             return False
         try:
-            led._lock_data(led._grant_lock_wait())
+            # The full wait once; none while a busy episode lasts (quick misses).
+            led._lock_data(0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
         except LedgerBusyError as exc:
             led._note_busy(exc)
             return False

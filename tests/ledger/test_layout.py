@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvcached.ledger import layout
 
-PINNED = (2, "7661aa82126d53ae")
+PINNED = (2, "79642cca06668eb3")
 
 OFFSETS = {
     "Header.magic": (0, 8),
@@ -41,7 +41,7 @@ OFFSETS = {
     "Header.publish_seq": (208, 8),
     "Header.window_granted": (216, 8),
     "Header.window_open": (224, 4),
-    "Header.lock_pid": (228, 4),
+    "Header._reserved0": (228, 4),
     "Header._reserved": (232, 24),
     "PoolRecord.token": (0, 8),
     "PoolRecord.charged": (8, 8),
