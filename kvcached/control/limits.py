@@ -213,15 +213,15 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
             f"no kvcached instance named {name!r} holds memory on any device "
             f"(ledgers in {', '.join(dirs)})"
         )
-    results = _settle(name, results, dirs, wait_s)
+    results = _settle(name, results, dirs, wait_s, timeout)
     worst = max((d.status for d in results), key=_ORDER.index)
     return LimitResult(name, worst, results)
 
 
-def _charges(name: str, dirs: list[str]) -> dict[str, int]:
+def _charges(name: str, dirs: list[str], timeout: float) -> dict[str, int]:
     charged: dict[str, int] = {}
     for d in dirs:
-        for snap in ledger_snapshots(d, problems=[]):
+        for snap in ledger_snapshots(d, problems=[], timeout=timeout):
             inst = snap.instance(name)
             if inst is not None:
                 charged[snap.header.device_id] = inst.charged
@@ -229,12 +229,12 @@ def _charges(name: str, dirs: list[str]) -> dict[str, int]:
 
 
 def _settle(name: str, results: list[DeviceLimit], dirs: list[str],
-            wait_s: float) -> list[DeviceLimit]:
+            wait_s: float, timeout: float) -> list[DeviceLimit]:
     """Mark written limits that usage is still above as deferred (after waiting
     up to ``wait_s`` for the instance to release idle memory)."""
     deadline = time.monotonic() + wait_s
     while True:
-        charged = _charges(name, dirs)
+        charged = _charges(name, dirs, timeout)
         settled = []
         for d in results:
             now = charged.get(d.gpu, d.charged_bytes)

@@ -791,8 +791,10 @@ class Ledger:
     def refresh_pools(self) -> None:
         """Refresh the cached headroom of every pool of this process."""
         for pool in list(self._pools):
-            with contextlib.suppress(LedgerError):
-                pool.refresh()
+            try:
+                pool.refresh(CALIBRATE_LOCK_WAIT_S)
+            except LedgerError as exc:  # busy or refused: the cached figure waits a tick
+                log.debug("ledger %s: refreshing pool %d failed: %s", self.path, pool.slot, exc)
 
     def calibrator(self, sampler: MemInfo | None = None, interval_s: float | None = None):
         """A new :class:`~kvcached.ledger.calibrator.Calibrator` for this ledger (not started)."""

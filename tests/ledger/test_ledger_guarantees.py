@@ -196,6 +196,10 @@ def test_a_holder_stopped_in_the_data_lock_stalls_nobody_for_long(ledger, ledger
         assert "fake-0" in out.stdout and "1.00 GiB" in out.stdout  # what it could read
         assert f"held by pid {stopper.proc.pid} (stopped)" in out.stderr
         assert took < 30  # a Python start on a loaded machine, plus the 1 s timeout
+        out = subprocess.run([*KVCTL, "limit", "engine", "512M", "--ledger-dir", ledger_dir,
+                              "--timeout", "1"], env=env(), capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2 and f"held by pid {stopper.proc.pid}" in out.stderr, out
 
         stopper.proc.send_signal(signal.SIGCONT)
         assert stopper.line(30) == "continued"
