@@ -447,8 +447,13 @@ class Ledger:
 
     def validate_locked(self) -> None:
         """Check every record (under the data lock); a corrupt file is refused."""
+        self.validate_image(self.file.mm)
+
+    def validate_image(self, image, locked: bool = True) -> None:
+        """Check every record of ``image``, a copy of the file taken under the data
+        lock (``locked``) or not; a corrupt file is refused (and the error raised)."""
         try:
-            check_image(self.file.mm, self.path, locked=True)
+            check_image(image, self.path, locked=locked)
         except LedgerError as exc:
             self._refuse(str(exc))
             raise
@@ -730,8 +735,10 @@ class Ledger:
                     seq = self.u64[H_SEQ]
                     self.i64[H_WINDOW_GRANTED] = 0
                     self.u32[H_WINDOW] = 1
+                    image = bytes(self.file.mm[: layout.FILE_SIZE])
                 finally:
                     self._unlock_data()
+                self.validate_image(image)  # a consistent copy, checked outside the lock
                 free, _total = sampler.mem_info()
                 if _hooks.point is not None:
                     _hooks.point("calibrate-sampled")
@@ -750,16 +757,20 @@ class Ledger:
             if self.u64[H_SEQ] != seq:
                 return Calibration(False, "stale", retired, self.i64[H_BUDGET], free, 0,
                                    self.u64[H_SEQ])
-            self.validate_locked()
             i64 = self.i64
             charged = self.charged_total()
+            released = self.released_total()
             total, margin = i64[H_TOTAL], i64[H_MARGIN]
+            if not 0 <= released <= charged <= total:  # the records were checked at the window
+                error = corrupt(self.path, f"the pools charge {charged} bytes ({released} "
+                                           f"released) on a device of {total}")
+                self._refuse(str(error))
+                raise error
             free = min(max(0, free), total)
             # Released but not refunded: in `free` and in `charged`. Granted in the
             # window: in `charged`, and in `free` unless created before the sample.
             # Count each once; and never more than the device can hold.
-            budget = (charged - self.released_total() + free - margin
-                      - i64[H_WINDOW_GRANTED])
+            budget = charged - released + free - margin - i64[H_WINDOW_GRANTED]
             budget = min(max(0, budget), total - margin)
             # Journaled: budget, free, time and sequence land together.
             i64[H_PUB_BUDGET] = budget
@@ -888,14 +899,10 @@ class Ledger:
             return self._snapshot_unlocked(exc)
         try:
             image = bytes(self.file.mm[: layout.FILE_SIZE])
-            try:
-                check_image(image, self.path, locked=True)
-            except LedgerError as exc:
-                self._refuse(str(exc))
-                raise
             alive = {s: self._lease(s).held_elsewhere() for s in _live_slots(image)}
         finally:
             self._unlock_data()
+        self.validate_image(image)  # a consistent copy: checked outside the lock
         return self._snapshot_of(image, alive)
 
     def _snapshot_unlocked(self, busy: LedgerBusyError) -> LedgerSnapshot:
