@@ -213,6 +213,78 @@ def run(variant: str, pattern: str, procs: int, seconds: float) -> dict:
     return out
 
 
+def profile(repeats: int = 9, n: int = 20000) -> dict:
+    """Where one grant+refund pair's time goes, in one process: the CPU time
+    (``thread_time``, ns per operation, median of ``repeats`` interleaved
+    repeats) of each part, the lock primitives alone and the whole pair."""
+    import struct
+    import threading
+
+    directory = tempfile.mkdtemp(prefix="kvcached-bench-", dir="/dev/shm")
+    ledgers = {}
+    for name, cls in (("ledger", Ledger), ("flock", SeedFlockLedger), ("ofd", OfdLedger)):
+        os.makedirs(os.path.join(directory, name))
+        ledgers[name] = cls.open("bench-0", Device(), directory=os.path.join(directory, name),
+                                 gpu_utilization=0.9)
+    pools = {}
+    for name, led in ledgers.items():
+        pools[name] = led.register_pool("profile")
+        pools[name].__class__ = NoRecyclePool
+    led = ledgers["ledger"]
+    fd = led.file.fd
+    flock, ex, un = fcntl.flock, fcntl.LOCK_EX | fcntl.LOCK_NB, fcntl.LOCK_UN
+    ofd_struct = struct.Struct("hhqqi4x")
+    lk, ul = ofd_struct.pack(fcntl.F_WRLCK, 0, 0, 1, 0), ofd_struct.pack(fcntl.F_UNLCK, 0, 0, 1, 0)
+    fcntl_ = fcntl.fcntl
+    tlock = threading.Lock()
+    charges, u32 = led.charges, led.u32
+    from kvcached.ledger.ledger import H_HIGH_WATER
+
+    def loop(body):
+        def run_it():
+            t0 = time.thread_time_ns()
+            for _ in range(n):
+                body()
+            return (time.thread_time_ns() - t0) / n
+        return run_it
+
+    def pair(p):
+        g, r = p.grant, p.refund
+        return lambda: (g(PAGE), r(PAGE))
+
+    def wrapper(x):
+        lock, unlock = x._lock_data, x._unlock_data
+        return lambda: (lock(0.5), unlock())
+
+    parts = {
+        "python_call_of_nothing": loop(lambda: None),
+        "flock_lock_unlock": loop(lambda: (flock(fd, ex), flock(fd, un))),
+        "ofd_lock_unlock": loop(lambda: (fcntl_(fd, 38, lk), fcntl_(fd, 38, ul))),
+        "threading_lock_pair": loop(lambda: (tlock.acquire(False), tlock.release())),
+        "sum_of_charges": loop(lambda: sum(charges[: u32[H_HIGH_WATER]])),
+        "ledger_data_lock_pair": loop(wrapper(ledgers["ledger"])),
+        "flock_baseline_data_lock_pair": loop(wrapper(ledgers["flock"])),
+        "ofd_former_data_lock_pair": loop(wrapper(ledgers["ofd"])),
+        "ledger_no_recycle_grant_refund": loop(pair(pools["ledger"])),
+        "flock_baseline_grant_refund": loop(pair(pools["flock"])),
+        "ofd_former_grant_refund": loop(pair(pools["ofd"])),
+    }
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    names = list(parts)
+    for rep in range(repeats):
+        for k in names if rep % 2 == 0 else reversed(names):
+            times[k].append(parts[k]())
+    for p in pools.values():
+        p.close()
+    for x in ledgers.values():
+        x.close()
+    shutil.rmtree(directory)
+    out = {k: round(statistics.median(v)) for k, v in times.items()}
+    out["note"] = ("CPU ns per operation (thread_time), one process; a *_pair is one lock "
+                   "and one unlock; the grant_refund figures include the refund batching")
+    return out
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -234,6 +306,8 @@ def main() -> None:
     args = parser.parse_args()
 
     load_before = os.getloadavg()
+    where = profile()
+    print("profile (CPU ns):", json.dumps(where), flush=True)
     samples = {(v, p, n): [] for v in VARIANTS for p in PATTERNS for n in COUNTS}
     loads = []
     for rnd in range(args.rounds):
@@ -330,6 +404,7 @@ def main() -> None:
                   "round (wall clock: throughput); *_cpu_*: the same with pairs per CPU "
                   "second of the processes (cost per pair); the targets take the worst of "
                   "1, 2 and 4 processes",
+        "profile_cpu_ns": where,
         "pair": pair,
         "growshrink": grow,
     }
