@@ -18,9 +18,12 @@ Rules the ledger keeps (the seed PR #487's semantics, see DESIGN.md):
   without a bound: a grant waits :data:`GRANT_LOCK_WAIT_S` and
   is then a miss (logged once per episode), calibration gives up after
   :data:`CALIBRATE_LOCK_WAIT_S`, registration, limits and snapshots raise
-  :class:`~kvcached.errors.LedgerBusyError` naming the holder. Threads of one
-  process are serialised on it by a ``threading.Lock`` because they share one
-  descriptor, and a flock lock does not exclude its own holder.
+  :class:`~kvcached.errors.LedgerBusyError` naming the holder. A pool takes it
+  through its own descriptor (the one that holds its lease: a description of
+  its own, which flock excludes like another process's), under the pool's
+  lock; the ledger's other users share the ledger's descriptor and are
+  serialised by a ``threading.Lock``, since flock does not exclude its own
+  holder.
 * **What is read is checked.** The file is validated under the data lock when
   it is opened, at every registration and calibration and in every snapshot
   (:mod:`kvcached.ledger.validate`); a grant checks the sum it computes. A
@@ -355,42 +358,48 @@ class Ledger:
 
     # -- the data lock ----------------------------------------------------------------
     def _lock_data(self, timeout: float = LOCK_WAIT_S) -> None:
-        """Take the data lock within ``timeout`` seconds, else raise
-        :class:`LedgerBusyError` naming the holder. Finishes a journal that a
-        process killed under the lock left pending."""
+        """Take the data lock through the ledger's descriptor within ``timeout``
+        seconds, else raise :class:`LedgerBusyError` naming the holder. Its
+        threads are serialised by ``_tlock`` (they share the description)."""
         tlock = self._tlock
         if not tlock.acquire(False) and not tlock.acquire(True, timeout):
             raise self._busy_error(timeout, "another thread of this process")
         try:
-            _flock(self._fd, _EX_NB)
-        except BlockingIOError:
-            try:
-                taken = wait_flock(self._fd, timeout)
-            except BaseException:
-                tlock.release()
-                raise
-            if not taken:
-                tlock.release()
-                raise self._busy_error(timeout) from None
+            self._lock_fd(self._fd, timeout)
         except BaseException:
             tlock.release()
             raise
+
+    def _unlock_data(self) -> None:
+        try:
+            self._unlock_fd(self._fd)
+        finally:
+            self._tlock.release()
+
+    def _lock_fd(self, fd: int, timeout: float) -> None:
+        """Take the data lock through ``fd``, an open file description of the
+        ledger that only one thread uses at a time (a pool's own, under the
+        pool's lock; or the ledger's, under ``_tlock``): flock excludes every
+        other description, in this process too. Finishes a journal that a
+        process killed under the lock left pending."""
+        try:
+            _flock(fd, _EX_NB)
+        except BlockingIOError:
+            if not wait_flock(fd, timeout):
+                raise self._busy_error(timeout) from None
         if self.u64[H_JOURNAL]:
             try:
                 self._apply_journal()  # a process died halfway through a journaled change
             except BaseException:
-                self._unlock_data()
+                self._unlock_fd(fd)
                 raise
         if _hooks.point is not None:
             _hooks.point("data-locked")
 
-    def _unlock_data(self) -> None:
+    def _unlock_fd(self, fd: int) -> None:
         if _hooks.point is not None:
             _hooks.point("data-unlocking")
-        try:
-            _flock(self._fd, _UN)
-        finally:
-            self._tlock.release()
+        _flock(fd, _UN)
 
     @contextlib.contextmanager
     def locked(self, timeout: float = LOCK_WAIT_S):

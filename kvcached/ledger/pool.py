@@ -141,7 +141,7 @@ class PoolBudget:
             return False
         try:
             # The full wait once; none while a busy episode lasts (quick misses).
-            led._lock_data(0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
+            led._lock_fd(self._fd, 0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
         except LedgerBusyError as exc:
             led._note_busy(exc)
             return False
@@ -176,7 +176,7 @@ class PoolBudget:
             if granted and _hooks.point is not None:
                 _hooks.point("grant-charged")
         finally:
-            led._unlock_data()
+            led._unlock_fd(self._fd)
         if led._busy_since:
             led._busy_over()
         self._room = room if room > 0 else 0
@@ -246,7 +246,7 @@ class PoolBudget:
                                 self.slot)
                 elif not led.closed:
                     try:
-                        led._lock_data()
+                        led._lock_fd(self._fd, LOCK_WAIT_S)
                         locked = True
                     except LedgerBusyError as exc:
                         # Dropping the lease is enough: the record then reads as a dead
@@ -263,7 +263,7 @@ class PoolBudget:
                             self._pending = 0
                         left = led._close_pool_locked(self.slot, self.token)
                     finally:
-                        led._unlock_data()
+                        led._unlock_fd(self._fd)
                     if left:
                         log.warning(
                             "ledger %s: pool %d of %r closed with %d bytes still charged "
@@ -289,7 +289,7 @@ class PoolBudget:
             if led.refusal is not None:
                 self._room = 0
                 return
-            led._lock_data(timeout)
+            led._lock_fd(self._fd, timeout)
             try:
                 i64 = led.i64
                 room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]])
@@ -297,7 +297,7 @@ class PoolBudget:
                 if limit:
                     room = min(room, limit - led.instance_charged(self.instance_slot))
             finally:
-                led._unlock_data()
+                led._unlock_fd(self._fd)
             room += self._pending
             self._room = room if room > 0 else 0
 
@@ -340,7 +340,7 @@ class PoolBudget:
 
     def _flush_locked(self, timeout: float = LOCK_WAIT_S) -> None:
         led = self._ledger
-        led._lock_data(timeout)
+        led._lock_fd(self._fd, timeout)
         try:
             charged = self._charged - self._pending
             led.i64[self._ri] = 0
@@ -350,7 +350,7 @@ class PoolBudget:
             if _hooks.point is not None:
                 _hooks.point("refund-flushed")
         finally:
-            led._unlock_data()
+            led._unlock_fd(self._fd)
 
     def _abandon(self) -> None:
         """Tests: die as a killed process would, dropping the lease and nothing else."""

@@ -461,6 +461,29 @@ def test_threads_of_one_process_keep_exact_sums(ledger):
     assert [p.charged for p in snap.pools] == [sum(h) for h in held]
 
 
+def test_pools_of_one_process_exclude_each_other_through_their_own_descriptors(ledger):
+    """Each pool takes the data lock through its own descriptor (no thread lock
+    between pools): flock must still exclude them, or two threads could both see
+    the room of the instance's limit and both take it."""
+    pools = [ledger.register_pool("a"), ledger.register_pool("a")]
+    assert ledger.set_limit("a", 64 * MIB, 1) is LimitStatus.APPLIED
+    _hooks.point = lambda name: time.sleep(0.0005) if name == "grant-decided" else None
+    granted = [0] * 4
+
+    def work(t: int) -> None:
+        pool = pools[t % 2]
+        while pool.grant(2 * MIB):
+            granted[t] += 2 * MIB
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    _hooks.point = None
+    assert sum(granted) == 64 * MIB == ledger.snapshot().instance("a").charged
+
+
 def test_a_forked_child_drops_its_copies_without_touching_the_parent_s_pools(ledger):
     pool = ledger.register_pool("a")
     assert pool.grant(8 * MIB)
