@@ -256,6 +256,10 @@ class Ledger:
     the accounting of one pool is :class:`~kvcached.ledger.pool.PoolBudget`.
     """
 
+    #: The class :meth:`register_pool` makes (None: ``PoolBudget``); a subclass
+    #: of Ledger may name a subclass of it (the benchmark's variants do).
+    pool_class: type[PoolBudget] | None = None
+
     def __init__(self, lfile: LedgerFile, sampler: MemInfo | None = None) -> None:
         self.file = lfile
         self.path = lfile.path
@@ -676,7 +680,7 @@ class Ledger:
                 self.u64[p_token(slot)] = token  # identity last
                 if _hooks.point is not None:
                     _hooks.point("register-written")
-                pool = PoolBudget(self, slot, fd, token, inst, instance)
+                pool = (self.pool_class or PoolBudget)(self, slot, fd, token, inst, instance)
             finally:
                 self._unlock_data()
         except BaseException:
