@@ -202,10 +202,12 @@ class PoolBudget:
                     "granted, once, after its release succeeded"
                 )
             self._pending += nbytes
-            self._ledger.i64[self._ri] = self._pending  # published without the lock
+            led = self._ledger
             self._room += nbytes
+            if led.refusal is not None:
+                return  # kept here: nothing is written to a corrupt or replaced file
+            led.i64[self._ri] = self._pending  # published without the lock
             if self._pending >= REFUND_FLUSH_BYTES:
-                led = self._ledger
                 try:
                     self._flush_locked(led._grant_lock_wait())
                 except LedgerBusyError as exc:  # the batch stays, published in `released`
@@ -222,7 +224,7 @@ class PoolBudget:
         """Write batched refunds to the ledger now. On failure the batch is kept
         and the error raised."""
         with self._lock:
-            if self._pending and not self._closed:
+            if self._pending and not self._closed and self._ledger.refusal is None:
                 self._flush_locked()
 
     def close(self) -> None:
