@@ -919,8 +919,17 @@ class Ledger:
         return self._snapshot_of(image, alive)
 
     def _snapshot_unlocked(self, busy: LedgerBusyError) -> LedgerSnapshot:
-        image = bytes(self.file.mm[: layout.FILE_SIZE])
-        check_image(image, self.path, locked=False)
+        # A holder that is only slow (not stopped) may be halfway through a change:
+        # a copy that fails the per-record checks is taken again before it counts.
+        for attempt in range(3):
+            image = bytes(self.file.mm[: layout.FILE_SIZE])
+            try:
+                check_image(image, self.path, locked=False)
+                break
+            except LedgerError:
+                if attempt == 2:
+                    raise
+                time.sleep(0.01)
         alive = {}
         for s in _live_slots(image):
             token = PoolRecord.from_buffer_copy(image, layout.pool_offset(s)).token
