@@ -124,6 +124,24 @@ def _optional_size(text: str) -> int | None:
     return value
 
 
+#: The host backend's capacity is at least one 2 MiB page and at most 8 PiB
+#: (the ledger's bound on any device).
+_HOST_MIN = 2 * MIB
+_HOST_MAX = 1 << 53
+
+
+def _host_capacity(text: str) -> int | None:
+    value = _optional_size(text)
+    if value is not None and not _HOST_MIN <= value <= _HOST_MAX:
+        raise ValueError("a size of at least one 2 MiB page (2M) and at most 8 PiB, e.g. 8G")
+    return value
+
+
+def physical_memory() -> int:
+    """Bytes of RAM the kernel reports (``MemTotal``)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _directory(text: str) -> str:
     if not text.strip():
         raise ValueError("a directory path, e.g. /dev/shm")
@@ -182,9 +200,13 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVCACHED_DRIVER", "driver", "auto", _driver,
              "New. Backend: `cuda`, `hip`, `host` (CPU memory), or `auto` (CUDA if a "
              "CUDA device is present, HIP on a ROCm torch, else host)."),
-    Variable("KVCACHED_HOST_CAPACITY", "host_capacity", "", _optional_size,
-             "New. Capacity of the `host` backend's device (`8G`, `512M`, bytes). "
+    Variable("KVCACHED_HOST_CAPACITY", "host_capacity", "", _host_capacity,
+             "New. Capacity of the `host` backend's device (`8G`, `512M`, bytes): at "
+             "least 2M, at most the machine's memory (see `KVCACHED_HOST_OVERCOMMIT`). "
              "Unset: half of physical RAM."),
+    Variable("KVCACHED_HOST_OVERCOMMIT", "host_overcommit", "false", _bool,
+             "New. Allow a `KVCACHED_HOST_CAPACITY` above the machine's memory (the "
+             "kernel's overcommit then decides)."),
     Variable("KVCACHED_HOST_DEVICE", "host_device", "0", _count,
              "New. Which device (`host-N`) the `host` backend is: processes on one host "
              "device share its capacity and its ledger; another N is a separate budget."),
@@ -212,6 +234,7 @@ class Config:
     log_level: str
     driver: str
     host_capacity: int | None
+    host_overcommit: bool
     host_device: int
     ledger_dir: str
     calibration_interval_s: float
@@ -240,6 +263,14 @@ class Config:
                 str(self.max_reserved_pages),
                 f"must be >= KVCACHED_MIN_RESERVED_PAGES ({self.min_reserved_pages})",
             )
+        if self.host_capacity is not None and not self.host_overcommit:
+            ram = physical_memory()
+            if self.host_capacity > ram:
+                raise ConfigError(
+                    "KVCACHED_HOST_CAPACITY", str(self.host_capacity),
+                    f"at most this machine's memory ({ram} bytes); set "
+                    "KVCACHED_HOST_OVERCOMMIT=true to allow more",
+                )
 
     def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed, checked like :meth:`from_env`."""

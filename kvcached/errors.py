@@ -79,6 +79,28 @@ class LedgerPermissionError(LedgerError, PermissionError):
     saying who needs which access; kvcached never chmods to get around it."""
 
 
+class LedgerCorruptError(LedgerLayoutError):
+    """A ledger file whose header fits but whose contents cannot be true (a
+    record out of range, charges above the device). Refused like a bad header;
+    the file is left untouched."""
+
+
+class LedgerBusyError(LedgerError):
+    """The ledger's data lock was not free within the time allowed: another
+    process holds it (stopped, traced or frozen). ``holder`` is the pid that
+    the holder recorded (0: unknown), ``waited_s`` how long this process waited."""
+
+    def __init__(self, message: str, holder: int = 0, waited_s: float = 0.0) -> None:
+        self.holder = holder
+        self.waited_s = waited_s
+        super().__init__(message)
+
+
+class LedgerReplacedError(LedgerError):
+    """The ledger file this process uses is no longer the one at its path
+    (unlinked or replaced): granting against it would count the GPU twice."""
+
+
 class LedgerFullError(LedgerError):
     """Every pool or instance record of the ledger file is taken by a live owner."""
 

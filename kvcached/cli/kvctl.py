@@ -5,10 +5,13 @@ Commands: ``list``, ``status NAME``, ``limit NAME SIZE|none`` (or
 ``top`` (also ``kvtop``), ``gpus``, ``metrics``. Each takes ``--json``.
 
 kvctl reads instance snapshots from ``/dev/shm`` and the per-GPU ledgers; it
-needs no GPU, no engine, and imports neither torch nor a device library.
+needs no GPU, no engine, and imports neither torch nor a device library. It
+never hangs on a ledger: a data lock that another process holds (stopped, in
+a debugger) for ``--timeout`` seconds (default 2, all ledgers together) is
+read around, and kvctl says which pid holds it.
 Exit codes: 0 done; 1 a limit was not written (``stale`` or ``conflict``); 2 an
-error (unknown instance, bad size, no permission, no kvcached running), said in
-one line on stderr.
+error (unknown instance, bad size, no permission, no kvcached running, a
+ledger refused by ``gpus``), said in one line on stderr.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--ledger-dir", metavar="DIR",
                         help="read the ledgers in DIR only (default: KVCACHED_LEDGER_DIR and "
                              "the directories live instances publish)")
+    common.add_argument("--timeout", type=float, default=2.0, metavar="SEC",
+                        help="seconds to wait for ledgers whose lock another process holds, "
+                             "before reading them without it (default 2)")
     return common
 
 
@@ -112,14 +118,23 @@ def _print_json(doc: Any) -> None:
 def _gather(args: argparse.Namespace, names: list[str] | tuple[str, ...] = ()):
     from kvcached.control.view import gather
 
+    if not args.timeout > 0:
+        raise UsageError(f"{args.command}: --timeout {args.timeout:g} must be above 0 seconds")
     problems: list[str] = []
-    rows, gpus = gather(args.ledger_dir, names, problems)
+    rows, gpus = gather(args.ledger_dir, names, problems, timeout=args.timeout)
+    _warn_held(gpus)
     return rows, gpus, problems
 
 
 def _warn(problems: list[str]) -> None:
     for p in problems:
         print(f"{PROG}: warning: skipped a ledger: {p}", file=sys.stderr)
+
+
+def _warn_held(gpus) -> None:
+    for g in gpus:
+        if g.locked_by:
+            print(f"{PROG}: warning: {g.held_note}", file=sys.stderr)
 
 
 def _running_names() -> list[str]:
@@ -208,8 +223,10 @@ def cmd_limit(args: argparse.Namespace) -> int:
     if args.wait < 0:
         raise UsageError(f"limit: --wait {args.wait:g} must be 0 or more seconds")
     try:
+        if not args.timeout > 0:
+            raise UsageError(f"limit: --timeout {args.timeout:g} must be above 0 seconds")
         result = set_limit(args.name, limit, percent=percent, revision=args.revision,
-                           directory=args.ledger_dir, wait_s=args.wait)
+                           directory=args.ledger_dir, wait_s=args.wait, timeout=args.timeout)
     except InstanceNotFoundError:
         raise _not_running([args.name]) from None
     if args.json:
@@ -288,12 +305,15 @@ def cmd_gpus(args: argparse.Namespace) -> int:
             raise UsageError(problems[0])
         raise UsageError(f"no kvcached ledger in {where} (no kvcached instance has used a GPU "
                          "here; KVCACHED_LEDGER_DIR or --ledger-dir names the directory)")
-    _warn(problems)
     if args.json:
         _print_json([g.as_dict() for g in gpus])
     else:
         print(render_gpus(gpus))
-    return 0
+    # A refused ledger (another layout, corrupt, unreadable) is an error here, the
+    # command's whole subject, even when others could be shown.
+    for p in problems:
+        print(f"{PROG}: {p}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:

@@ -339,12 +339,12 @@ def open_kv_cache(spec: Any, *, engine: str = "kvcached", engine_version: str = 
     under this process' instance, and registered with the instance (snapshot,
     limits). ``kwargs`` go to ``KVCache`` (``driver``, ``num_blocks``, ...).
     Close the cache, then :func:`close_kv_cache`, when the engine stops."""
-    from kvcached.driver import get_driver
+    from kvcached.driver import default_driver
     from kvcached.ledger import open_pool_budget
     from kvcached.memory.cache import KVCache
 
     instance = get_instance(engine, engine_version)
-    driver = kwargs.pop("driver", None) or get_driver()
+    driver = kwargs.pop("driver", None) or default_driver()
     budget = open_pool_budget(driver, instance.name)
     try:
         cache = KVCache(spec, driver=driver, budget=budget, **kwargs)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvcached.config import get_config
 from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerPermissionError
 from kvcached.ledger.file import list_ledgers
-from kvcached.ledger.ledger import Ledger, check_instance_name
+from kvcached.ledger.ledger import LOCK_WAIT_S, Ledger, check_instance_name
 from kvcached.ledger.snapshot import LedgerSnapshot, LimitStatus
 
 if TYPE_CHECKING:
@@ -106,23 +106,22 @@ def _listed(directory: str) -> list[str]:
             "access to it", directory) from exc
 
 
-def ledger_paths(directory: str | None = None,
-                 snapshots: Sequence[Snapshot] | None = None) -> list[str]:
-    """Every ledger file in :func:`ledger_dirs`."""
-    return [p for d in ledger_dirs(directory, snapshots) for p in _listed(d)]
-
-
 def ledger_snapshots(directory: str | None = None,
                      snapshots: Sequence[Snapshot] | None = None,
-                     problems: list[str] | None = None) -> list[LedgerSnapshot]:
+                     problems: list[str] | None = None,
+                     timeout: float = LOCK_WAIT_S) -> list[LedgerSnapshot]:
     """A snapshot of every ledger file (see :func:`ledger_dirs` for which).
 
-    A ledger that cannot be read (no permission, another layout version)
-    raises its :class:`~kvcached.errors.LedgerError` (for no permission a
-    :class:`~kvcached.errors.LedgerPermissionError`, a ``PermissionError``),
-    unless ``problems`` is given: then its message is appended there and the
-    ledger skipped.
+    A ledger that cannot be read (no permission, another layout version, a
+    corrupt record) raises its :class:`~kvcached.errors.LedgerError` (for no
+    permission a :class:`~kvcached.errors.LedgerPermissionError`, a
+    ``PermissionError``), unless ``problems`` is given: then its message is
+    appended there and the ledger skipped. All of them together wait at most
+    ``timeout`` seconds for data locks that other processes hold; a ledger
+    still held then is read without its lock (its snapshot's ``locked_by``
+    names the holder).
     """
+    deadline = time.monotonic() + timeout
     out = []
     paths: list[str] = []
     for d in ledger_dirs(directory, snapshots):
@@ -141,7 +140,11 @@ def ledger_snapshots(directory: str | None = None,
             problems.append(str(exc))
             continue
         try:
-            out.append(ledger.snapshot())
+            out.append(ledger.snapshot(max(0.0, deadline - time.monotonic())))
+        except (LedgerError, OSError) as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
         finally:
             ledger.close()
     return out
@@ -149,7 +152,7 @@ def ledger_snapshots(directory: str | None = None,
 
 def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | None = None,
               revision: int | None = None, directory: str | None = None,
-              wait_s: float = 0.0) -> LimitResult:
+              wait_s: float = 0.0, timeout: float = LOCK_WAIT_S) -> LimitResult:
     """Set instance ``name``'s limit on every device it uses.
 
     Give ``limit_bytes`` (``None``: remove the limit) or ``percent`` of each
@@ -160,7 +163,8 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
     :class:`InstanceNotFoundError` when no ledger has a pool of ``name``,
     ``ValueError`` for a bad argument, and
     :class:`~kvcached.errors.LedgerPermissionError` when a ledger may not be
-    written by this user.
+    written by this user, :class:`~kvcached.errors.LedgerBusyError` when a
+    ledger's data lock stays held by another process for ``timeout`` seconds.
     """
     check_instance_name(name)
     if percent is not None:
@@ -195,14 +199,16 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
             unreadable.append(exc)  # fatal only if the instance is found nowhere else
             continue
         try:
-            snap = ledger.snapshot()
+            snap = ledger.snapshot(timeout)
+            if snap.locked_by:
+                raise ledger._busy_error(snap.lock_waited_s)
             inst = snap.instance(name)
             if inst is None or inst.pools == 0:
                 continue
             total = snap.header.total_bytes
             limit = max(1, int(total * percent / 100)) if percent is not None else limit_bytes
             rev = inst.revision + 1 if revision is None else revision
-            status = ledger.set_limit(name, limit, rev)
+            status = ledger.set_limit(name, limit, rev, timeout=timeout)
             results.append(DeviceLimit(snap.header.device_id, status, limit or None, rev,
                                        inst.charged, total))
         finally:
@@ -214,15 +220,15 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
             f"no kvcached instance named {name!r} holds memory on any device "
             f"(ledgers in {', '.join(dirs)})"
         )
-    results = _settle(name, results, dirs, wait_s)
+    results = _settle(name, results, dirs, wait_s, timeout)
     worst = max((d.status for d in results), key=_ORDER.index)
     return LimitResult(name, worst, results)
 
 
-def _charges(name: str, dirs: list[str]) -> dict[str, int]:
+def _charges(name: str, dirs: list[str], timeout: float) -> dict[str, int]:
     charged: dict[str, int] = {}
     for d in dirs:
-        for snap in ledger_snapshots(d, problems=[]):
+        for snap in ledger_snapshots(d, problems=[], timeout=timeout):
             inst = snap.instance(name)
             if inst is not None:
                 charged[snap.header.device_id] = inst.charged
@@ -230,12 +236,12 @@ def _charges(name: str, dirs: list[str]) -> dict[str, int]:
 
 
 def _settle(name: str, results: list[DeviceLimit], dirs: list[str],
-            wait_s: float) -> list[DeviceLimit]:
+            wait_s: float, timeout: float) -> list[DeviceLimit]:
     """Mark written limits that usage is still above as deferred (after waiting
     up to ``wait_s`` for the instance to release idle memory)."""
     deadline = time.monotonic() + wait_s
     while True:
-        charged = _charges(name, dirs)
+        charged = _charges(name, dirs, timeout)
         settled = []
         for d in results:
             now = charged.get(d.gpu, d.charged_bytes)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvcached.control.snapshot import Snapshot
+from kvcached.ledger.locks import process_state
 from kvcached.ledger.snapshot import LedgerSnapshot
 from kvcached.units import format_bytes
 
@@ -75,6 +76,20 @@ class GpuRow:
     calibration_seq: int = 0
     calibrated_at: float = 0.0  #: seconds since the epoch
     calibration_free_bytes: int = 0
+    #: 0: read under the data lock; else the pid (-1: not known) that held it past
+    #: kvctl's --timeout, so the figures were read without it
+    locked_by: int = 0
+    locked_state: str = ""  #: that process' state (``stopped``, ``traced``...)
+
+    @property
+    def held_note(self) -> str:
+        """One line saying who holds this ledger's data lock ("" when nobody did)."""
+        if not self.locked_by:
+            return ""
+        who = (f"pid {self.locked_by} ({self.locked_state})" if self.locked_by > 0
+               else "a process /proc/locks does not name")
+        return (f"ledger {self.path}: its data lock is held by {who}; figures read without "
+                "the lock (grants on this GPU are misses until it is free)")
 
     @property
     def headroom_bytes(self) -> int:
@@ -97,7 +112,8 @@ def gpu_rows(ledgers: Iterable[LedgerSnapshot]) -> list[GpuRow]:
             dead_pools=sum(1 for p in snap.pools if not p.alive),
             instances=sorted(i.name for i in snap.instances if i.pools),
             calibration_seq=h.calibration_seq, calibrated_at=h.calibration_time_ns / 1e9,
-            calibration_free_bytes=h.calibration_free,
+            calibration_free_bytes=h.calibration_free, locked_by=snap.locked_by,
+            locked_state=process_state(snap.locked_by) if snap.locked_by > 0 else "",
         ))
     return sorted(rows, key=lambda g: g.gpu)
 
@@ -162,16 +178,19 @@ def instance_rows(snapshots: Sequence[Snapshot],
 
 
 def gather(directory: str | None = None, names: Sequence[str] = (),
-           problems: list[str] | None = None) -> tuple[list[InstanceRow], list[GpuRow]]:
+           problems: list[str] | None = None,
+           timeout: float = 2.0) -> tuple[list[InstanceRow], list[GpuRow]]:
     """Read every snapshot and ledger now: ``(instance rows, GPU rows)``.
     ``names``: only these instances and their GPUs. Dead snapshots are cleaned up where this
     user may (and shown as dead where not). Unreadable ledgers are skipped and
-    described in ``problems`` when it is given, else raised."""
+    described in ``problems`` when it is given, else raised. A ledger whose data
+    lock another process holds for ``timeout`` seconds (all ledgers together) is
+    read without it; its row's ``locked_by`` names the holder."""
     from kvcached.control.limits import ledger_snapshots
     from kvcached.control.snapshot import read_snapshots
 
     snaps = read_snapshots()
-    ledgers = ledger_snapshots(directory, snaps, problems)
+    ledgers = ledger_snapshots(directory, snaps, problems, timeout=timeout)
     rows = instance_rows(snaps, ledgers)
     gpus = gpu_rows(ledgers)
     if names:  # only these instances, and the GPUs they use

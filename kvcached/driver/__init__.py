@@ -11,7 +11,8 @@ import threading
 
 from kvcached.driver.base import DeviceInfo, Driver, Handle
 
-__all__ = ["DeviceInfo", "Driver", "Handle", "get_driver", "resolve_backend", "make_driver"]
+__all__ = ["DeviceInfo", "Driver", "Handle", "default_driver", "get_driver", "resolve_backend",
+           "make_driver"]
 
 _lock = threading.Lock()
 _drivers: dict[tuple[str, int], Driver] = {}
@@ -31,6 +32,16 @@ def resolve_backend(name: str | None = None) -> str:
     if torch.version.cuda and torch.cuda.is_available():
         return "cuda"
     return "host"
+
+
+def default_driver(backend: str | None = None) -> Driver:
+    """The process' default device on ``backend`` (default ``KVCACHED_DRIVER``):
+    ``host-N`` with N = ``KVCACHED_HOST_DEVICE`` on the host backend, device 0
+    on a GPU (an engine passes its own device)."""
+    from kvcached.config import get_config
+
+    backend = resolve_backend(backend)
+    return get_driver(get_config().host_device if backend == "host" else 0, backend)
 
 
 def make_driver(backend: str, index: int = 0) -> Driver:

@@ -56,7 +56,9 @@ def open_ledger(driver: Driver, *, directory: str | None = None,
     key = ledger_path(directory, device_id)
     with _lock:
         ledger = _ledgers.get(key)
-        if ledger is None or ledger.closed:
+        # A ledger refused (replaced at its path, or corrupt) serves no new pool:
+        # open the file at the path again (which refuses a corrupt one).
+        if ledger is None or ledger.closed or ledger.refusal is not None:
             ledger = Ledger.open(device_id, driver, directory=directory,
                                  gpu_utilization=gpu_utilization)
             _ledgers[key] = ledger

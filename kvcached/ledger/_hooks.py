@@ -8,7 +8,9 @@ record that a process was killed inside the data lock.
 
 Names: ``data-locked``, ``data-unlocking``, ``grant-decided``, ``grant-charged``,
 ``refund-flushed``, ``register-leased``, ``register-written``,
-``retire-journaled``, ``retire-applying``, ``calibrate-sampled``,
+``retire-journaled``, ``retire-applying``, ``calibrate-sampled`` (the sample
+window is open, the driver sampled, nothing published), ``calibrate-journaled``
+(the publication committed to its journal, not yet applied),
 ``calibrate-published``, ``limit-written``.
 """
 

@@ -27,7 +27,7 @@ import ctypes
 import hashlib
 
 MAGIC = b"KVCLEDGR"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 POOL_SLOTS = 256
 INSTANCE_SLOTS = 64
@@ -40,11 +40,25 @@ class Header(ctypes.Structure):
     """The file's first 256 bytes.
 
     The first 128 bytes are written once, when the file is created, and only
-    read afterwards. The second half changes: ``budget`` and the calibration
-    fields (under the data lock), ``pool_high_water`` (a structural hint: no
-    slot at or above it has ever been used, so sums may stop there), and the
-    retirement journal (``retire_*``) that makes retiring a record atomic
-    against a crash (see :meth:`kvcached.ledger.ledger.Ledger._retire_locked`).
+    read afterwards. The second half changes, all of it under the data lock:
+
+    * ``budget`` and the calibration fields;
+    * ``pool_high_water``, a structural hint: no slot at or above it has ever
+      been used, so sums may stop there;
+    * two journals that make a multi-word change atomic against a crash: the
+      retirement of a record (``retire_*``, see
+      :meth:`kvcached.ledger.ledger.Ledger._retire_locked`) and the
+      publication of a calibration (``publish_*``: budget, free, time and
+      sequence land together or not at all). ``retire_slot`` and
+      ``publish_pending`` share one 8-byte word, so one test tells a lock
+      holder whether a journal is pending;
+    * the calibration window: ``window_open`` while a calibrator samples the
+      driver, and ``window_granted``, the bytes granted since it opened, which
+      its publication subtracts (growth inside the window is in the charges
+      and possibly not yet out of the sampled free memory).
+
+    Who holds the data lock is not stored: the kernel lists a flock lock's
+    holder in ``/proc/locks`` (see :func:`kvcached.ledger.locks.flock_holder`).
     """
 
     _fields_ = [
@@ -69,8 +83,15 @@ class Header(ctypes.Structure):
         ("retire_instance", ctypes.c_uint32),
         ("retire_budget", ctypes.c_int64),
         ("retire_slot", ctypes.c_uint32),
+        ("publish_pending", ctypes.c_uint32),
+        ("publish_budget", ctypes.c_int64),
+        ("publish_free", ctypes.c_int64),
+        ("publish_time_ns", ctypes.c_uint64),
+        ("publish_seq", ctypes.c_uint64),
+        ("window_granted", ctypes.c_int64),
+        ("window_open", ctypes.c_uint32),
         ("_reserved0", ctypes.c_uint32),
-        ("_reserved", ctypes.c_uint8 * 72),
+        ("_reserved", ctypes.c_uint8 * 24),
     ]
 
 
@@ -130,8 +151,12 @@ POOLS_OFFSET = HEADER_SIZE
 INSTANCES_OFFSET = POOLS_OFFSET + POOL_SLOTS * POOL_RECORD_SIZE
 FILE_SIZE = INSTANCES_OFFSET + INSTANCE_SLOTS * INSTANCE_RECORD_SIZE
 
-# Lock bytes. OFD locks cover byte ranges and never touch the data under them.
-DATA_LOCK_BYTE = 0          # the short lock around every read-modify-write of records
+# Locks. The data lock (the short lock around every read-modify-write of
+# records) is a whole-file flock(2) lock: of the two, it is the cheaper system
+# call (measured in benchmarks/ledger.py). Leases are OFD byte-range locks,
+# which on Linux never conflict with flock locks; OFD locks cover byte ranges
+# and never touch the data under them.
+DATA_LOCK = "flock"
 CALIBRATOR_LEASE_BYTE = 1   # held (non-blocking) by the one process calibrating
 
 
@@ -162,7 +187,7 @@ def fingerprint() -> str:
         f"pools={POOL_SLOTS}x{POOL_RECORD_SIZE}",
         f"instances={INSTANCE_SLOTS}x{INSTANCE_RECORD_SIZE}",
         f"file={FILE_SIZE}",
-        f"locks={DATA_LOCK_BYTE},{CALIBRATOR_LEASE_BYTE},pool-first-byte",
+        f"locks={DATA_LOCK},{CALIBRATOR_LEASE_BYTE},pool-first-byte",
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -173,6 +198,8 @@ def _check() -> None:
     assert INSTANCE_RECORD_SIZE == 2 * CACHE_LINE, "invariant: an instance record is two lines"
     assert Header.budget.offset == 128, "invariant: the mutable header starts on line 2"
     assert FILE_SIZE % 8 == 0, "invariant: the file is viewable as 64-bit words"
+    assert Header.publish_pending.offset == Header.retire_slot.offset + 4 and \
+        Header.retire_slot.offset % 8 == 0, "invariant: both journal markers are one u64 word"
 
 
 _check()

@@ -5,14 +5,32 @@ Rules the ledger keeps (the seed PR #487's semantics, see DESIGN.md):
 * **Totals are sums.** The file stores each pool's charge and each instance's
   limit, never a total: the device's charges are the sum over pool records,
   an instance's the sum over its pools.
-* **Grants never pass the budget.** A grant is checked and charged in one
-  critical section under the data lock (an OFD lock on byte 0), so at every
-  moment ``sum(charges) <= budget`` holds unless the last calibration itself
-  published a budget below the charges (then growth simply stops).
-* **The data lock is short.** No driver call, no sleep and no wait on another
-  lock runs under it; it covers a handful of reads and writes of the mapping.
-  Threads of one process are serialised on it by a ``threading.Lock`` because
-  they share one descriptor, and an OFD lock does not exclude its own holder.
+* **Grants never pass the budget, and the budget never passes the device.**
+  A grant is checked and charged in one critical section under the data lock,
+  so at every moment ``sum(charges) <= budget`` holds unless the last
+  calibration itself published a budget below the charges (then growth simply
+  stops); and no budget is ever published above ``total - safety margin``.
+* **The data lock is short, and so is every wait for it.** It is a whole-file
+  ``flock`` lock on the ledger file (cheaper than an OFD lock; see
+  :mod:`kvcached.ledger.locks`). No driver call, no sleep and no wait on
+  another lock runs under it; it covers a handful of reads and writes of the
+  mapping. The kernel names its holder (``/proc/locks``). Nobody waits for it
+  without a bound: a grant waits :data:`GRANT_LOCK_WAIT_S` and
+  is then a miss (logged once per episode), calibration gives up after
+  :data:`CALIBRATE_LOCK_WAIT_S`, registration, limits and snapshots raise
+  :class:`~kvcached.errors.LedgerBusyError` naming the holder. A pool takes it
+  through its own descriptor (the one that holds its lease: a description of
+  its own, which flock excludes like another process's), under the pool's
+  lock; the ledger's other users share the ledger's descriptor and are
+  serialised by a ``threading.Lock``, since flock does not exclude its own
+  holder.
+* **What is read is checked.** The file is validated under the data lock when
+  it is opened, at every registration and calibration and in every snapshot
+  (:mod:`kvcached.ledger.validate`); a grant checks the sum it computes. A
+  corrupt ledger is refused (grants become misses, nothing is written).
+* **The file is the one at the path.** Registration and calibration check
+  that the path still names this process' file; once it does not (unlinked or
+  replaced), this process grants nothing more against it.
 * **Liveness is a lock.** Each pool holds an OFD lock on its record's first
   byte (its owner lease) through a descriptor of its own for its whole life. A
   record whose lease can be taken belongs to a dead process; registration and
@@ -24,23 +42,36 @@ Rules the ledger keeps (the seed PR #487's semantics, see DESIGN.md):
   that takes the data lock.
 * **Calibration is coordinated only among calibrators.** A non-blocking lease
   (byte 1) lets one process at a time sample the driver, outside the data lock,
-  then publish ``budget = max(0, charges now - released + sampled free -
-  safety margin)`` under it; the calibration sequence keeps an older sample
-  from overwriting a newer one. Grants and refunds go on meanwhile.
-  ``released`` (the seed has no such term) is what pools have released but
-  not yet refunded: each owner publishes its batch in its record without the
-  lock, so that memory, which the driver already reports as free, is not
-  counted twice.
+  then publish ``budget = min(total - margin, max(0, charges now - released +
+  sampled free - safety margin - granted in the window))`` under it; the
+  calibration sequence keeps an older sample from overwriting a newer one.
+  Grants and refunds go on meanwhile. ``released`` (the seed has no such
+  term) is what pools have released but not yet refunded: each owner
+  publishes its batch in its record without the lock, so that memory, which
+  the driver already reports as free, is not counted twice. *The window*
+  (not in the seed either) opens under the data lock before the sample and
+  closes at publication; every grant made while it is open adds its bytes to
+  ``window_granted``. Those bytes are in "charges now" and, when they were
+  materialised after the sample, still in "sampled free": subtracting them
+  counts them once whatever the interleaving (growth materialised before the
+  sample is then under-counted until the next calibration, which is safe).
+  Publication is journaled like retirement, so budget and sequence change
+  together even if the calibrator dies in between.
 
-The budget is an estimate (the seed's list of error sources applies: grants
-not yet materialised, a refund or re-use between its driver call and its
-ledger write, the delay between sample and publication, allocations outside
-kvcached); the safety margin absorbs it.
+What is guaranteed: ``sum(charges) <= budget <= total - margin`` at every
+moment, so kvcached's processes on a device never hold more than it has (less
+the margin) through the ledger; and a published budget is at most what the
+device had free at the sample, less the margin, plus the bytes that were
+charged but not yet created (or released but not yet refunded) at that
+moment. What remains an estimate (the seed's list): those in-flight bytes,
+memory that other programs take after the sample, and driver overhead; the
+safety margin absorbs them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
@@ -50,11 +81,17 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerFullError
+from kvcached.errors import (
+    InstanceNotFoundError,
+    LedgerBusyError,
+    LedgerError,
+    LedgerFullError,
+    LedgerReplacedError,
+)
 from kvcached.ledger import _hooks, layout
 from kvcached.ledger.file import Initial, LedgerFile, open_file
 from kvcached.ledger.layout import Header, InstanceRecord, PoolRecord
-from kvcached.ledger.locks import ByteLock
+from kvcached.ledger.locks import ByteLock, flock_holder, process_state, wait_flock
 from kvcached.ledger.snapshot import (
     HeaderView,
     InstanceView,
@@ -62,6 +99,7 @@ from kvcached.ledger.snapshot import (
     LimitStatus,
     PoolView,
 )
+from kvcached.ledger.validate import MAX_TOTAL_BYTES, check_image, corrupt
 from kvcached.log import get_logger
 
 if TYPE_CHECKING:
@@ -71,7 +109,20 @@ log = get_logger("kvcached.ledger")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
 
+#: Seconds a grant waits for the data lock before it counts as a miss (the
+#: first grant of an episode; later ones in the same episode do not wait).
+GRANT_LOCK_WAIT_S = 0.5
+#: Seconds a calibration waits for the data lock before it gives up this tick.
+CALIBRATE_LOCK_WAIT_S = 2.0
+#: Seconds registration, limits, closing and snapshots wait by default.
+LOCK_WAIT_S = 10.0
+
+_flock = fcntl.flock
+_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+_UN = fcntl.LOCK_UN
+
 # Word indices into the file's typed views (see kvcached.ledger.file.LedgerFile).
+H_TOTAL = Header.total_bytes.offset // 8
 H_MARGIN = Header.safety_margin.offset // 8
 H_BUDGET = Header.budget.offset // 8
 H_SEQ = Header.calibration_seq.offset // 8
@@ -81,6 +132,14 @@ H_HIGH_WATER = Header.pool_high_water.offset // 4
 H_RETIRE_INSTANCE = Header.retire_instance.offset // 4
 H_RETIRE_BUDGET = Header.retire_budget.offset // 8
 H_RETIRE_SLOT = Header.retire_slot.offset // 4
+H_JOURNAL = Header.retire_slot.offset // 8  # retire_slot and publish_pending: one word
+H_PUB_PENDING = Header.publish_pending.offset // 4
+H_PUB_BUDGET = Header.publish_budget.offset // 8
+H_PUB_FREE = Header.publish_free.offset // 8
+H_PUB_TIME = Header.publish_time_ns.offset // 8
+H_PUB_SEQ = Header.publish_seq.offset // 8
+H_WINDOW = Header.window_open.offset // 4
+H_WINDOW_GRANTED = Header.window_granted.offset // 8
 
 
 def p_token(slot: int) -> int:
@@ -160,12 +219,28 @@ def _new_token() -> int:
     return secrets.randbits(63) | 1
 
 
+def _checked_sample(sampler: MemInfo, device_id: str) -> tuple[int, int]:
+    """``sampler.mem_info()`` if it describes a possible device, else raise
+    :class:`LedgerError` (a ledger is never created for an absurd total)."""
+    free, total = sampler.mem_info()
+    free, total = int(free), int(total)
+    if not 0 < total <= MAX_TOTAL_BYTES or free < 0:
+        hint = " (KVCACHED_HOST_CAPACITY)" if device_id.startswith("host-") else ""
+        raise LedgerError(
+            f"device {device_id} reports {free} bytes free of {total}{hint}; a ledger needs "
+            f"a total of 1 byte to 8 PiB and free memory of 0 or more"
+        )
+    return min(free, total), total
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What one :meth:`Ledger.calibrate` call did."""
 
     published: bool
-    reason: str  #: "published", "busy" (another calibrator holds the lease) or "stale"
+    #: "published", "busy" (another calibrator holds the lease), "stale" (a newer
+    #: sample was published first) or "locked" (the data lock stayed held)
+    reason: str
     retired: int = 0
     budget: int = 0
     free: int = 0
@@ -181,6 +256,10 @@ class Ledger:
     the accounting of one pool is :class:`~kvcached.ledger.pool.PoolBudget`.
     """
 
+    #: The class :meth:`register_pool` makes (None: ``PoolBudget``); a subclass
+    #: of Ledger may name a subclass of it (the benchmark's variants do).
+    pool_class: type[PoolBudget] | None = None
+
     def __init__(self, lfile: LedgerFile, sampler: MemInfo | None = None) -> None:
         self.file = lfile
         self.path = lfile.path
@@ -190,7 +269,11 @@ class Ledger:
         self.total_bytes = head.total_bytes
         self.safety_margin = head.safety_margin
         self._tlock = threading.Lock()
-        self._data = ByteLock(lfile.fd, layout.DATA_LOCK_BYTE, f"data lock of {self.path}")
+        self._fd = lfile.fd  # the data lock is a flock lock on this descriptor
+        #: Why this process grants nothing more on this file (corrupt, replaced), or None.
+        self.refusal: str | None = None
+        self._busy_since = 0.0  # monotonic start of a lock-busy episode (0: none)
+        self._busy_misses = 0
         self._calib_lease = ByteLock(lfile.fd, layout.CALIBRATOR_LEASE_BYTE,
                                      f"calibrator lease of {self.path}")
         self._calib_tlock = threading.Lock()
@@ -239,14 +322,29 @@ class Ledger:
             raise ValueError(f"gpu_utilization={util!r}: must be in (0, 1], e.g. 0.95")
 
         def initial() -> Initial:
-            free, total = sampler.mem_info()
+            free, total = _checked_sample(sampler, device_id)
             margin = round(total * (1.0 - util))
-            return Initial(device_id, total, margin, max(0, free - margin))
+            return Initial(device_id, total, margin, min(max(0, free - margin), total - margin))
 
         ledger = cls(open_file(directory, device_id, initial), sampler)
-        free, total = sampler.mem_info()
+        try:
+            with ledger.locked():
+                ledger.validate_locked()
+        except BaseException:
+            ledger.close()
+            raise
+        _free, total = _checked_sample(sampler, device_id)
         wanted = round(total * (1.0 - util))
-        if wanted != ledger.safety_margin:
+        if total != ledger.total_bytes:
+            variable = ("KVCACHED_HOST_CAPACITY" if device_id.startswith("host-")
+                        else "the device's total memory (another device behind this bus id?)")
+            log.warning(
+                "ledger %s was created for a device of %d bytes; this process sees %d. "
+                "What differs is %s: use one value for every process on a device. The "
+                "ledger's total and margin are kept.", ledger.path, ledger.total_bytes,
+                total, variable,
+            )
+        elif wanted != ledger.safety_margin:
             log.warning(
                 "ledger %s keeps its creator's safety margin of %d bytes; this process' "
                 "KVCACHED_GPU_UTILIZATION=%s would give %d (total %d). Use one value on a GPU.",
@@ -263,35 +361,132 @@ class Ledger:
         return cls(open_path(path), None)
 
     # -- the data lock ----------------------------------------------------------------
-    def _lock_data(self) -> None:
-        self._tlock.acquire()
+    def _lock_data(self, timeout: float = LOCK_WAIT_S) -> None:
+        """Take the data lock through the ledger's descriptor within ``timeout``
+        seconds, else raise :class:`LedgerBusyError` naming the holder. Its
+        threads are serialised by ``_tlock`` (they share the description)."""
+        tlock = self._tlock
+        if not tlock.acquire(False) and not tlock.acquire(True, timeout):
+            raise self._busy_error(timeout, "another thread of this process")
         try:
-            self._data.acquire()
+            self._lock_fd(self._fd, timeout)
         except BaseException:
-            self._tlock.release()
+            tlock.release()
             raise
-        if self.u32[H_RETIRE_SLOT]:
-            self._apply_retire()  # a process died halfway through a retirement
-        if _hooks.point is not None:
-            _hooks.point("data-locked")
 
     def _unlock_data(self) -> None:
-        if _hooks.point is not None:
-            _hooks.point("data-unlocking")
         try:
-            self._data.release()
+            self._unlock_fd(self._fd)
         finally:
             self._tlock.release()
 
+    def _lock_fd(self, fd: int, timeout: float) -> None:
+        """Take the data lock through ``fd``, an open file description of the
+        ledger that only one thread uses at a time (a pool's own, under the
+        pool's lock; or the ledger's, under ``_tlock``): flock excludes every
+        other description, in this process too. Finishes a journal that a
+        process killed under the lock left pending."""
+        try:
+            _flock(fd, _EX_NB)
+        except BlockingIOError:
+            if not wait_flock(fd, timeout):
+                raise self._busy_error(timeout) from None
+        if self.u64[H_JOURNAL]:
+            try:
+                self._apply_journal()  # a process died halfway through a journaled change
+            except BaseException:
+                self._unlock_fd(fd)
+                raise
+        if _hooks.point is not None:
+            _hooks.point("data-locked")
+
+    def _unlock_fd(self, fd: int) -> None:
+        if _hooks.point is not None:
+            _hooks.point("data-unlocking")
+        _flock(fd, _UN)
+
     @contextlib.contextmanager
-    def locked(self):
+    def locked(self, timeout: float = LOCK_WAIT_S):
         """The data lock as a context manager (not for the hot path)."""
         self._check_open()
-        self._lock_data()
+        self._lock_data(timeout)
         try:
             yield self
         finally:
             self._unlock_data()
+
+    def lock_holder(self) -> tuple[int, str]:
+        """``(pid, state)`` of the process that holds the data lock, as the kernel
+        lists it (``(0, "unknown")`` when it lists none)."""
+        pid = flock_holder(self._fd)
+        return pid, process_state(pid) if pid > 0 else "unknown"
+
+    def _busy_error(self, waited: float, who: str | None = None) -> LedgerBusyError:
+        pid, state = self.lock_holder() if who is None else (0, who)
+        holder = (f"pid {pid} ({state})" if pid > 0 else who or
+                  "a process /proc/locks does not name (another PID namespace?)")
+        return LedgerBusyError(
+            f"ledger {self.path}: the data lock is held by {holder} and was not free "
+            f"within {waited:g} s; a process stopped (SIGSTOP, a debugger, a frozen cgroup) "
+            "while holding it stalls this GPU's accounting until it continues or dies",
+            pid, waited)
+
+    def _note_busy(self, exc: LedgerBusyError) -> None:
+        """Count a miss caused by a busy data lock; log once per episode."""
+        self._busy_misses += 1
+        if not self._busy_since:
+            self._busy_since = time.monotonic()
+            log.warning("%s. Grants are misses (requests wait) until it is free.", exc)
+
+    def _busy_over(self) -> None:
+        log.warning("ledger %s: the data lock is free again after %.1f s; %d grant(s) were "
+                    "misses meanwhile", self.path, time.monotonic() - self._busy_since,
+                    self._busy_misses)
+        self._busy_since = 0.0
+        self._busy_misses = 0
+
+    def _grant_lock_wait(self) -> float:
+        """How long a grant waits: the full bound once, then not at all while the
+        episode lasts (each grant of a stalled ledger is a quick miss)."""
+        return 0.0 if self._busy_since else GRANT_LOCK_WAIT_S
+
+    # -- refusal: corrupt or replaced files -------------------------------------------------
+    def _refuse(self, reason: str) -> None:
+        """Stop granting on this file, for ``reason`` (logged once)."""
+        if self.refusal is None:
+            self.refusal = reason
+            if self.sampler is not None or self._pools:  # a reader (kvctl) says it itself
+                log.error("%s; this process grants nothing more on it", reason)
+
+    def validate_locked(self) -> None:
+        """Check every record (under the data lock); a corrupt file is refused."""
+        self.validate_image(self.file.mm)
+
+    def validate_image(self, image, locked: bool = True) -> None:
+        """Check every record of ``image``, a copy of the file taken under the data
+        lock (``locked``) or not; a corrupt file is refused (and the error raised)."""
+        try:
+            check_image(image, self.path, locked=locked)
+        except LedgerError as exc:
+            self._refuse(str(exc))
+            raise
+
+    def check_identity(self) -> None:
+        """Raise :class:`LedgerReplacedError` (and refuse further grants) if the
+        ledger's path no longer names this process' file."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if now == self.file.identity:
+            return
+        what = "was removed" if now is None else "now names another file"
+        reason = (f"ledger {self.path} {what} while this process used it: granting against "
+                  "the old file would count this GPU twice. Restart every kvcached process "
+                  "of this device, and never remove a ledger file that is in use")
+        self._refuse(reason)
+        raise LedgerReplacedError(reason)
 
     # -- sums (call under the data lock for an exact figure) ---------------------------------
     def charged_total(self) -> int:
@@ -344,6 +539,19 @@ class Ledger:
         self._apply_retire()
         return charge
 
+    def _apply_journal(self) -> None:
+        u32 = self.u32
+        slot, pending = u32[H_RETIRE_SLOT], u32[H_PUB_PENDING]
+        if slot > layout.POOL_SLOTS or pending > 1:
+            reason = corrupt(self.path, f"journal words retire_slot={slot}, "
+                                        f"publish_pending={pending}")
+            self._refuse(str(reason))
+            raise reason
+        if slot:
+            self._apply_retire()
+        if pending:
+            self._apply_publish()
+
     def _apply_retire(self) -> None:
         i64, u32 = self.i64, self.u32
         slot = u32[H_RETIRE_SLOT] - 1
@@ -369,7 +577,7 @@ class Ledger:
                 dead.append((slot, token))
         return dead
 
-    def retire_dead(self) -> int:
+    def retire_dead(self, timeout: float = LOCK_WAIT_S) -> int:
         """Retire every pool whose owner died; returns how many. Candidates are
         found without the data lock and checked again under it (same owner
         token, lease still free) before anything is written."""
@@ -378,7 +586,7 @@ class Ledger:
         if not candidates:
             return 0
         retired = 0
-        self._lock_data()
+        self._lock_data(timeout)
         try:
             for slot, token in candidates:
                 if self.tokens[slot] == token and not self._lease(slot).held_elsewhere():
@@ -441,10 +649,14 @@ class Ledger:
 
         check_instance_name(instance)
         self._check_open()
+        self.check_identity()
+        if self.refusal is not None:
+            raise LedgerError(self.refusal)
         fd = self.file.open_again()
         try:
             self._lock_data()
             try:
+                self.validate_locked()
                 for slot, token in self._dead_slots():
                     if self.tokens[slot] == token:
                         charge = self._retire_locked(slot)
@@ -468,7 +680,7 @@ class Ledger:
                 self.u64[p_token(slot)] = token  # identity last
                 if _hooks.point is not None:
                     _hooks.point("register-written")
-                pool = PoolBudget(self, slot, fd, token, inst, instance)
+                pool = (self.pool_class or PoolBudget)(self, slot, fd, token, inst, instance)
             finally:
                 self._unlock_data()
         except BaseException:
@@ -499,14 +711,22 @@ class Ledger:
     def calibrate(self, sampler: MemInfo | None = None) -> Calibration:
         """Sample the device and publish a new budget, if no other process is calibrating.
 
-        Takes the calibrator lease without waiting (``busy`` if another process
-        or thread holds it), retires dead pools, samples ``sampler.mem_info()``
-        *outside* the data lock, then under it publishes
-        ``budget = max(0, sum(charges) - sum(released) + free - safety_margin)``
+        Checks first that the path still names this file (else
+        :class:`LedgerReplacedError`). Takes the calibrator lease without
+        waiting (``busy`` if another process or thread holds it), retires dead
+        pools, opens the sample window under the data lock, samples
+        ``sampler.mem_info()`` *outside* it, then under it publishes ::
+
+            budget = min(total - margin,
+                         max(0, charges - released + free - margin - window_granted))
+
         unless another sample was published since this one's sequence was read
         (``stale``). ``released`` is memory whose release is confirmed but whose
         refund is still batched in its process: the driver already counts it as
-        free, so it is subtracted once from the charges.
+        free, so it is subtracted once from the charges. ``window_granted`` is
+        what was granted since the window opened: charged now, and perhaps not
+        yet out of ``free``, so it is not counted twice either. A data lock
+        that stays held for :data:`CALIBRATE_LOCK_WAIT_S` gives ``locked``.
         """
         self._check_open()
         sampler = sampler or self.sampler
@@ -518,8 +738,20 @@ class Ledger:
             if not self._calib_lease.acquire(wait=False):
                 return Calibration(False, "busy")
             try:
-                retired = self.retire_dead()
-                seq = self.u64[H_SEQ]
+                self.check_identity()
+                try:
+                    retired = self.retire_dead(CALIBRATE_LOCK_WAIT_S)
+                    self._lock_data(CALIBRATE_LOCK_WAIT_S)
+                except LedgerBusyError:
+                    return Calibration(False, "locked")
+                try:
+                    seq = self.u64[H_SEQ]
+                    self.i64[H_WINDOW_GRANTED] = 0
+                    self.u32[H_WINDOW] = 1
+                    image = bytes(self.file.mm[: layout.FILE_SIZE])
+                finally:
+                    self._unlock_data()
+                self.validate_image(image)  # a consistent copy, checked outside the lock
                 free, _total = sampler.mem_info()
                 if _hooks.point is not None:
                     _hooks.point("calibrate-sampled")
@@ -530,19 +762,38 @@ class Ledger:
             self._calib_tlock.release()
 
     def _publish(self, seq: int, free: int, retired: int = 0) -> Calibration:
-        self._lock_data()
+        try:
+            self._lock_data(CALIBRATE_LOCK_WAIT_S)
+        except LedgerBusyError:
+            return Calibration(False, "locked", retired)
         try:
             if self.u64[H_SEQ] != seq:
                 return Calibration(False, "stale", retired, self.i64[H_BUDGET], free, 0,
                                    self.u64[H_SEQ])
+            i64 = self.i64
             charged = self.charged_total()
-            # Memory released but not yet refunded is in `free` and in `charged`:
-            # count it once.
-            budget = max(0, charged - self.released_total() + free - self.i64[H_MARGIN])
-            self.i64[H_BUDGET] = budget
-            self.i64[H_CAL_FREE] = free
-            self.u64[H_CAL_TIME] = time.time_ns()
-            self.u64[H_SEQ] = seq + 1
+            released = self.released_total()
+            total, margin = i64[H_TOTAL], i64[H_MARGIN]
+            if not 0 <= released <= charged <= total:  # the records were checked at the window
+                error = corrupt(self.path, f"the pools charge {charged} bytes ({released} "
+                                           f"released) on a device of {total}")
+                self._refuse(str(error))
+                raise error
+            free = min(max(0, free), total)
+            # Released but not refunded: in `free` and in `charged`. Granted in the
+            # window: in `charged`, and in `free` unless created before the sample.
+            # Count each once; and never more than the device can hold.
+            budget = charged - released + free - margin - i64[H_WINDOW_GRANTED]
+            budget = min(max(0, budget), total - margin)
+            # Journaled: budget, free, time and sequence land together.
+            i64[H_PUB_BUDGET] = budget
+            i64[H_PUB_FREE] = free
+            self.u64[H_PUB_TIME] = time.time_ns()
+            self.u64[H_PUB_SEQ] = seq + 1
+            self.u32[H_PUB_PENDING] = 1  # the commit
+            if _hooks.point is not None:
+                _hooks.point("calibrate-journaled")
+            self._apply_publish()
             if _hooks.point is not None:
                 _hooks.point("calibrate-published")
         finally:
@@ -550,11 +801,24 @@ class Ledger:
         self.refresh_pools()
         return Calibration(True, "published", retired, budget, free, charged, seq + 1)
 
+    def _apply_publish(self) -> None:
+        """Apply the journaled publication (absolute writes: idempotent)."""
+        i64, u64 = self.i64, self.u64
+        i64[H_BUDGET] = i64[H_PUB_BUDGET]
+        i64[H_CAL_FREE] = i64[H_PUB_FREE]
+        u64[H_CAL_TIME] = u64[H_PUB_TIME]
+        u64[H_SEQ] = u64[H_PUB_SEQ]
+        self.u32[H_WINDOW] = 0
+        i64[H_WINDOW_GRANTED] = 0
+        self.u32[H_PUB_PENDING] = 0
+
     def refresh_pools(self) -> None:
         """Refresh the cached headroom of every pool of this process."""
         for pool in list(self._pools):
-            with contextlib.suppress(LedgerError):
-                pool.refresh()
+            try:
+                pool.refresh(CALIBRATE_LOCK_WAIT_S)
+            except LedgerError as exc:  # busy or refused: the cached figure waits a tick
+                log.debug("ledger %s: refreshing pool %d failed: %s", self.path, pool.slot, exc)
 
     def calibrator(self, sampler: MemInfo | None = None, interval_s: float | None = None):
         """A new :class:`~kvcached.ledger.calibrator.Calibrator` for this ledger (not started)."""
@@ -578,7 +842,8 @@ class Ledger:
                 calibrator.stop()
 
     # -- limits ------------------------------------------------------------------------------
-    def set_limit(self, instance: str, limit: int | None, revision: int) -> LimitStatus:
+    def set_limit(self, instance: str, limit: int | None, revision: int, *,
+                  timeout: float = LOCK_WAIT_S) -> LimitStatus:
         """Set ``instance``'s limit on this device (``None``/0: unlimited) at ``revision``.
 
         ``revision`` above the stored one: applied. Equal to it: applied if the
@@ -595,8 +860,9 @@ class Ledger:
         if not isinstance(revision, int) or not 0 < revision < 1 << 64:
             raise ValueError(f"revision={revision!r}: must be an int >= 1 (below 2**64)")
         self._check_open()
-        self._lock_data()
+        self._lock_data(timeout)
         try:
+            self.validate_locked()
             slot = self._find_instance_locked(instance)
             if slot is None:
                 names = self._instance_names_locked()
@@ -629,14 +895,52 @@ class Ledger:
         ]
 
     # -- snapshot ------------------------------------------------------------------------------
-    def snapshot(self) -> LedgerSnapshot:
-        """Everything in the file, copied under the data lock; liveness is probed after."""
+    def snapshot(self, timeout: float = LOCK_WAIT_S) -> LedgerSnapshot:
+        """Everything in the file, validated, with each pool's liveness, all
+        read under the data lock (so a slot cannot be retired and re-claimed
+        between its record and its lease probe).
+
+        When the lock is not free within ``timeout`` seconds, the file is read
+        without it: the snapshot then names the holder (``locked_by``), only
+        per-record checks apply, and a pool whose record changed while it was
+        probed is left out. Raises :class:`~kvcached.errors.LedgerCorruptError`
+        for a corrupt file (nothing is written)."""
         self._check_open()
-        self._lock_data()
+        try:
+            self._lock_data(timeout)
+        except LedgerBusyError as exc:
+            return self._snapshot_unlocked(exc)
         try:
             image = bytes(self.file.mm[: layout.FILE_SIZE])
+            alive = {s: self._lease(s).held_elsewhere() for s in _live_slots(image)}
         finally:
             self._unlock_data()
+        self.validate_image(image)  # a consistent copy: checked outside the lock
+        return self._snapshot_of(image, alive)
+
+    def _snapshot_unlocked(self, busy: LedgerBusyError) -> LedgerSnapshot:
+        # A holder that is only slow (not stopped) may be halfway through a change:
+        # a copy that fails the per-record checks is taken again before it counts.
+        for attempt in range(3):
+            image = bytes(self.file.mm[: layout.FILE_SIZE])
+            try:
+                check_image(image, self.path, locked=False)
+                break
+            except LedgerError:
+                if attempt == 2:
+                    raise
+                time.sleep(0.01)
+        alive = {}
+        for s in _live_slots(image):
+            token = PoolRecord.from_buffer_copy(image, layout.pool_offset(s)).token
+            probe = self._lease(s).held_elsewhere()
+            if self.tokens[s] == token:  # else retired (and maybe re-claimed) meanwhile
+                alive[s] = probe
+        return self._snapshot_of(image, alive, locked_by=busy.holder or -1,
+                                 lock_waited_s=busy.waited_s)
+
+    def _snapshot_of(self, image: bytes, alive: dict[int, bool], locked_by: int = 0,
+                     lock_waited_s: float = 0.0) -> LedgerSnapshot:
         head = Header.from_buffer_copy(image)
         inst_names: dict[int, str] = {}
         inst_raw: dict[int, InstanceRecord] = {}
@@ -646,15 +950,12 @@ class Ledger:
                 inst_raw[s] = rec
                 inst_names[s] = rec.name.decode(errors="replace")
         pools = []
-        for s in range(head.pool_high_water):
+        for s, is_alive in alive.items():
             rec = PoolRecord.from_buffer_copy(image, layout.pool_offset(s))
-            if not rec.token:
-                continue
             pools.append(PoolView(
                 slot=s, token=rec.token, pid=rec.pid, start_time=rec.start_time,
                 instance=inst_names.get(rec.instance - 1, ""), charged=rec.charged,
-                registered_ns=rec.registered_ns, released=rec.released,
-                alive=self._lease(s).held_elsewhere(),
+                registered_ns=rec.registered_ns, released=rec.released, alive=is_alive,
             ))
         instances = []
         for s, rec in inst_raw.items():
@@ -673,7 +974,8 @@ class Ledger:
             calibration_free=head.calibration_free, created_ns=head.created_ns,
             charged=sum(p.charged for p in pools), released=sum(p.released for p in pools),
         )
-        return LedgerSnapshot(header, tuple(pools), tuple(instances))
+        return LedgerSnapshot(header, tuple(pools), tuple(instances), locked_by=locked_by,
+                              lock_waited_s=lock_waited_s)
 
     # -- lifetime --------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -703,8 +1005,10 @@ class Ledger:
         for pool in list(self._pools):
             pool._detach_in_child()
         self.closed = True
-        with contextlib.suppress(Exception):
+        try:
             self.file.close()
+        except (OSError, BufferError) as exc:  # a view still exported, a closed fd
+            log.debug("ledger %s: closing the copy inherited by fork failed: %r", self.path, exc)
 
     def __enter__(self) -> Ledger:
         return self
@@ -714,6 +1018,17 @@ class Ledger:
 
     def __repr__(self) -> str:
         return f"<Ledger {self.path}{' closed' if self.closed else ''}>"
+
+
+def _live_slots(image: bytes) -> list[int]:
+    """Pool slots in use in a copy of the file (below its high-water mark)."""
+    hw = Header.from_buffer_copy(image).pool_high_water
+    words = memoryview(image)[layout.POOLS_OFFSET : layout.INSTANCES_OFFSET].cast("Q")
+    try:
+        step = layout.POOL_RECORD_SIZE // 8
+        return [s for s in range(min(hw, layout.POOL_SLOTS)) if words[s * step]]
+    finally:
+        words.release()
 
 
 _LIVE: weakref.WeakSet[Ledger] = weakref.WeakSet()

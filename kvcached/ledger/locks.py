@@ -1,4 +1,13 @@
-"""One small lock primitive: fcntl OFD byte-range locks, every errno sorted.
+"""The ledger's two lock primitives, every errno sorted.
+
+* The **data lock** is a whole-file ``flock(2)`` lock (:func:`wait_flock` is
+  its bounded slow path; the fast path, one non-blocking ``flock``, is written
+  out in :meth:`kvcached.ledger.ledger.Ledger._lock_data`). ``flock`` costs
+  about half of an OFD ``fcntl`` lock per lock+unlock pair here (see
+  ``benchmarks/ledger.py``), and Linux keeps flock and fcntl locks apart, so it
+  never conflicts with the byte-range leases below.
+* **Leases** (a pool's owner lease, the calibrator lease) are fcntl OFD
+  byte-range locks (:class:`ByteLock`).
 
 OFD ("open file description") locks, unlike classic POSIX ``fcntl`` locks,
 belong to the open file description, not to the process: closing an unrelated
@@ -23,7 +32,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import os
 import struct
+import time
 
 from kvcached.errors import LedgerError
 
@@ -94,3 +105,77 @@ class ByteLock:
                 raise _unsupported(exc, self.what) from exc
             raise
         return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+
+_flock = fcntl.flock
+_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+
+
+def wait_flock(fd: int, timeout: float) -> bool:
+    """Take the whole-file flock lock on ``fd`` within ``timeout`` seconds.
+
+    The slow path of the data lock, entered after a non-blocking attempt found
+    it busy. A blocking ``flock`` cannot be given a deadline, so this polls:
+    a few retries that yield the CPU (the lock is held for microseconds by a
+    running holder), then sleeps doubling from 20 µs to 0.5 ms (a short cap: a
+    poller notices a release late by at most that). ``False`` when the
+    deadline passed: a holder that is stopped, traced or frozen, or one that
+    a badly oversubscribed machine keeps descheduled while it holds the lock."""
+    deadline = time.monotonic() + timeout
+    spins = 0
+    delay = 20e-6
+    while True:
+        try:
+            _flock(fd, _EX_NB)
+            return True
+        except BlockingIOError:
+            pass
+        if spins < 32:
+            spins += 1
+            os.sched_yield()
+            continue
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(delay, deadline - now))
+        delay = min(delay * 2, 5e-4)
+
+
+def flock_holder(fd: int) -> int:
+    """The pid that holds the whole-file flock lock of ``fd``'s file, from
+    ``/proc/locks`` (the kernel records a flock lock's owner there; seen from
+    another PID namespace it may be 0); 0 when none is listed or it cannot be read."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.readlines()
+    except OSError:
+        return 0
+    for line in lines:
+        parts = line.split()
+        # "N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF"; waiters have a "->" field
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+            try:
+                return int(parts[4])
+            except ValueError:
+                return 0
+    return 0
+
+
+def process_state(pid: int) -> str:
+    """A word for the state of process ``pid`` (``running``, ``stopped``,
+    ``traced``, ``gone``...), from ``/proc/PID/stat``; ``unknown`` if unreadable."""
+    if pid <= 0:
+        return "unknown"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return "unknown"
+    code = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3].decode(errors="replace")
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped",
+            "t": "traced (stopped by a debugger)", "Z": "a zombie", "X": "gone",
+            "I": "idle"}.get(code, code or "unknown")

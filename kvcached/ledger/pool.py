@@ -13,16 +13,21 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from kvcached.errors import LedgerError
+from kvcached.errors import LedgerBusyError, LedgerError
 from kvcached.ledger import _hooks
 from kvcached.ledger.ledger import (
+    GRANT_LOCK_WAIT_S,
     H_BUDGET,
     H_HIGH_WATER,
+    H_WINDOW,
+    H_WINDOW_GRANTED,
+    LOCK_WAIT_S,
     i_limit,
     i_revision,
     p_charged,
     p_released,
 )
+from kvcached.ledger.validate import corrupt
 from kvcached.log import get_logger
 from kvcached.units import MIB
 
@@ -55,9 +60,14 @@ class PoolBudget:
       record's ``released`` word (one store, no lock) for calibration;
     * a :meth:`grant` of no more than the batch re-uses it: the record already
       charges those bytes, so nothing is written and no lock is taken (the same
-      budget and limit test is made on values read without the lock); a larger
-      grant folds the batch into its own write under the data lock;
-    * a flush that fails keeps its batch for the next attempt.
+      budget and limit test is made on values read without the lock), unless
+      a calibration window is open (then it goes to the ledger, to be counted
+      in the window); a larger grant folds the batch into its own write under
+      the data lock;
+    * a flush that fails keeps its batch for the next attempt;
+    * :meth:`grant` never raises for the ledger's state: a data lock that
+      stays held (:data:`~kvcached.ledger.ledger.GRANT_LOCK_WAIT_S`), a
+      corrupt or replaced file are misses (``False``), logged once.
 
     :meth:`headroom` is a cached figure: the bytes :meth:`grant` would give,
     exact as of this pool's last grant, flush or refresh, plus the refunds it
@@ -81,20 +91,19 @@ class PoolBudget:
         self._ci = p_charged(slot)
         self._ri = p_released(slot)
         self._li = i_limit(instance_slot)
-        self._ref = instance_slot + 1
         self._lock = threading.Lock()
         self._charged = 0
         self._pending = 0
         self._room = 0
         self._closed = False
         self._uses_calibrator = False
-        self._recycle = True  # benchmarks turn it off to measure the seed's design
         self._finalizer = weakref.finalize(self, _finalize, fd)
 
     # -- the PhysicalBudget protocol ----------------------------------------------------
     def grant(self, nbytes: int) -> bool:
         """Charge ``nbytes`` before creating them; ``False`` when the device's budget
-        or the instance's limit would be passed (nothing is charged then)."""
+        or the instance's limit would be passed (nothing is charged then), or
+        when the ledger cannot be used now (see the class docstring)."""
         if type(nbytes) is not int or nbytes <= 0:
             if isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes == 0:
                 return True
@@ -102,51 +111,76 @@ class PoolBudget:
         with self._lock:
             if self._closed:
                 raise LedgerError(f"grant() on a closed pool ({self!r})")
-            led = self._ledger
             pending = self._pending
-            if nbytes <= pending and self._recycle:
-                # Re-use refunds batched here: the record already charges these bytes,
-                # so no charge changes and nothing is written. The same test as below,
-                # on values read without the lock (each an atomic word): any of them
-                # can only be a moment old, and no sum or budget moves by this grant.
+            if nbytes <= pending:
+                led = self._ledger
                 i64 = led.i64
-                room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
-                limit = i64[self._li]
-                if limit:
-                    room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
-                if nbytes <= room:
-                    self._pending = pending - nbytes
-                    i64[self._ri] = pending - nbytes
-                    room -= nbytes
-                    self._room = room if room > 0 else 0
-                    return True
-            led._lock_data()
-            try:
-                i64 = led.i64
-                pending = self._pending
-                room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
-                limit = i64[self._li]
-                if limit:
-                    room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
-                granted = nbytes <= room
-                if _hooks.point is not None:
-                    _hooks.point("grant-decided")
-                charged = self._charged - pending
-                if granted:
-                    charged += nbytes
-                    room -= nbytes
-                if pending:  # released first: a crash in between over-counts, never under
-                    i64[self._ri] = 0
-                    self._pending = 0
-                if charged != self._charged:
-                    i64[self._ci] = charged
-                    self._charged = charged
-                if granted and _hooks.point is not None:
-                    _hooks.point("grant-charged")
-            finally:
-                led._unlock_data()
-            self._room = room if room > 0 else 0
-            return granted
+                if not led.u32[H_WINDOW] and led.refusal is None:
+                    # Re-use refunds batched here: the record already charges these
+                    # bytes, so no charge changes and nothing is written. The same test
+                    # as the ledger's, on values read without the lock (each an atomic
+                    # word): any can only be a moment old, no sum or budget moves.
+                    room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
+                    limit = i64[self._li]
+                    if limit:
+                        room = min(room, limit - led.instance_charged(self.instance_slot)
+                                   + pending)
+                    if nbytes <= room:
+                        self._pending = pending - nbytes
+                        i64[self._ri] = pending - nbytes
+                        room -= nbytes
+                        self._room = room if room > 0 else 0
+                        return True
+            return self._grant_locked(nbytes)
+
+    def _grant_locked(self, nbytes: int) -> bool:
+        """A grant decided and charged under the data lock (``self._lock`` held)."""
+        led = self._ledger
+        if led.refusal is not None:
+            self._room = 0
+            return False
+        try:
+            # The full wait once; none while a busy episode lasts (quick misses).
+            led._lock_fd(self._fd, 0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
+        except LedgerBusyError as exc:
+            led._note_busy(exc)
+            return False
+        try:
+            i64 = led.i64
+            pending = self._pending
+            used = sum(led.charges[: led.u32[H_HIGH_WATER]])
+            if not 0 <= used <= led.total_bytes:
+                led._refuse(str(corrupt(led.path, f"the pools charge {used} bytes together "
+                                                  f"on a device of {led.total_bytes}")))
+                self._room = 0
+                return False
+            room = i64[H_BUDGET] - used + pending
+            limit = i64[self._li]
+            if limit:
+                room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
+            granted = nbytes <= room
+            if _hooks.point is not None:
+                _hooks.point("grant-decided")
+            charged = self._charged - pending
+            if granted:
+                charged += nbytes
+                room -= nbytes
+                if led.u32[H_WINDOW]:  # growth the open calibration must not count twice
+                    i64[H_WINDOW_GRANTED] += nbytes
+            if pending:  # released first: a crash in between over-counts, never under
+                i64[self._ri] = 0
+                self._pending = 0
+            if charged != self._charged:
+                i64[self._ci] = charged
+                self._charged = charged
+            if granted and _hooks.point is not None:
+                _hooks.point("grant-charged")
+        finally:
+            led._unlock_fd(self._fd)
+        if led._busy_since:
+            led._busy_over()
+        self._room = room if room > 0 else 0
+        return granted
 
     def refund(self, nbytes: int) -> None:
         """Give back ``nbytes`` of one handle whose release was confirmed.
@@ -168,11 +202,16 @@ class PoolBudget:
                     "granted, once, after its release succeeded"
                 )
             self._pending += nbytes
-            self._ledger.i64[self._ri] = self._pending  # published without the lock
+            led = self._ledger
             self._room += nbytes
+            if led.refusal is not None:
+                return  # kept here: nothing is written to a corrupt or replaced file
+            led.i64[self._ri] = self._pending  # published without the lock
             if self._pending >= REFUND_FLUSH_BYTES:
                 try:
-                    self._flush_locked()
+                    self._flush_locked(led._grant_lock_wait())
+                except LedgerBusyError as exc:  # the batch stays, published in `released`
+                    led._note_busy(exc)
                 except Exception as exc:  # the batch stays; the next grant or flush retries
                     log.warning("ledger refund flush failed, %d bytes kept for retry: %s",
                                 self._pending, exc)
@@ -185,7 +224,7 @@ class PoolBudget:
         """Write batched refunds to the ledger now. On failure the batch is kept
         and the error raised."""
         with self._lock:
-            if self._pending and not self._closed:
+            if self._pending and not self._closed and self._ledger.refusal is None:
                 self._flush_locked()
 
     def close(self) -> None:
@@ -201,8 +240,23 @@ class PoolBudget:
             self._closed = True
             self._finalizer.detach()
             try:
-                if not led.closed:
-                    led._lock_data()
+                locked = False
+                if led.refusal is not None:
+                    # Nothing is written to a corrupt or replaced file; the dropped
+                    # lease marks the record dead for whoever repairs the device.
+                    log.warning("%s; pool %d closes without touching it", led.refusal,
+                                self.slot)
+                elif not led.closed:
+                    try:
+                        led._lock_fd(self._fd, LOCK_WAIT_S)
+                        locked = True
+                    except LedgerBusyError as exc:
+                        # Dropping the lease is enough: the record then reads as a dead
+                        # owner's, retired (charge and budget alike) by the next
+                        # registration or calibration.
+                        log.warning("%s; pool %d closes without it, to be retired later",
+                                    exc, self.slot)
+                if locked:
                     try:
                         if self._pending and led.tokens[self.slot] == self.token:
                             self._charged -= self._pending
@@ -211,7 +265,7 @@ class PoolBudget:
                             self._pending = 0
                         left = led._close_pool_locked(self.slot, self.token)
                     finally:
-                        led._unlock_data()
+                        led._unlock_fd(self._fd)
                     if left:
                         log.warning(
                             "ledger %s: pool %d of %r closed with %d bytes still charged "
@@ -227,13 +281,17 @@ class PoolBudget:
             led._release_calibrator()
 
     # -- beyond the protocol ---------------------------------------------------------------
-    def refresh(self) -> None:
-        """Recompute :meth:`headroom` from the ledger (a short data-lock section)."""
+    def refresh(self, timeout: float = LOCK_WAIT_S) -> None:
+        """Recompute :meth:`headroom` from the ledger (a short data-lock section;
+        :class:`~kvcached.errors.LedgerBusyError` if it stays held ``timeout`` s)."""
         with self._lock:
             if self._closed:
                 return
             led = self._ledger
-            led._lock_data()
+            if led.refusal is not None:
+                self._room = 0
+                return
+            led._lock_fd(self._fd, timeout)
             try:
                 i64 = led.i64
                 room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]])
@@ -241,7 +299,7 @@ class PoolBudget:
                 if limit:
                     room = min(room, limit - led.instance_charged(self.instance_slot))
             finally:
-                led._unlock_data()
+                led._unlock_fd(self._fd)
             room += self._pending
             self._room = room if room > 0 else 0
 
@@ -282,9 +340,9 @@ class PoolBudget:
     def closed(self) -> bool:
         return self._closed
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, timeout: float = LOCK_WAIT_S) -> None:
         led = self._ledger
-        led._lock_data()
+        led._lock_fd(self._fd, timeout)
         try:
             charged = self._charged - self._pending
             led.i64[self._ri] = 0
@@ -294,7 +352,7 @@ class PoolBudget:
             if _hooks.point is not None:
                 _hooks.point("refund-flushed")
         finally:
-            led._unlock_data()
+            led._unlock_fd(self._fd)
 
     def _abandon(self) -> None:
         """Tests: die as a killed process would, dropping the lease and nothing else."""

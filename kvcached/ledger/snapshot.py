@@ -72,6 +72,10 @@ class LedgerSnapshot:
     header: HeaderView
     pools: tuple[PoolView, ...]
     instances: tuple[InstanceView, ...]
+    #: 0: read under the data lock. Else the data lock stayed held and the file
+    #: was read without it: the holder's pid as the kernel lists it (-1: not known).
+    locked_by: int = 0
+    lock_waited_s: float = 0.0  #: how long the reader waited before reading unlocked
 
     def instance(self, name: str) -> InstanceView | None:
         for inst in self.instances:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 import pytest
@@ -56,3 +57,14 @@ def file_bytes(path: str) -> bytes:
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+def data_lock_is_free(fd: int) -> bool:
+    """Whether the data lock (a whole-file flock) can be taken through ``fd``, a
+    descriptor of the ledger file opened by the test (its own description)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True

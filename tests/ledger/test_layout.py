@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvcached.ledger import layout
 
-PINNED = (1, "31fbd0b43b0d6cb0")
+PINNED = (2, "79642cca06668eb3")
 
 OFFSETS = {
     "Header.magic": (0, 8),
@@ -34,8 +34,15 @@ OFFSETS = {
     "Header.retire_instance": (164, 4),
     "Header.retire_budget": (168, 8),
     "Header.retire_slot": (176, 4),
-    "Header._reserved0": (180, 4),
-    "Header._reserved": (184, 72),
+    "Header.publish_pending": (180, 4),
+    "Header.publish_budget": (184, 8),
+    "Header.publish_free": (192, 8),
+    "Header.publish_time_ns": (200, 8),
+    "Header.publish_seq": (208, 8),
+    "Header.window_granted": (216, 8),
+    "Header.window_open": (224, 4),
+    "Header._reserved0": (228, 4),
+    "Header._reserved": (232, 24),
     "PoolRecord.token": (0, 8),
     "PoolRecord.charged": (8, 8),
     "PoolRecord.pid": (16, 4),
@@ -72,7 +79,7 @@ def test_sizes_and_regions():
     assert layout.POOLS_OFFSET == 256
     assert layout.INSTANCES_OFFSET == 256 + 256 * 64
     assert layout.FILE_SIZE == 24832
-    assert (layout.DATA_LOCK_BYTE, layout.CALIBRATOR_LEASE_BYTE) == (0, 1)
+    assert (layout.DATA_LOCK, layout.CALIBRATOR_LEASE_BYTE) == ("flock", 1)
     # every record starts on a cache line, and lease bytes never meet the header's locks
     assert all(layout.pool_offset(s) % 64 == 0 for s in range(layout.POOL_SLOTS))
     assert all(layout.instance_offset(s) % 64 == 0 for s in range(layout.INSTANCE_SLOTS))

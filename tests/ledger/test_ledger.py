@@ -19,11 +19,12 @@ from kvcached.ledger import (
     _hooks,
     layout,
 )
+from kvcached.ledger import ledger as ledger_module
 from kvcached.ledger.locks import ByteLock
 from kvcached.memory.budget import PhysicalBudget
 from kvcached.units import GIB, MIB
 
-from .conftest import FakeDevice
+from .conftest import FakeDevice, data_lock_is_free
 
 BUDGET = 7 * GIB  # 8 GiB free - 1 GiB margin (10% of 10 GiB)
 
@@ -107,18 +108,15 @@ def test_a_big_handle_refunds_at_once(ledger):
     assert ledger.snapshot().header.charged == 2 * MIB
 
 
-def test_a_grant_within_the_batch_re_uses_it_without_the_lock(ledger):
+def test_a_grant_within_the_batch_re_uses_it_without_the_lock(ledger, monkeypatch):
     pool = ledger.register_pool("a")
     assert pool.grant(BUDGET)
     pool.refund(8 * MIB)
-    good = ledger._data
-    ledger._data = _BrokenLock()  # any use of the data lock would raise
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(ledger_module, "_flock", _broken_flock)  # any use of the data lock raises
         assert pool.grant(6 * MIB)  # fits only thanks to the batch, and takes from it
         assert (pool.pending_refund, pool.charged) == (2 * MIB, BUDGET)
         assert pool.headroom() == 2 * MIB
-    finally:
-        ledger._data = good
     assert ledger.snapshot().header.charged == BUDGET  # the record never moved
     ledger.set_limit("a", BUDGET - 4 * MIB, 1)  # now over its limit: no re-use either
     assert not pool.grant(2 * MIB)
@@ -152,22 +150,16 @@ def test_refund_and_grant_reject_bad_sizes(ledger):
     assert (pool.charged, pool.pending_refund) == (4 * MIB, 4 * MIB)  # batched, not lost
 
 
-class _BrokenLock:
-    """Stands in for the data lock: every acquire fails like a kernel out of locks."""
-
-    def acquire(self, wait=True):
-        raise OSError(errno.ENOLCK, "No locks available")
-
-    def release(self):
-        raise AssertionError("never acquired")
+def _broken_flock(fd, op):
+    """Stands in for the data lock's flock: fails like a kernel out of locks."""
+    raise OSError(errno.ENOLCK, "No locks available")
 
 
-def test_a_failed_flush_keeps_its_backlog(ledger):
+def test_a_failed_flush_keeps_its_backlog(ledger, monkeypatch):
     pool = ledger.register_pool("a")
     assert pool.grant(256 * MIB)
-    good = ledger._data
-    ledger._data = _BrokenLock()
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(ledger_module, "_flock", _broken_flock)
         pool.refund(64 * MIB)  # logged, not raised: the release already happened
         assert pool.pending_refund == 64 * MIB
         with pytest.raises(OSError):
@@ -178,8 +170,6 @@ def test_a_failed_flush_keeps_its_backlog(ledger):
         assert pool.pending_refund == 64 * MIB
         assert pool.grant(2 * MIB)  # served from the kept batch, no lock needed
         assert pool.pending_refund == 62 * MIB
-    finally:
-        ledger._data = good
     pool.flush()
     assert pool.pending_refund == 0
     assert ledger.snapshot().header.charged == 194 * MIB
@@ -349,15 +339,11 @@ def test_only_one_calibrator_at_a_time(ledger, ledger_dir):
 
 def test_no_driver_call_under_the_data_lock(ledger):
     probe_fd = os.open(ledger.path, os.O_RDWR)
-    probe = ByteLock(probe_fd, layout.DATA_LOCK_BYTE, "probe")
     seen = []
 
     class Sampler:
         def mem_info(self):
-            free = probe.acquire(wait=False)  # fails if the ledger holds its data lock
-            if free:
-                probe.release()
-            seen.append(free)
+            seen.append(data_lock_is_free(probe_fd))
             return 4 * GIB, 10 * GIB
 
     try:
@@ -473,6 +459,29 @@ def test_threads_of_one_process_keep_exact_sums(ledger):
         pool.flush()
     snap = ledger.snapshot()
     assert [p.charged for p in snap.pools] == [sum(h) for h in held]
+
+
+def test_pools_of_one_process_exclude_each_other_through_their_own_descriptors(ledger):
+    """Each pool takes the data lock through its own descriptor (no thread lock
+    between pools): flock must still exclude them, or two threads could both see
+    the room of the instance's limit and both take it."""
+    pools = [ledger.register_pool("a"), ledger.register_pool("a")]
+    assert ledger.set_limit("a", 64 * MIB, 1) is LimitStatus.APPLIED
+    _hooks.point = lambda name: time.sleep(0.0005) if name == "grant-decided" else None
+    granted = [0] * 4
+
+    def work(t: int) -> None:
+        pool = pools[t % 2]
+        while pool.grant(2 * MIB):
+            granted[t] += 2 * MIB
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    _hooks.point = None
+    assert sum(granted) == 64 * MIB == ledger.snapshot().instance("a").charged
 
 
 def test_a_forked_child_drops_its_copies_without_touching_the_parent_s_pools(ledger):

@@ -18,8 +18,9 @@ import sys
 import pytest
 
 from kvcached.ledger import layout
-from kvcached.ledger.locks import ByteLock
 from kvcached.units import GIB, MIB
+
+from .conftest import data_lock_is_free as lock_free
 
 CHILD = os.path.join(os.path.dirname(__file__), "crash_child.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,11 +38,7 @@ def run_child(directory: str, action: str, point: str = "-") -> None:
 def data_lock_is_free(ledger) -> bool:
     fd = os.open(ledger.path, os.O_RDWR)
     try:
-        lock = ByteLock(fd, layout.DATA_LOCK_BYTE, "probe")
-        if lock.acquire(wait=False):
-            lock.release()
-            return True
-        return False
+        return lock_free(fd)
     finally:
         os.close(fd)
 
@@ -116,3 +113,17 @@ def test_a_limit_write_killed_before_its_revision(ledger, ledger_dir):
     inst = ledger.snapshot().instance("victim")
     # the value landed, the revision did not: a retry at the same revision applies cleanly
     assert (inst.limit, inst.revision) == (5 * MIB, 0)
+
+
+def test_a_calibrator_killed_between_budget_and_sequence_leaves_neither_half(ledger,
+                                                                             ledger_dir):
+    """Publication is journaled: killed after its commit and before it applied it,
+    the calibrator leaves the old pair (budget 7 GiB, sequence 1) until the next
+    holder of the data lock applies the new pair, both words together."""
+    run_child(ledger_dir, "calibrate", "calibrate-journaled")
+    assert (ledger.budget, ledger.calibration_seq) == (BUDGET, 1)  # nothing half-written
+    assert data_lock_is_free(ledger)
+    snap = ledger.snapshot()  # the first lock holder finishes the publication
+    assert (snap.header.budget, snap.header.calibration_seq) == (10 * MIB + 2 * GIB, 2)
+    assert ledger.retire_dead() == 1
+    assert ledger.budget == 2 * GIB
