@@ -101,13 +101,13 @@ def check_runs_of_mappings(d: CudaDriver) -> None:
     raises(MappingError, d.unmap, va + G, G, match="no mapping of that size")
     for h in handles[1:4]:
         d.release(h)
-    h = d.create(G)  # the hole is mappable again
-    d.map(va + 2 * G, G, h)
+    fresh = d.create(G)  # the hole is mappable again
+    d.map(va + 2 * G, G, fresh)
     raises(MappingError, d.unmap_range, va, G, 3, match="starts at")  # page 1 is a gap
     d.unmap_range(va + 2 * G, G, 1)
     d.unmap(va, G)
     d.unmap(va + 4 * G, G)
-    for h in (handles[0], handles[4], h):
+    for h in (handles[0], handles[4], fresh):
         d.release(h)
     d.free_reservation(va, 8 * G)
 
