@@ -154,6 +154,11 @@ class PageMapper:
         self.mapped_pages = 0  # pages of live, in-flight and quarantined extents
 
     # -- queries ------------------------------------------------------------------------
+    @property
+    def handles_per_page(self) -> int:
+        """Physical handles (address ranges) a one-page extent maps."""
+        return len(self._strides)
+
     def extent_of(self, page: int) -> tuple[int, int] | None:
         """``(first, count)`` of the extent holding ``page``, or ``None``."""
         ext = self._owner[page]

@@ -174,17 +174,20 @@ class InterruptingDriver(FaultyDriver):
 
 
 def test_an_interrupt_in_a_pool_refill_settles_every_page(host):
-    driver = InterruptingDriver(host, at=9)  # the 3rd page of a refill of 4 (4 handles each)
+    # 4 handles per page: a refill grows 4 pages per step (REFILL_STEP_HANDLES),
+    # so a refill of 6 is a run of pages 0-3 (creates 1-16), then of 4-5; the
+    # 19th create is in the second
+    driver = InterruptingDriver(host, at=16 + 3)
     t, m, budget = _parts(driver, pages=8)
     pa = PageAllocator(m, min_reserved=0, max_reserved=8, background=False)
-    pa.min_reserved = 4
+    pa.min_reserved = 6
     with pytest.raises(Interrupt):
         pa._refill()
-    assert [pa.state_of(p) for p in range(4)] == [IDLE, IDLE, UNMAPPED, UNMAPPED]
+    assert [pa.state_of(p) for p in range(6)] == [IDLE] * 4 + [UNMAPPED] * 2
     assert pa.counts() == pa.recount()
-    assert budget.used == 2 * m.page_bytes == host.own_bytes() == m.held_bytes()
-    assert pa.take(3) == [0, 1, 2]  # and the pool goes on
-    assert pa.counts()["used"] == 3
+    assert budget.used == 4 * m.page_bytes == host.own_bytes() == m.held_bytes()
+    assert pa.take(5) == [0, 1, 2, 3, 4]  # and the pool goes on
+    assert pa.counts()["used"] == 5
     assert pa.close() and budget.used == 0 == host.own_bytes()
     t.close()
 
