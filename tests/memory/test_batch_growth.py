@@ -277,3 +277,24 @@ def test_quarantine_state_survives_in_the_pool(host):
     assert pa.retry_quarantined() == 1
     assert pa.close() and budget.used == 0 == host.own_bytes()
     t.close()
+
+
+def test_a_take_prefers_a_hole_that_holds_all_its_pages(host):
+    faulty = FaultyDriver(host)
+    t, m, budget = _parts(faulty, pages=12, layers=1, buffers=1)
+    pa = PageAllocator(m, background=False)  # no pool: given-back pages are unmapped
+    got = pa.take(6)
+    assert got == [0, 1, 2, 3, 4, 5]
+    pa.give_back([1, 3])
+    assert pa.state_of(1) == pa.state_of(3) == UNMAPPED
+    access = faulty.calls["set_access"]
+    assert pa.take(3) == [6, 7, 8]  # one run, not pages 1, 3 and 6
+    assert faulty.calls["set_access"] == access + 1
+    assert pa.take(1) == [1]  # the lowest page still goes first to a one-page take
+    assert pa.take(2) == [9, 10]  # page 3 alone is no hole of two
+    assert pa.take(1) == [3]
+    pa.give_back([0, 2])
+    assert pa.take(3) == [0, 2, 11]  # no hole of three left: the lowest pages
+    assert pa.counts() == pa.recount()
+    assert pa.close() and budget.used == 0 == host.own_bytes()
+    t.close()
