@@ -105,6 +105,9 @@ class NullDriver(Driver):
     def unmap(self, va: int, size: int) -> None:
         pass
 
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        pass
+
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         raise NotImplementedError("the null driver has no memory to view")
 
@@ -169,6 +172,9 @@ class TimedDriver(Driver):
 
     def unmap(self, va: int, size: int) -> None:
         self.inner.unmap(va, size)
+
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        self.inner.unmap_range(va, size, count)
 
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         return self.inner.tensor(va, nbytes)

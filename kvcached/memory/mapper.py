@@ -467,14 +467,20 @@ class PageMapper:
         with self._lock:
             owner = self._owner
             quarantine = self._quarantine
+            pages = 0
             for ext in exts:
-                first = ext.first
-                for p in range(first, first + ext.count):
-                    if owner[p] is ext:
-                        owner[p] = None
+                first, count = ext.first, ext.count
+                if count == 1:
+                    if owner[first] is ext:
+                        owner[first] = None
+                else:
+                    for p in range(first, first + count):
+                        if owner[p] is ext:
+                            owner[p] = None
                 if quarantine:
                     quarantine.pop(first, None)
-                self.mapped_pages -= ext.count
+                pages += count
+            self.mapped_pages -= pages
 
     def _go_live(self, exts: list[Extent], done: int) -> None:
         lock = self._lock
@@ -529,21 +535,31 @@ class PageMapper:
         ``before_unmap``; one result per span. Validates every span before
         touching any."""
         claimed: list[list[Extent]] = []
-        try:
-            for first, count in spans:
-                claimed.append(self._claim(first, count))
-        except BaseException:
-            with self._lock:
+        owner = self._owner
+        n_pages = self._num_pages
+        with self._lock:  # claim every span, or none
+            try:
+                for first, count in spans:
+                    if count == 1 and first.__class__ is int and 0 <= first < n_pages:
+                        ext = owner[first]  # one page: _claim_locked, written out
+                        if ext is not None and ext.count == 1 and not ext.busy \
+                                and not ext.quarantined:
+                            ext.busy = True
+                            claimed.append([ext])
+                            continue
+                    claimed.append(self._claim_locked(first, count))
+            except BaseException:
                 for exts in claimed:
                     for ext in exts:
                         ext.busy = False
-            raise
+                raise
         if not claimed:
             return []
         self.before_unmap()
         if len(claimed) == 1:
             return [self._release(claimed[0])]
-        self._release([ext for exts in claimed for ext in exts])  # runs across spans
+        if self._release([ext for exts in claimed for ext in exts]):  # runs across spans
+            return [True] * len(claimed)
         return [not any(ext.quarantined for ext in exts) for exts in claimed]
 
     def unmap_pages(self, pages: Iterable[int]) -> bool:
@@ -551,22 +567,30 @@ class PageMapper:
         ids = sorted(pages)
         return all(self.unmap_runs(runs(ids, len(ids) or 1)))
 
-    def _claim(self, first: int, count: int) -> list[Extent]:
-        with self._lock:
-            exts, p, end = [], first, first + count
-            while p < end:
-                ext = self._owner[p] if 0 <= p < len(self._owner) else None
-                if ext is None or ext.first != p or ext.busy or ext.quarantined \
-                        or p + ext.count > end:
-                    for e in exts:
-                        e.busy = False
-                    raise MappingError(
-                        f"unmap [{first}, {end}): page {p} does not start a live extent "
-                        f"that ends inside the range ({ext!r}); a handle is unmapped whole")
+    def _claim_locked(self, first: int, count: int) -> list[Extent]:
+        """Mark the live extents that make up ``[first, first+count)`` busy;
+        :class:`MappingError` (claiming none of them) if they do not. Lock held."""
+        owner = self._owner
+        if count == 1 and 0 <= first < len(owner):  # one page: the common case
+            ext = owner[first]
+            if ext is not None and ext.count == 1 and ext.first == first and not ext.busy \
+                    and not ext.quarantined:
                 ext.busy = True
-                exts.append(ext)
-                p += ext.count
-            return exts
+                return [ext]
+        exts, p, end = [], first, first + count
+        while p < end:
+            ext = owner[p] if 0 <= p < len(owner) else None
+            if ext is None or ext.first != p or ext.busy or ext.quarantined \
+                    or p + ext.count > end:
+                for e in exts:
+                    e.busy = False
+                raise MappingError(
+                    f"unmap [{first}, {end}): page {p} does not start a live extent "
+                    f"that ends inside the range ({ext!r}); a handle is unmapped whole")
+            ext.busy = True
+            exts.append(ext)
+            p += ext.count
+        return exts
 
     def _release(self, exts: list[Extent]) -> bool:
         """Unmap and release claimed extents (``before_unmap`` has run);
@@ -577,7 +601,12 @@ class PageMapper:
         whose run failed, by :meth:`_teardown`."""
         gone: list[Extent] = []
         bad: list[Extent] = []
-        rest = self._release_runs(sorted(exts, key=_first), gone) if len(exts) > 1 else exts
+        if len(exts) > 1:
+            if exts[0].first > exts[-1].first:
+                exts = exts[::-1]  # pages are released highest first: runs ascend now
+            rest = self._release_runs(exts, gone)
+        else:
+            rest = exts
         for ext in rest:
             if self._teardown(ext):
                 gone.append(ext)
@@ -597,7 +626,9 @@ class PageMapper:
 
     def _release_runs(self, exts: list[Extent], gone: list[Extent]) -> list[Extent]:
         """Unmap runs of adjacent, fully mapped extents of one size among
-        ``exts`` (ascending), one ``unmap_range`` per range of a run, and
+        ``exts`` (a run is extents in ascending order in ``exts``, each
+        starting where the one before it ends), one ``unmap_range`` per range
+        of a run, and
         release their handles; released extents go to ``gone`` and their
         bytes are refunded. Returns the extents left for :meth:`_teardown`
         (not in a run, or their run failed: their ``states`` say how far)."""
@@ -646,6 +677,18 @@ class PageMapper:
             else:
                 sizes = [count * span for _, span in strides]
                 ext_bytes = sum(sizes)
+                if nh == 1:  # one handle per extent: the loop below, written out
+                    for e in run:
+                        try:
+                            release(e.handles[0])
+                        except DriverError as exc:
+                            log.warning("release of a %d-byte handle failed: %s", ext_bytes, exc)
+                            e.states = bytearray([_UNMAPPED])
+                            rest.append(e)
+                            continue
+                        freed += ext_bytes
+                        gone.append(e)
+                    continue
                 for e in run:
                     handles = e.handles
                     for h in range(nh - 1, -1, -1):
@@ -759,10 +802,6 @@ class PageMapper:
         self.retry_quarantined()
         self.budget.flush()
         return self.mapped_pages == 0
-
-
-def _first(ext: Extent) -> int:
-    return ext.first
 
 
 def runs(sorted_ids: list[int], max_len: int) -> list[tuple[int, int]]:

@@ -563,12 +563,25 @@ class PageAllocator:
             raise
         released = 0
         with self._lock:
+            state, run_of = self._state, self._run
+            lo = self._unmapped_lo
             for r, ok in zip(chosen, results, strict=True):
-                if ok:
-                    self._unbusy(r.first, r.count)
-                    released += r.count
+                first, count = r.first, r.count
+                if ok:  # _unbusy(first, count), written out
+                    if count == 1:
+                        state[first] = UNMAPPED
+                        run_of[first] = None
+                    else:
+                        state[first:first + count] = _UNMAPPED_BYTE * count
+                        run_of[first:first + count] = [None] * count
+                    if first < lo:
+                        lo = first
+                    released += count
                 else:
-                    self._quarantine(r.first, r.count)
+                    self._quarantine(first, count)
+            self._unmapped_lo = lo
+            self.n_busy -= released
+            self.n_unmapped += released
         self.budget.flush()
         return released
 
@@ -577,15 +590,22 @@ class PageAllocator:
         pages are covered (``None``: every idle run). Lock held."""
         chosen: list[_Run] = []
         got = 0
-        for first in sorted(self._idle_runs, reverse=True):
-            if want_pages is not None and got >= want_pages:
+        idle_runs, state = self._idle_runs, self._state
+        if want_pages is None:
+            want_pages = self.num_pages
+        for first in sorted(idle_runs, reverse=True):
+            if got >= want_pages:
                 break
-            r = self._idle_runs.pop(first)
-            self._state[r.first:r.first + r.count] = _BYTE[BUSY] * r.count
-            self.n_idle -= r.count
-            self.n_busy += r.count
-            got += r.count
+            r = idle_runs.pop(first)
+            count = r.count
+            if count == 1:
+                state[first] = BUSY
+            else:
+                state[first:first + count] = _BYTE[BUSY] * count
+            got += count
             chosen.append(r)
+        self.n_idle -= got
+        self.n_busy += got
         return chosen
 
     def _shrink(self) -> int:
