@@ -63,3 +63,10 @@ def test_driver_threads_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa
         "serial", "threads_2", "threads_4", "pipeline", "lanes_64", "runs_32"}
     assert isinstance(data["two_threads_slower_in_the_median"], bool)
     assert data["ratio_over_serial_best"]["serial"] == 1.0
+
+
+def test_driver_runs_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
+    data = run_benchmark(fake_libcuda, tmp_path / "runs.json", "driver_runs.py",
+                         "--mib", "256", "--rounds", "1")
+    assert data["paired_over_per_page"]["grow_k1"] == data["paired_over_per_page"]["shrink_k1"] == 1.0
+    assert {"grow_k32", "grow_k32_split", "shrink_k64"} <= set(data["us_per_page_best"])
