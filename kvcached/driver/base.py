@@ -10,8 +10,9 @@ a reservation. The life of a page is always::
 and whatever fails halfway is undone in reverse by the caller (the memory
 layer keeps an undo stack). Runs of adjacent mappings cost fewer calls: one
 ``set_access`` may cover several mappings made one by one, and one
-``unmap_range`` removes several (on an H200 growth per 2 MiB page went 46 to
-35-37 us, shrink 33 to 28-29 us, with runs of 4 to 64 handles). Sizes and offsets are multiples of the granularity;
+``unmap_range`` removes several. The H200 charges mostly per mapping even
+then: runs of 32 grew 1.04x and shrank 1.07x the per-page loops
+(``benchmarks/driver_runs.py``, ``benchmarks/results/h200/run13``). Sizes and offsets are multiples of the granularity;
 a handle is mapped whole, at offset 0 of the handle (CUDA's rule), and
 unmapped whole.
 
