@@ -26,8 +26,10 @@ Invariants (checked by ``tests/memory``):
   a time.
 
 Idle pages are reused from runs that still hold a used page first, then from
-wholly idle runs, lowest id first; growth picks the lowest unmapped ids. The
-working set stays packed in few runs, and whole runs go idle, where they can be
+wholly idle runs, lowest id first; growth picks the lowest unmapped ids, or,
+for a take of several pages that mapped pages would split, the lowest hole
+that holds them all, so they are mapped and released as one run. The working
+set stays packed in few runs, and whole runs go idle, where they can be
 released: coalescing costs reclaim granularity only while a run is shared.
 
 Growth is on the engine's hot path (a take of one new page per decode step
