@@ -9,7 +9,14 @@ four shapes that all make the same calls:
   growing its own slice of one reservation;
 * ``pipeline``: one thread creates handles, a second maps and enables them;
 * ``lanes_64``: one thread, the pages spread page-major over 64 reservations
-  (a per-layer cache of 32 layers' K and V growing a page at a time).
+  (a per-layer cache of 32 layers' K and V growing a page at a time);
+* ``runs_32``: one thread, 32 handles created and mapped, then one
+  ``set_access`` over the 32 (what kvcached does for a take of 32 pages).
+
+The grow lock (``kvcached/memory/pages.py``, one thread grows at a time per
+device) is kept only while ``ratio_over_serial_median["threads_2"]`` stays
+below 1 (two threads at once slower than one) and ``benchmarks/memory.py``'s
+``grow_lock`` says the same of the allocator.
 
 A ratio above 1 means the driver (and the binding's release of the GIL
 during a call) lets calls overlap, so a page pool refilled on a thread of
@@ -23,8 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import queue
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -119,8 +129,42 @@ def lanes(n: int):
     return run
 
 
+def runs(k: int):
+    """One thread, one ``set_access`` per run of ``k`` adjacent handles,
+    each created and mapped first: the calls kvcached makes for a take or
+    a refill of ``k`` one-handle pages."""
+    def run(driver, total: int) -> float:
+        g = driver.granularity
+        pages = total // g
+        va = driver.reserve(total)
+        driver.mem_info()
+        create, map_, set_access = driver.create, driver.map, driver.set_access
+        done: list = []
+        t0 = time.perf_counter()
+        for start in range(0, pages, k):
+            n = min(k, pages - start)
+            for i in range(start, start + n):
+                h = create(g)
+                map_(va + i * g, g, h)
+                done.append((va + i * g, h))
+            set_access(va + start * g, n * g)
+        dt = time.perf_counter() - t0
+        _teardown(driver, done, g)
+        driver.free_reservation(va, total)
+        return dt
+    return run
+
+
 SHAPES = {"serial": serial, "threads_2": threaded(2), "threads_4": threaded(4),
-          "pipeline": pipeline, "lanes_64": lanes(64)}
+          "pipeline": pipeline, "lanes_64": lanes(64), "runs_32": runs(32)}
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "?"
+    except OSError:
+        return "?"
 
 
 def main() -> dict:
@@ -149,6 +193,9 @@ def main() -> dict:
     result = {
         "benchmark": "driver_threads",
         "command": " ".join(["python3", *sys.argv]),
+        "commit": os.environ.get("KVCACHED_COMMIT") or _git_head(),
+        "machine": platform.node(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "device": driver.info().as_dict(),
         "pages_per_round": pages,
         "rounds": args.rounds,
@@ -156,6 +203,7 @@ def main() -> dict:
         "us_per_page_best": {k: round(min(v) / pages * 1e6, 2) for k, v in secs.items()},
         "ratio_over_serial_best": {k: round(best[k] / best["serial"], 3) for k in names},
         "ratio_over_serial_median": {k: round(med[k] / med["serial"], 3) for k in names},
+        "two_threads_slower_in_the_median": med["threads_2"] < med["serial"],
     }
     driver.close()
     if args.out:

@@ -106,6 +106,9 @@ class NullDriver(Driver):
     def unmap(self, va: int, size: int) -> None:
         pass
 
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        pass
+
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         raise NotImplementedError("the null driver has no memory to view")
 
@@ -171,6 +174,9 @@ class TimedDriver(Driver):
     def unmap(self, va: int, size: int) -> None:
         self.inner.unmap(va, size)
 
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        self.inner.unmap_range(va, size, count)
+
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         return self.inner.tensor(va, nbytes)
 
@@ -203,6 +209,76 @@ def raw_growth(driver: Driver, total: int, clock=time.perf_counter) -> float:
         driver.release(h)
     driver.free_reservation(va, total)
     return dt
+
+
+def raw_shrink(driver: Driver, total: int, clock=time.perf_counter) -> float:
+    """Seconds for a raw loop of 2 MiB unmap + release over ``total`` bytes
+    grown (untimed) by the raw growth loop: the baseline of shrinking."""
+    g = driver.granularity
+    va = driver.reserve(total)
+    driver.mem_info()
+    handles = []
+    for off in range(0, total, g):
+        h = driver.create(g)
+        driver.map(va + off, g, h)
+        driver.set_access(va + off, g)
+        handles.append(h)
+    unmap, release = driver.unmap, driver.release
+    t0 = clock()
+    for off, h in zip(range(0, total, g), handles, strict=True):
+        unmap(va + off, g)
+        release(h)
+    dt = clock() - t0
+    driver.free_reservation(va, total)
+    return dt
+
+
+def allocator_shrink(driver: Driver, total: int, per_give_back: int,
+                     clock=time.perf_counter) -> float:
+    """Seconds to release ``total`` bytes of 2 MiB one-handle pages through
+    :class:`PageAllocator` (no pool, coalescing off), ``per_give_back`` pages
+    given back at a time, each released at once (unmap, release, refund, and
+    the one device synchronize before a batch of unmaps). Growth is untimed."""
+    spec = KVCacheSpec.of_bytes(num_layers=1, block_bytes=64 * 1024)
+    geometry = plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,
+                          page_size=driver.granularity, capacity_bytes=total)
+    tensors = VirtualKVTensors(driver, spec, geometry)
+    budget = DriverFreeBudget(driver, sample_interval_s=60)
+    mapper = PageMapper(tensors, budget, max_handle_bytes=0)
+    pages = PageAllocator(mapper, background=False)
+    taken: list[int] = []
+    while len(taken) < geometry.num_pages:
+        got = pages.take(min(32, geometry.num_pages - len(taken)))
+        assert got is not None, "growth was refused: not enough free device memory"
+        taken.extend(got)
+    chunks = [taken[i:i + per_give_back] for i in range(0, len(taken), per_give_back)]
+    give_back = pages.give_back
+    t0 = clock()
+    for chunk in chunks:
+        give_back(chunk)
+    dt = clock() - t0
+    assert mapper.mapped_pages == 0, "a give-back left pages mapped"
+    pages.close()
+    tensors.close()
+    budget.close()
+    return dt
+
+
+class _NoLock:
+    """Stands in for the allocator's grow lock to measure what the lock
+    buys (benchmark only: the allocator always has its lock)."""
+
+    def acquire(self) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
+    def __enter__(self) -> bool:
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def raw_growth_threads(driver: Driver, total: int, threads: int = 2) -> float:
@@ -294,7 +370,7 @@ def page_bytes_of(spec: KVCacheSpec, driver: Driver) -> int:
 def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
                      clock=time.perf_counter, reserved: tuple[int, int] | None = None,
                      spec: KVCacheSpec | None = None, null_page: bool = False,
-                     layout: KVLayout = KVLayout.PER_LAYER) -> float:
+                     layout: KVLayout = KVLayout.PER_LAYER, grow_lock: bool = True) -> float:
     """Seconds to grow ``total`` bytes through :class:`PageAllocator`, ``grow``
     bytes per ``take`` (2 MiB pages), with the real driver-free-memory budget.
 
@@ -308,7 +384,9 @@ def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
     ``layout``: per-layer (one handle per buffer of each layer per page) or
     contiguous (one handle per page). ``null_page``: page 0 is mapped before the clock starts and ``total``
     bytes grow after it, as in a :class:`~kvcached.memory.KVCache`, whose page
-    0 holds the null block for its whole life."""
+    0 holds the null block for its whole life. ``grow_lock=False`` replaces
+    the allocator's grow lock with a no-op, so a take and the pool's refill
+    call the driver at once (what the lock is measured against)."""
     spec = spec or KVCacheSpec.of_bytes(num_layers=1, block_bytes=64 * 1024)
     extra = 0
     if null_page:
@@ -324,6 +402,8 @@ def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
     else:
         pages = PageAllocator(mapper, min_reserved=reserved[0], max_reserved=reserved[1],
                               background=True)
+    if not grow_lock:
+        pages._grow_lock = _NoLock()  # type: ignore[assignment]
     per_take = grow // geometry.page_bytes
     taken: list[int] = pages.take(1) if null_page else []
     t0 = clock()

@@ -18,8 +18,17 @@ in the same run (except ``available_size_us``, an absolute cost).
   on a GPU (the driver charges per handle); the host backend charges per byte
   (memfd zeroing), so there it stays near 1.
 * ``grow_ratio_batched_32``: 2 MiB handles again (coalescing off), 32 pages
-  per ``take`` (one ``PageMapper.map_runs`` call), as a prefill burst or a
-  pool refill grows.
+  per ``take`` (one ``PageMapper.map_runs`` call: the 32 adjacent pages are a
+  run, enabled by one ``set_access``), as a prefill burst or a pool refill
+  grows. Target >= 1.15.
+* ``shrink_ratio_batched_32``: the way back: 32 one-handle pages given back
+  at a time and released at once (one ``unmap_range`` over the run, a
+  release per page, one device sync per batch) over a raw loop of 2 MiB
+  unmap + release. Target >= 1.05.
+* ``grow_lock``: one-page takes with the pool refilling beside them, with
+  the allocator's grow lock over the same with a no-op in its place;
+  ``keep`` says whether the median rounds (paired and of medians) show the
+  lock pays.
 * ``grow_ratio_pooled``: one-page takes again, with the reserved pool on as
   configured by default (5/10 pages) and refilled by its own thread, over the
   raw loop, both on the wall clock; beside it two raw loops at once
@@ -81,11 +90,13 @@ import torch  # noqa: E402
 from grow_overhead import (  # noqa: E402
     LLAMA3_8B,
     allocator_growth,
+    allocator_shrink,
     grow_report,
     page_bytes_of,
     raw_growth,
     raw_growth_like_cache,
     raw_growth_threads,
+    raw_shrink,
 )
 
 from kvcached.driver import make_driver  # noqa: E402
@@ -293,6 +304,11 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         # loop, and two raw loops at once (what two threads of calls can get).
         "pooled": lambda: allocator_growth(driver, total, g, coalesce=False,
                                            reserved=POOL_RESERVED),
+        # The same without the grow lock (a no-op in its place): the take and
+        # the refill call the driver at once. The lock stays only if "pooled"
+        # beats this in the median round.
+        "pooled_unlocked": lambda: allocator_growth(driver, total, g, coalesce=False,
+                                                    reserved=POOL_RESERVED, grow_lock=False),
         "raw_wall": lambda: raw_growth(driver, total),
         "raw_threads_2": lambda: raw_growth_threads(driver, total, 2),
         # A model's cache on the default layout: one page per take is 64 handles
@@ -310,6 +326,11 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "model_contiguous": lambda: allocator_growth(
             driver, model_total, model_page, coalesce=False, clock=clock, spec=LLAMA3_8B,
             null_page=True, layout=KVLayout.CONTIGUOUS),
+        # Shrinking: 32 one-handle pages given back at a time (one unmap per
+        # run, a release per page, one device sync per batch) over the raw
+        # per-page unmap + release loop; growth untimed in both.
+        "shrink_raw": lambda: raw_shrink(driver, total, clock),
+        "shrink_batched": lambda: allocator_shrink(driver, total, 32, clock),
     }
     names = list(loops)
     for name in names:  # warm-up: first-touch costs (driver, allocator) are not timed
@@ -337,7 +358,13 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
     # one round run within a second, so slow drift of the host cancels), median.
     baseline = {"paged": "raw", "batched": "raw", "coalesced": "raw", "pooled": "raw_wall",
                 "model": "raw_model", "model_cold": "raw_model",
-                "model_contiguous": "raw_model"}
+                "model_contiguous": "raw_model", "shrink_batched": "shrink_raw",
+                "pooled_unlocked": "raw_wall"}
+    # What the grow lock buys: each round's locked pool over the unlocked one.
+    lock_paired = round(statistics.median(
+        b / a for a, b in zip(times["pooled"], times["pooled_unlocked"], strict=True)), 3)
+    lock_median = round(statistics.median(times["pooled_unlocked"])
+                        / statistics.median(times["pooled"]), 3)
     paired_addresses = round(statistics.median(
         b / a for a, b in zip(times["model"], times["raw_model_addresses"], strict=True)), 3)
     paired = {name: round(statistics.median(
@@ -353,6 +380,19 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
             "grow_ratio_llama3_8b_cold": paired["model_cold"],
             "grow_ratio_llama3_8b_contiguous": paired["model_contiguous"],
             "grow_ratio_llama3_8b_same_addresses": paired_addresses,
+            "shrink_ratio_batched_32": paired["shrink_batched"],
+        },
+        "shrink_ratio_batched_32": round(min(times["shrink_raw"]) / min(times["shrink_batched"]),
+                                         3),
+        "grow_lock": {
+            "locked_over_unlocked_paired_median": lock_paired,
+            "locked_over_unlocked_median_round": lock_median,
+            "locked_over_unlocked_best": round(min(times["pooled_unlocked"])
+                                               / min(times["pooled"]), 3),
+            "keep": lock_paired >= 1.0 and lock_median >= 1.0,
+            "rule": "keep the grow lock only if one-page takes with the pool refilling beside "
+                    "them are at least as fast with it as without, in the median round (paired "
+                    "and ratio of medians)",
         },
         "round_ms": {name: [round(t * 1e3, 3) for t in ts] for name, ts in times.items()},
         "grow_bytes_per_round": total,
@@ -399,6 +439,11 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
                 median_rate(times["pooled"]) / median_rate(times["raw_wall"]), 3),
             "grow_ratio_llama3_8b": round(
                 statistics.median(times["raw_model"]) / statistics.median(times["model"]), 3),
+            "grow_ratio_llama3_8b_same_addresses": round(
+                statistics.median(times["raw_model_addresses"])
+                / statistics.median(times["model"]), 3),
+            "shrink_ratio_batched_32": round(statistics.median(times["shrink_raw"])
+                                             / statistics.median(times["shrink_batched"]), 3),
         },
     }
 
@@ -417,6 +462,20 @@ def explain_growth(result: dict) -> dict:
         "driver_calls_slower_in_allocator_us": inside,
         "ratio_python_alone_allows": round(raw / (raw + python), 3),
     }
+
+
+def _commit() -> str:
+    """The checkout's commit (``KVCACHED_COMMIT`` where the tree travelled
+    without its .git, as to the GPU machine)."""
+    import subprocess
+
+    if os.environ.get("KVCACHED_COMMIT"):
+        return os.environ["KVCACHED_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except OSError:
+        return "?"
 
 
 def main() -> None:
@@ -439,6 +498,9 @@ def main() -> None:
         "benchmark": "memory",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
+        "machine": platform.node(),
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "device": info.as_dict(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -453,6 +515,7 @@ def main() -> None:
     result.update(bench_growth(driver, grow_mib * MIB, args.repeats))
     result.update(grow_report(driver, grow_mib * MIB, args.repeats, grow_clock(driver)))
     result["grow_explained"] = explain_growth(result)
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     if args.backend == "host":
         result["notes"].append(
             "host growth costs per byte (memfd + fallocate zeroes every page), so "

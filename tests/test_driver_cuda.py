@@ -94,7 +94,8 @@ def test_the_backend_against_the_fake_driver(fake_libcuda):
     result = _run_with_fake(fake_libcuda, [str(FAKES / "cuda_checks.py")])
     assert result.returncode == 0, result.stdout + result.stderr
     done = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    assert done == {"identity", "pages_keep_their_data", "mem_info_follows_handles",
+    assert done == {"identity", "pages_keep_their_data", "runs_of_mappings",
+                    "mem_info_follows_handles",
                     "misuse_is_refused", "threads_get_a_context_once",
                     "current_context_is_left_as_found", "faulty_wrapper_speaks_cuda", "close"}
 

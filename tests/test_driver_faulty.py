@@ -96,3 +96,40 @@ def test_probability_is_seeded_and_repeatable(host):
 def test_unknown_call_is_refused(host):
     with pytest.raises(ValueError, match="not one of"):
         FaultyDriver(host, fail_nth={"mmap": 1})
+
+
+def test_unmap_range_counts_as_its_unmaps_and_fails_whole(host):
+    d = FaultyDriver(host, fail_nth={"unmap": 3})
+    va = d.reserve(4 * G)
+    handles = [d.create(G) for _ in range(4)]
+    for i, h in enumerate(handles):
+        d.map(va + i * G, G, h)
+    d.set_access(va, 4 * G)
+    d.tensor(va, 4 * G).fill_(7)
+    with pytest.raises(DriverError) as err:
+        d.unmap_range(va, G, 4)  # unmaps 1-4: the 3rd is chosen, so none happens
+    assert "injected fault #3 of unmap" in str(err.value)
+    assert int(d.tensor(va, 4 * G).min()) == 7  # every page still mapped
+    assert d.calls["unmap"] == 4 and d.injected["unmap"] == 1
+    d.unmap_range(va, G, 4)
+    assert d.calls["unmap"] == 8 and int(d.tensor(va, 4 * G).max()) == 0
+    for h in handles:
+        d.release(h)
+    d.free_reservation(va, 4 * G)
+
+
+def test_the_default_unmap_range_says_how_many_went(host):
+    from kvcached.driver.base import Driver
+
+    d = FaultyDriver(host, fail_nth={"unmap": 2})
+    va = d.reserve(3 * G)
+    handles = [d.create(G) for _ in range(3)]
+    for i, h in enumerate(handles):
+        d.map(va + i * G, G, h)
+    with pytest.raises(DriverError) as err:
+        Driver.unmap_range(d, va, G, 3)  # the base class's loop: one unmap each
+    assert err.value.unmapped == 1  # the first went, the second failed, the third waits
+    d.unmap_range(va + G, G, 2)
+    for h in handles:
+        d.release(h)
+    d.free_reservation(va, 3 * G)

@@ -352,3 +352,54 @@ def test_a_library_without_vmm_calls_is_unavailable(fake):
     del fake.hipMemCreate
     with pytest.raises(DriverUnavailableError, match="hipMemCreate"):
         HipDriver(0, lib=fake)
+
+
+def _run_of_three(driver: HipDriver) -> tuple[int, list[int]]:
+    va = driver.reserve(8 * GRANULARITY)
+    handles = [driver.create(GRANULARITY) for _ in range(3)]
+    for i, h in enumerate(handles):
+        driver.map(va + i * GRANULARITY, GRANULARITY, h)
+    return va, handles
+
+
+def test_a_run_of_mappings_takes_one_set_access_and_one_unmap(fake):
+    driver = HipDriver(0, lib=fake)
+    va, handles = _run_of_three(driver)
+    driver.set_access(va, 3 * GRANULARITY)
+    assert fake.named("hipMemSetAccess") == [
+        (va, 3 * GRANULARITY, {"location": (1, 0), "flags": 3}, 1)]
+    with pytest.raises(MappingError, match="starts at"):
+        driver.unmap_range(va, GRANULARITY, 4)  # page 3 is not mapped
+    assert fake.named("hipMemUnmap") == []
+    driver.unmap_range(va, GRANULARITY, 3)
+    assert fake.named("hipMemUnmap") == [(va, 3 * GRANULARITY)]
+    for h in handles:
+        driver.release(h)
+    driver.free_reservation(va, 8 * GRANULARITY)  # nothing is recorded as mapped
+
+
+def test_if_rocm_refuses_a_run_the_driver_goes_on_per_mapping(fake, caplog):
+    driver = HipDriver(0, lib=fake)
+    va, handles = _run_of_three(driver)
+    fake.fail["hipMemSetAccess"] = 1  # the run call fails, each mapping's then succeeds
+    driver.set_access(va, 3 * GRANULARITY)
+    sizes = [(args[0], args[1]) for args in fake.named("hipMemSetAccess")]
+    assert sizes == [(va, 3 * GRANULARITY)] + [(va + i * GRANULARITY, GRANULARITY)
+                                               for i in range(3)]
+    assert "one call per mapping" in caplog.text
+    driver.unmap_range(va, GRANULARITY, 3)  # no run is tried any more
+    assert fake.named("hipMemUnmap") == [(va + i * GRANULARITY, GRANULARITY) for i in range(3)]
+    for h in handles:
+        driver.release(h)
+    driver.free_reservation(va, 8 * GRANULARITY)
+
+
+def test_a_refused_run_unmap_is_retried_per_mapping_and_counts_what_went(fake):
+    driver = HipDriver(0, lib=fake)
+    va, handles = _run_of_three(driver)
+    fake.fail["hipMemUnmap"] = 1  # the run call; the per-mapping unmaps succeed
+    driver.unmap_range(va, GRANULARITY, 3)
+    assert len(fake.named("hipMemUnmap")) == 4
+    for h in handles:
+        driver.release(h)
+    driver.free_reservation(va, 8 * GRANULARITY)

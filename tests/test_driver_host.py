@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import subprocess
@@ -205,3 +206,35 @@ def test_write_to_unmapped_range_faults(driver):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "read ok" in out.stdout and "wrote" not in out.stdout
     assert out.returncode == -11, (out.returncode, out.stderr[-500:])
+
+
+def test_unmap_range_removes_a_run_in_one_call_and_keeps_its_neighbours(driver):
+    g = driver.granularity
+    va = driver.reserve(6 * g)
+    handles = [driver.create(g) for _ in range(5)]
+    for i, h in enumerate(handles):
+        driver.map(va + i * g, g, h)
+    driver.set_access(va, 5 * g)  # one call over five mappings
+    for i in range(5):
+        ctypes.memset(va + i * g, 0x20 + i, g)
+    with pytest.raises(MappingError, match="starts at"):
+        driver.unmap_range(va + 2 * g, g, 4)  # page 5 is not mapped: nothing changes
+    assert ctypes.string_at(va + 4 * g, 2) == b"\x24\x24"
+    with pytest.raises(MappingError, match="count=0"):
+        driver.unmap_range(va, g, 0)
+    driver.unmap_range(va + g, g, 3)
+    assert ctypes.string_at(va + g, 2) == b"\0\0"  # zero pages again
+    assert ctypes.string_at(va + 3 * g + g - 2, 2) == b"\0\0"
+    assert ctypes.string_at(va, 2) == b"\x20\x20"
+    assert ctypes.string_at(va + 4 * g, 2) == b"\x24\x24"
+    for h in handles[1:4]:
+        driver.release(h)  # unmapped and released: their memory goes back
+    assert driver.own_bytes() == 2 * g
+    h = driver.create(3 * g)  # the hole takes a new mapping
+    driver.map(va + g, 3 * g, h)
+    driver.unmap(va + g, 3 * g)
+    driver.unmap_range(va, g, 1)
+    driver.unmap(va + 4 * g, g)
+    for h2 in (handles[0], handles[4], h):
+        driver.release(h2)
+    driver.free_reservation(va, 6 * g)

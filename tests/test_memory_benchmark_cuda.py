@@ -31,11 +31,15 @@ def test_memory_benchmark_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # no
     assert data["device"]["name"] == "Fake CUDA Device 0"
     for key in ("grow_ratio", "grow_ratio_batched_32", "grow_ratio_coalesced_64mib",
                 "grow_ratio_pooled", "grow_ratio_llama3_8b", "grow_ratio_llama3_8b_contiguous",
-                "grow_ratio_llama3_8b_same_addresses",
+                "grow_ratio_llama3_8b_same_addresses", "shrink_ratio_batched_32",
                 "raw_us_per_2mib", "allocator_us_per_2mib", "available_size_us"):
         assert data[key] > 0, key
     assert data["llama3_8b"]["handles_per_page"] == 64
-    assert set(data["paired_round_median"]) >= {"grow_ratio", "grow_ratio_pooled"}
+    assert set(data["paired_round_median"]) >= {"grow_ratio", "grow_ratio_pooled",
+                                                "shrink_ratio_batched_32"}
+    assert data["grow_lock"]["locked_over_unlocked_paired_median"] > 0
+    assert isinstance(data["grow_lock"]["keep"], bool)
+    assert data["commit"] and len(data["load_average_before"]) == 3
     rounds = data["rounds"]
     assert all(len(ms) == rounds for ms in data["round_ms"].values())
     split = data["grow_split_us_per_page"]
@@ -61,5 +65,13 @@ def test_driver_threads_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa
     data = run_benchmark(fake_libcuda, tmp_path / "threads.json", "driver_threads.py",
                          "--mib", "256", "--rounds", "1")
     assert set(data["ratio_over_serial_best"]) == {
-        "serial", "threads_2", "threads_4", "pipeline", "lanes_64"}
+        "serial", "threads_2", "threads_4", "pipeline", "lanes_64", "runs_32"}
+    assert isinstance(data["two_threads_slower_in_the_median"], bool)
     assert data["ratio_over_serial_best"]["serial"] == 1.0
+
+
+def test_driver_runs_runs_on_the_fake_driver(fake_libcuda, tmp_path):  # noqa: F811
+    data = run_benchmark(fake_libcuda, tmp_path / "runs.json", "driver_runs.py",
+                         "--mib", "256", "--rounds", "1")
+    assert data["paired_over_per_page"]["grow_k1"] == data["paired_over_per_page"]["shrink_k1"] == 1.0
+    assert {"grow_k32", "grow_k32_split", "shrink_k64"} <= set(data["us_per_page_best"])

@@ -6,7 +6,9 @@ old ``from cuda import cuda`` module is gone in 13.x) on the device's
 memory are valid for torch's kernels.
 
 Hot path (per page): ``cuMemCreate -> cuMemMap -> cuMemSetAccess`` to grow,
-``cuMemUnmap -> cuMemRelease`` to shrink. Each is one Cython call with
+``cuMemUnmap -> cuMemRelease`` to shrink; for a run of adjacent pages one
+``cuMemSetAccess`` and one ``cuMemUnmap`` (:meth:`CudaDriver.unmap_range`)
+cover every mapping of the run. Each is one Cython call with
 arguments prepared once (the allocation properties and the access descriptor
 are built in ``__init__``), one status test, and for map/unmap one dict update
 that records which ranges are mapped, so a wrong unmap is a clear
@@ -303,6 +305,28 @@ class CudaDriver(Driver):
         if err:
             self._mapped[va] = size  # still mapped: the call changed nothing
             _fail("cuMemUnmap", err, f"unmapping {size} bytes at {va:#x}")
+
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        """One ``cuMemUnmap`` over ``count`` adjacent mappings of ``size``
+        bytes (the driver accepts a range covered by whole mappings)."""
+        if count < 1:
+            raise MappingError(f"unmap_range(count={count}): needs at least one mapping")
+        mapped = self._mapped
+        vas = range(va, va + count * size, size)
+        for v in vas:
+            if mapped.get(v) != size:
+                raise MappingError(
+                    f"unmap_range(va={va:#x}, size={size}, count={count}): no mapping of "
+                    f"{size} bytes starts at {v:#x}")
+        for v in vas:
+            del mapped[v]
+        if not self._thread.ready:
+            self._bind_thread()
+        (err,) = self._cuMemUnmap(va, size * count)
+        if err:
+            for v in vas:  # still mapped: the call changed nothing
+                mapped[v] = size
+            _fail("cuMemUnmap", err, f"unmapping {count} mappings of {size} bytes at {va:#x}")
 
     # -- tensors -------------------------------------------------------------------------
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ handle, no half-mapped range.
 Failures are chosen by call count (``fail_nth={"map": 3}``: the 3rd map fails),
 by an explicit schedule (``fail_calls={"unmap": {2, 5}}``), or at random with a
 seeded probability (``probability={"create": 0.1}``, ``seed=7``). ``delay_s``
-adds latency to chosen calls.
+adds latency to chosen calls. One ``unmap_range`` over K mappings counts as
+K unmaps and fails whole if any of them is chosen.
 """
 
 from __future__ import annotations
@@ -104,14 +105,18 @@ class FaultyDriver(Driver):
             self._delay.clear()
 
     # -- the wrapped calls -------------------------------------------------------------
-    def _before(self, call: str) -> None:
+    def _before(self, call: str, count: int = 1) -> None:
         with self._lock:
-            self.calls[call] += 1
+            first = self.calls[call] + 1
+            self.calls[call] += count
             n = self.calls[call]
-            fail = self.enabled and (
-                n in self._fail_at.get(call, ())
-                or self._random.random() < self._probability.get(call, 0.0)
-            )
+            fail = False
+            if self.enabled:
+                fail_at, p = self._fail_at.get(call, ()), self._probability.get(call, 0.0)
+                for k in range(first, n + 1):
+                    if k in fail_at or self._random.random() < p:
+                        fail, n = True, k
+                        break
             if fail:
                 self.injected[call] += 1
         delay = self._delay.get(call)
@@ -165,6 +170,12 @@ class FaultyDriver(Driver):
     def unmap(self, va: int, size: int) -> None:
         self._before("unmap")
         self.inner.unmap(va, size)
+
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        """Counts as ``count`` unmaps and fails, before anything is unmapped,
+        when any of them is chosen to fail (the one call is all or nothing)."""
+        self._before("unmap", count)
+        self.inner.unmap_range(va, size, count)
 
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:
         return self.inner.tensor(va, nbytes)

@@ -1,7 +1,9 @@
 """The ``hip`` backend: ROCm's virtual memory management through ``ctypes``.
 
 The same page life as the ``cuda`` backend (``hipMemCreate -> hipMemMap ->
-hipMemSetAccess``, ``hipMemUnmap -> hipMemRelease``), called on
+hipMemSetAccess``, ``hipMemUnmap -> hipMemRelease``, one set-access and one
+unmap over a run of adjacent mappings; should ROCm refuse a run, the driver
+logs it once and goes on with one call per mapping), called on
 ``libamdhip64.so`` with argument types declared once and the allocation
 properties and access descriptor built once, in the layouts of ROCm's
 ``hip_runtime_api.h``::
@@ -45,6 +47,9 @@ from kvcached.errors import (
     MappingError,
     OutOfPhysicalMemoryError,
 )
+from kvcached.log import get_logger
+
+log = get_logger("kvcached.driver")
 
 LIBRARY_NAMES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6",
                  "/opt/rocm/lib/libamdhip64.so")
@@ -204,6 +209,8 @@ class HipDriver(Driver):
         self._hipMemMap = lib.hipMemMap
         self._hipMemSetAccess = lib.hipMemSetAccess
         self._hipMemUnmap = lib.hipMemUnmap
+        # One set-access / unmap over a run of mappings until ROCm refuses one.
+        self._runs = True
 
     # -- the one status check ------------------------------------------------------------
     def _fail(self, call: str, rc: int, detail: str = "") -> NoReturn:
@@ -327,9 +334,60 @@ class HipDriver(Driver):
         self._mapped[va] = size
 
     def set_access(self, va: int, size: int) -> None:
+        if self._runs and self._mapped.get(va, size) != size:  # a run of mappings
+            rc = self._hipMemSetAccess(va, size, self._p_access, 1)
+            if not rc:
+                return
+            self._runs_refused("hipMemSetAccess", rc)
+            for v, s in self._mappings_in(va, size):
+                self.set_access(v, s)
+            return
         rc = self._hipMemSetAccess(va, size, self._p_access, 1)
         if rc:
             self._fail("hipMemSetAccess", rc, f"{size} bytes at {va:#x} must be covered by mappings")
+
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        """One ``hipMemUnmap`` over ``count`` adjacent mappings of ``size``
+        bytes, as on CUDA; per mapping if this ROCm refuses a run."""
+        if count < 1:
+            raise MappingError(f"unmap_range(count={count}): needs at least one mapping")
+        mapped = self._mapped
+        vas = range(va, va + count * size, size)
+        for v in vas:
+            if mapped.get(v) != size:
+                raise MappingError(
+                    f"unmap_range(va={va:#x}, size={size}, count={count}): no mapping of "
+                    f"{size} bytes starts at {v:#x}")
+        if self._runs and count > 1:
+            rc = self._hipMemUnmap(va, size * count)
+            if not rc:
+                for v in vas:
+                    del mapped[v]
+                return
+            self._runs_refused("hipMemUnmap", rc)
+        for i, v in enumerate(vas):
+            try:
+                self.unmap(v, size)
+            except DriverError as exc:
+                exc.unmapped = i  # type: ignore[attr-defined]
+                raise
+
+    def _runs_refused(self, call: str, rc: int) -> None:
+        """This ROCm refused one call over a run of mappings (untested on
+        hardware: CUDA takes it): from now on one call per mapping."""
+        self._runs = False
+        log.warning("%s over several mappings failed (hipError_t %d); kvcached makes one call "
+                    "per mapping from now on", call, rc)
+
+    def _mappings_in(self, va: int, size: int) -> list[tuple[int, int]]:
+        out, pos, end = [], va, va + size
+        while pos < end:
+            s = self._mapped.get(pos)
+            if s is None:
+                raise MappingError(f"set_access(va={va:#x}, size={size}): {pos:#x} is not mapped")
+            out.append((pos, s))
+            pos += s
+        return out
 
     def unmap(self, va: int, size: int) -> None:
         mapped = self._mapped.pop(va, None)

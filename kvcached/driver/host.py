@@ -8,7 +8,8 @@
   running out is an error there, not a ``SIGBUS`` later.
 * ``map`` is ``mmap(MAP_FIXED | MAP_SHARED)`` of the memfd into the reservation.
 * ``unmap`` puts read-only anonymous zero pages back over the range: a read of
-  unmapped KV gives zeros, a write faults loudly instead of corrupting.
+  unmapped KV gives zeros, a write faults loudly instead of corrupting;
+  ``unmap_range`` does it for a run of adjacent mappings in one ``mmap``.
 * ``release`` closes the memfd; its pages go back to the kernel once no mapping
   holds them.
 
@@ -314,6 +315,33 @@ class HostDriver(Driver):
             handle.mapped -= 1
             if handle.released and handle.mapped == 0:
                 self._close(handle)
+
+    def unmap_range(self, va: int, size: int, count: int) -> None:
+        """``count`` adjacent mappings of ``size`` bytes put back to zero
+        pages by one ``mmap`` over the whole range, all or nothing."""
+        if count < 1:
+            raise MappingError(f"unmap_range(count={count}): needs at least one mapping")
+        total = size * count
+        with self._lock:
+            res = self._find(va, total)
+            mappings = res.mappings
+            entries = []
+            for v in range(va, va + total, size):
+                entry = mappings.get(v)
+                if entry is None or entry[0] != size:
+                    raise MappingError(
+                        f"unmap_range(va={va:#x}, size={size}, count={count}): no mapping of "
+                        f"{size} bytes starts at {v:#x}")
+                entries.append(entry)
+            self._zero_fill(va, total)
+            for v in range(va, va + total, size):
+                del mappings[v]
+            first = (va - res.va) // GRANULARITY
+            res.granules[first:first + total // GRANULARITY] = bytes(total // GRANULARITY)
+            for _, handle in entries:
+                handle.mapped -= 1
+                if handle.released and handle.mapped == 0:
+                    self._close(handle)
 
     # -- tensors -------------------------------------------------------------------------
     def tensor(self, va: int, nbytes: int) -> torch.Tensor:

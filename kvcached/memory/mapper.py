@@ -12,9 +12,14 @@ Rules this class keeps:
 * a page belongs to at most one extent; an extent is *live* (mapped, usable),
   *in flight* (being mapped or unmapped by one thread) or *quarantined*;
 * growth goes ``grant -> (create -> map -> set_access) per handle``; whatever
-  fails is undone in reverse, and bytes never created are refunded at once;
-* release goes ``synchronize -> unmap -> release -> refund``; a refund follows a
-  confirmed release only. A handle whose unmap or release failed keeps its
+  fails is undone in reverse, and bytes never created are refunded at once.
+  Extents of adjacent pages grown together (a *run*) share their
+  ``set_access`` calls: every handle of the run's range ``i`` is created and
+  mapped, then one call enables the whole range; a failure undoes the run
+  (one-handle pages keep the pages mapped before the failed one);
+* release goes ``synchronize -> unmap -> release -> refund``, one
+  ``unmap_range`` per range of a run of adjacent extents of one size released
+  together; a refund follows a confirmed release only. A handle whose unmap or release failed keeps its
   charge and leaves its extent quarantined (unusable, still counted as
   mapped) until :meth:`PageMapper.retry_quarantined` finishes the job;
 * driver calls never run under the lock.
@@ -149,6 +154,11 @@ class PageMapper:
         self.mapped_pages = 0  # pages of live, in-flight and quarantined extents
 
     # -- queries ------------------------------------------------------------------------
+    @property
+    def handles_per_page(self) -> int:
+        """Physical handles (address ranges) a one-page extent maps."""
+        return len(self._strides)
+
     def extent_of(self, page: int) -> tuple[int, int] | None:
         """``(first, count)`` of the extent holding ``page``, or ``None``."""
         ext = self._owner[page]
@@ -297,29 +307,59 @@ class PageMapper:
         done = 0
         try:
             if self._one_handle and pages == len(exts):
-                # One handle per page, one page per extent (coalescing off):
-                # _build written out, as a refill or a prefill burst grows.
+                # One handle per page, one page per extent (coalescing off), as
+                # a refill or a prefill burst grows: _build_run written out.
+                # Each run of adjacent pages gets one set_access over all its
+                # mappings: one call instead of one per page (a run of 32 grew
+                # 1.04x the per-page calls on an H200, benchmarks/driver_runs.py).
                 driver = self.driver
                 create, map_, set_access = driver.create, driver.map, driver.set_access
                 base, span = self._strides[0]
-                for ext in exts:
-                    va = base + ext.first * span
-                    handle = create(span)
-                    ext.handles.append(handle)
-                    map_(va, span, handle)
-                    ext.mapped = 1
-                    set_access(va, span)
-                    done += 1
+                n = len(exts)
+                i = 0
+                while i < n:
+                    ext = exts[i]
+                    first = ext.first
+                    start_va = va = base + first * span
+                    try:
+                        while True:
+                            handle = create(span)
+                            ext.handles.append(handle)
+                            map_(va, span, handle)
+                            ext.mapped = 1
+                            i += 1
+                            first += 1
+                            va += span
+                            if i == n:
+                                break
+                            ext = exts[i]
+                            if ext.first != first:
+                                break
+                    except DriverError:
+                        # The pages of this run before the failed one are mapped:
+                        # enabled, they are kept (as one call per page kept them).
+                        if va > start_va:
+                            set_access(start_va, va - start_va)
+                            done = i
+                        raise
+                    set_access(start_va, va - start_va)
+                    done = i
             else:
-                build = self._build
-                for ext in exts:
-                    build(ext)
-                    done += 1
+                build_run = self._build_run
+                n = len(exts)
+                i = 0
+                while i < n:
+                    j = i + 1
+                    end = exts[i].first + exts[i].count
+                    while j < n and exts[j].first == end:
+                        end += exts[j].count
+                        j += 1
+                    build_run(exts[i:j])
+                    done = i = j
         except DriverError as exc:
-            ext = exts[done]
             level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
-            level("mapping pages [%d, %d) failed, undone: %s", ext.first, ext.first + ext.count,
-                  exc)
+            level("mapping pages [%d, %d) failed, undone: %s", exts[done].first,
+                  exts[-1].first + exts[-1].count, exc)
             self._abandon(exts, done)
         except BaseException:
             self._abandon(exts, done)
@@ -378,6 +418,29 @@ class PageMapper:
             ext.mapped += 1
             set_access(va, size)
 
+    def _build_run(self, run: list[Extent]) -> None:
+        """:meth:`_build` for extents of adjacent pages: range ``i`` of every
+        extent is created and mapped, then enabled by one ``set_access`` over
+        the run's range ``i``. Each extent's ``handles`` and ``mapped`` say
+        how far it got if a call fails (every extent of the run is undone
+        then: none is enabled in every range)."""
+        if len(run) == 1:
+            self._build(run[0])
+            return
+        driver = self.driver
+        create, map_, set_access = driver.create, driver.map, driver.set_access
+        first = run[0].first
+        for base, span in self._strides:
+            start_va = va = base + first * span
+            for ext in run:
+                size = ext.count * span
+                handle = create(size)
+                ext.handles.append(handle)
+                map_(va, size, handle)
+                ext.mapped += 1
+                va += size
+            set_access(start_va, va - start_va)
+
     def _unclaim(self, exts: list[Extent]) -> None:
         owner = self._owner
         for ext in exts:
@@ -386,19 +449,38 @@ class PageMapper:
                     owner[p] = None
 
     def _abandon(self, exts: list[Extent], done: int) -> None:
-        """Growth stopped while building ``exts[done]``: undo it and drop every
-        extent after it, refunding what they were granted."""
+        """Growth stopped in the run that starts at ``exts[done]``: undo, in
+        reverse, every extent after ``done`` that holds a handle, and drop
+        the rest, refunding what they were granted."""
         page_bytes = self.page_bytes
-        ext = exts[done]
-        self._undo(ext, ext.count * page_bytes)
-        rest = exts[done + 1:]
-        if rest:
-            self._forget_all(rest)
-            self._refund(sum(ext.count for ext in rest) * page_bytes)
+        rest = exts[done:]
+        started = [ext for ext in rest if ext.handles]
+        for ext in reversed(started):
+            self._undo(ext, ext.count * page_bytes)
+        untouched = [ext for ext in rest if not ext.handles]
+        if untouched:
+            self._forget_all(untouched)
+            self._refund(sum(ext.count for ext in untouched) * page_bytes)
 
     def _forget_all(self, exts: list[Extent]) -> None:
-        for ext in exts:
-            self._forget(ext)
+        """:meth:`_forget` for several extents, under one hold of the lock."""
+        with self._lock:
+            owner = self._owner
+            quarantine = self._quarantine
+            pages = 0
+            for ext in exts:
+                first, count = ext.first, ext.count
+                if count == 1:
+                    if owner[first] is ext:
+                        owner[first] = None
+                else:
+                    for p in range(first, first + count):
+                        if owner[p] is ext:
+                            owner[p] = None
+                if quarantine:
+                    quarantine.pop(first, None)
+                pages += count
+            self.mapped_pages -= pages
 
     def _go_live(self, exts: list[Extent], done: int) -> None:
         lock = self._lock
@@ -453,57 +535,177 @@ class PageMapper:
         ``before_unmap``; one result per span. Validates every span before
         touching any."""
         claimed: list[list[Extent]] = []
-        try:
-            for first, count in spans:
-                claimed.append(self._claim(first, count))
-        except BaseException:
-            with self._lock:
+        owner = self._owner
+        n_pages = self._num_pages
+        with self._lock:  # claim every span, or none
+            try:
+                for first, count in spans:
+                    if count == 1 and first.__class__ is int and 0 <= first < n_pages:
+                        ext = owner[first]  # one page: _claim_locked, written out
+                        if ext is not None and ext.count == 1 and not ext.busy \
+                                and not ext.quarantined:
+                            ext.busy = True
+                            claimed.append([ext])
+                            continue
+                    claimed.append(self._claim_locked(first, count))
+            except BaseException:
                 for exts in claimed:
                     for ext in exts:
                         ext.busy = False
-            raise
+                raise
         if not claimed:
             return []
         self.before_unmap()
-        return [self._release(exts) for exts in claimed]
+        if len(claimed) == 1:
+            return [self._release(claimed[0])]
+        if self._release([ext for exts in claimed for ext in exts]):  # runs across spans
+            return [True] * len(claimed)
+        return [not any(ext.quarantined for ext in exts) for exts in claimed]
 
     def unmap_pages(self, pages: Iterable[int]) -> bool:
         """Unmap every page in ``pages``; they must cover whole extents."""
         ids = sorted(pages)
         return all(self.unmap_runs(runs(ids, len(ids) or 1)))
 
-    def _claim(self, first: int, count: int) -> list[Extent]:
-        with self._lock:
-            exts, p, end = [], first, first + count
-            while p < end:
-                ext = self._owner[p] if 0 <= p < len(self._owner) else None
-                if ext is None or ext.first != p or ext.busy or ext.quarantined \
-                        or p + ext.count > end:
-                    for e in exts:
-                        e.busy = False
-                    raise MappingError(
-                        f"unmap [{first}, {end}): page {p} does not start a live extent "
-                        f"that ends inside the range ({ext!r}); a handle is unmapped whole")
+    def _claim_locked(self, first: int, count: int) -> list[Extent]:
+        """Mark the live extents that make up ``[first, first+count)`` busy;
+        :class:`MappingError` (claiming none of them) if they do not. Lock held."""
+        owner = self._owner
+        if count == 1 and 0 <= first < len(owner):  # one page: the common case
+            ext = owner[first]
+            if ext is not None and ext.count == 1 and ext.first == first and not ext.busy \
+                    and not ext.quarantined:
                 ext.busy = True
-                exts.append(ext)
-                p += ext.count
-            return exts
+                return [ext]
+        exts, p, end = [], first, first + count
+        while p < end:
+            ext = owner[p] if 0 <= p < len(owner) else None
+            if ext is None or ext.first != p or ext.busy or ext.quarantined \
+                    or p + ext.count > end:
+                for e in exts:
+                    e.busy = False
+                raise MappingError(
+                    f"unmap [{first}, {end}): page {p} does not start a live extent "
+                    f"that ends inside the range ({ext!r}); a handle is unmapped whole")
+            ext.busy = True
+            exts.append(ext)
+            p += ext.count
+        return exts
 
     def _release(self, exts: list[Extent]) -> bool:
-        clean = True
-        for ext in exts:
+        """Unmap and release claimed extents (``before_unmap`` has run);
+        ``True`` when every one is gone, else the rest are quarantined.
+        Adjacent extents of one size, as pages released together are, go
+        by runs: one ``unmap_range`` per range of the run, then a release
+        per handle (see :meth:`_release_runs`); any other extent, or one
+        whose run failed, by :meth:`_teardown`."""
+        gone: list[Extent] = []
+        bad: list[Extent] = []
+        if len(exts) > 1:
+            if exts[0].first > exts[-1].first:
+                exts = exts[::-1]  # pages are released highest first: runs ascend now
+            rest = self._release_runs(exts, gone)
+        else:
+            rest = exts
+        for ext in rest:
             if self._teardown(ext):
-                self._forget(ext)
+                gone.append(ext)
             else:
-                clean = False
-                with self._lock:
-                    ext.quarantined = True
-                    ext.busy = False
-                    self._quarantine[ext.first] = ext
-                log.warning("pages [%d, %d) quarantined: a handle could not be unmapped or "
-                            "released; its charge is kept and trim retries it",
-                            ext.first, ext.first + ext.count)
-        return clean
+                bad.append(ext)
+        if gone:
+            self._forget_all(gone)
+        for ext in bad:
+            with self._lock:
+                ext.quarantined = True
+                ext.busy = False
+                self._quarantine[ext.first] = ext
+            log.warning("pages [%d, %d) quarantined: a handle could not be unmapped or "
+                        "released; its charge is kept and trim retries it",
+                        ext.first, ext.first + ext.count)
+        return not bad
+
+    def _release_runs(self, exts: list[Extent], gone: list[Extent]) -> list[Extent]:
+        """Unmap runs of adjacent, fully mapped extents of one size among
+        ``exts`` (a run is extents in ascending order in ``exts``, each
+        starting where the one before it ends), one ``unmap_range`` per range
+        of a run, and
+        release their handles; released extents go to ``gone`` and their
+        bytes are refunded. Returns the extents left for :meth:`_teardown`
+        (not in a run, or their run failed: their ``states`` say how far)."""
+        strides = self._strides
+        nh = len(strides)
+        driver = self.driver
+        unmap_range, release = driver.unmap_range, driver.release
+        rest: list[Extent] = []
+        freed = 0
+        i, n = 0, len(exts)
+        while i < n:
+            ext = exts[i]
+            j = i + 1
+            if ext.states is None and ext.mapped == nh:
+                count = ext.count
+                end = ext.first + count
+                while j < n:
+                    nxt = exts[j]
+                    if nxt.first != end or nxt.count != count or nxt.states is not None \
+                            or nxt.mapped != nh:
+                        break
+                    end += count
+                    j += 1
+            if j - i == 1:
+                rest.append(ext)
+                i = j
+                continue
+            run = exts[i:j]
+            i = j
+            first, k = run[0].first, len(run)
+            for s in range(nh - 1, -1, -1):  # every range of the run, last first
+                base, span = strides[s]
+                try:
+                    unmap_range(base + first * span, count * span, k)
+                except DriverError as exc:
+                    log.warning("unmap of %d mappings of %d bytes at %#x failed, retried one "
+                                "by one: %s", k, count * span, base + first * span, exc)
+                    went = getattr(exc, "unmapped", 0)
+                    for idx, e in enumerate(run):
+                        st = e.states = bytearray([_MAPPED]) * nh
+                        st[s + 1:] = bytes([_UNMAPPED]) * (nh - s - 1)
+                        if idx < went:
+                            st[s] = _UNMAPPED
+                    rest.extend(run)
+                    break
+            else:
+                sizes = [count * span for _, span in strides]
+                ext_bytes = sum(sizes)
+                if nh == 1:  # one handle per extent: the loop below, written out
+                    for e in run:
+                        try:
+                            release(e.handles[0])
+                        except DriverError as exc:
+                            log.warning("release of a %d-byte handle failed: %s", ext_bytes, exc)
+                            e.states = bytearray([_UNMAPPED])
+                            rest.append(e)
+                            continue
+                        freed += ext_bytes
+                        gone.append(e)
+                    continue
+                for e in run:
+                    handles = e.handles
+                    for h in range(nh - 1, -1, -1):
+                        try:
+                            release(handles[h])
+                        except DriverError as exc:
+                            log.warning("release of a %d-byte handle failed: %s", sizes[h], exc)
+                            e.states = bytearray([_UNMAPPED]) * (h + 1) + \
+                                bytearray([_RELEASED]) * (nh - h - 1)
+                            freed += sum(sizes[h + 1:])
+                            rest.append(e)
+                            break
+                    else:
+                        freed += ext_bytes
+                        gone.append(e)
+        self._refund(freed)
+        return rest
 
     def _teardown(self, ext: Extent) -> bool:
         """Unmap and release every handle of ``ext`` in reverse; refund what was

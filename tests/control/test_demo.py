@@ -130,8 +130,9 @@ def test_the_demo_with_its_defaults():
     assert len(re.findall(r"^t=\s*[\d.]+s  demo-chat", out, re.M)) >= 5
     reused = _bytes(out, "reused")
     assert reused > 0
+    # the summary prints GiB with two decimals: a figure there is +-5 MiB
     assert _bytes(out, "sum of the peaks") - _bytes(out, "peak of the total") == \
-        pytest.approx(reused, abs=1 << 20)
+        pytest.approx(reused, abs=6 << 20)
     kv_delayed, requests, _ = _counts(out, "kvcached")
     static_delayed, requests2, _ = _counts(out, "static split")
     assert requests == requests2 > 0

@@ -79,6 +79,39 @@ def check_pages_keep_their_data(d: CudaDriver) -> None:
     d.free_reservation(va, 8 * G)
 
 
+def check_runs_of_mappings(d: CudaDriver) -> None:
+    """One set_access and one cuMemUnmap cover a run of adjacent mappings
+    made one by one; data outside the run is untouched; a run with a gap or
+    a wrong size is refused and changes nothing."""
+    va = d.reserve(8 * G)
+    handles = [d.create(G) for _ in range(5)]
+    for i, h in enumerate(handles):
+        d.map(va + i * G, G, h)
+    access, unmap = counter("cuMemSetAccess"), counter("cuMemUnmap")
+    d.set_access(va, 5 * G)
+    for i in range(5):
+        ctypes.memset(va + i * G, 0x40 + i, G)
+    raises(MappingError, d.unmap_range, va + G, G, 5, match="no mapping of 2097152 bytes")
+    raises(MappingError, d.unmap_range, va, 2 * G, 2, match="no mapping of 4194304 bytes")
+    raises(MappingError, d.unmap_range, va, G, 0, match="count=0")
+    d.unmap_range(va + G, G, 3)  # pages 1-3 in one call
+    assert counter("cuMemSetAccess") - access == 1 and counter("cuMemUnmap") - unmap == 1
+    assert ctypes.string_at(va, 4) == b"\x40" * 4
+    assert ctypes.string_at(va + 4 * G, 4) == b"\x44" * 4
+    raises(MappingError, d.unmap, va + G, G, match="no mapping of that size")
+    for h in handles[1:4]:
+        d.release(h)
+    fresh = d.create(G)  # the hole is mappable again
+    d.map(va + 2 * G, G, fresh)
+    raises(MappingError, d.unmap_range, va, G, 3, match="starts at")  # page 1 is a gap
+    d.unmap_range(va + 2 * G, G, 1)
+    d.unmap(va, G)
+    d.unmap(va + 4 * G, G)
+    for h in (handles[0], handles[4], fresh):
+        d.release(h)
+    d.free_reservation(va, 8 * G)
+
+
 def check_mem_info_follows_handles(d: CudaDriver) -> None:
     free0, total = d.mem_info()
     h = d.create(64 * MIB)
@@ -174,6 +207,7 @@ def main() -> int:
     checks = [
         ("identity", lambda: check_identity(d1)),
         ("pages_keep_their_data", lambda: check_pages_keep_their_data(d1)),
+        ("runs_of_mappings", lambda: check_runs_of_mappings(d1)),
         ("mem_info_follows_handles", lambda: check_mem_info_follows_handles(d1)),
         ("misuse_is_refused", lambda: check_misuse_is_refused(d1)),
         ("threads_get_a_context_once", lambda: check_threads_get_a_context_once(d1)),

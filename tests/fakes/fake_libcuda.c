@@ -5,7 +5,8 @@
  * cuGetProcAddress_v2, through which cuda-python finds them), with the real
  * signatures and status codes, and keeps device memory in host memory:
  * a reservation is mmap(PROT_NONE), a handle is a memfd, cuMemMap maps the
- * memfd (still PROT_NONE), cuMemSetAccess makes it read-write. It checks what
+ * memfd (still PROT_NONE), cuMemSetAccess makes it read-write; cuMemSetAccess
+ * and cuMemUnmap take one mapping or a run of adjacent ones. It checks what
  * the real driver checks and a little more, so a marshalling mistake (wrong
  * struct layout, wrong enum, a missing context) fails here instead of on a GPU:
  *   - CUmemAllocationProp: type PINNED, location DEVICE with the device's id,
@@ -322,14 +323,27 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *des
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
   NEED_CTX();
   __atomic_add_fetch(&n_unmap, 1, __ATOMIC_RELAXED);
+  if (!size || size % GRANULARITY || ptr % GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&lock);
-  int m = 0;
-  while (m < MAXOBJ && !(mappings[m].live && mappings[m].va == ptr && mappings[m].size == size)) m++;
-  if (m == MAXOBJ) { pthread_mutex_unlock(&lock); return CUDA_ERROR_INVALID_VALUE; }
+  /* the range must be covered by whole mappings (one or a run of adjacent
+     ones, as the real driver takes); all are checked before any is removed */
+  CUdeviceptr pos = ptr;
+  while (pos < ptr + size) {
+    int m = 0;
+    while (m < MAXOBJ && !(mappings[m].live && mappings[m].va == pos)) m++;
+    if (m == MAXOBJ) { pthread_mutex_unlock(&lock); return CUDA_ERROR_INVALID_VALUE; }
+    pos += mappings[m].size;
+  }
+  if (pos != ptr + size) { pthread_mutex_unlock(&lock); return CUDA_ERROR_INVALID_VALUE; }
   if (!noop) mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-  mappings[m].live = 0;
-  int i = mappings[m].handle;
-  handles[i].mapped--; maybe_free(i);
+  for (pos = ptr; pos < ptr + size;) {
+    int m = 0;
+    while (!(mappings[m].live && mappings[m].va == pos)) m++;
+    pos += mappings[m].size;
+    mappings[m].live = 0;
+    int i = mappings[m].handle;
+    handles[i].mapped--; maybe_free(i);
+  }
   pthread_mutex_unlock(&lock);
   return CUDA_SUCCESS;
 }

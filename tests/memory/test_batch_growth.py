@@ -5,8 +5,10 @@ interrupt in the middle of a batch."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
-from kvmem_helpers import ExactBudget, small_spec
+from kvmem_helpers import ExactBudget, check_pattern, small_spec, write_pattern
 
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.errors import MappingError
@@ -67,24 +69,88 @@ def test_map_runs_denied_by_the_budget_touches_nothing(host):
 
 @pytest.mark.parametrize("call, nth", [("create", 5), ("map", 6), ("set_access", 8)])
 def test_map_runs_stops_at_the_first_failure_and_refunds_the_rest(host, call, nth):
-    # 4 handles per page: the 5th create / 6th map / 8th set_access is in the 2nd span
+    # 4 handles per page, spans apart: the 5th create / 6th map / 8th set_access
+    # is in the 2nd span
     faulty = FaultyDriver(host, fail_nth={call: nth})
     t, m, budget = _parts(faulty)
-    assert m.map_runs([(0, 1), (1, 1), (2, 1), (3, 1)]) == 1
-    assert m.is_mapped(0) and all(m.extent_of(p) is None for p in (1, 2, 3))
+    assert m.map_runs([(0, 1), (2, 1), (4, 1), (6, 1)]) == 1
+    assert m.is_mapped(0) and all(m.extent_of(p) is None for p in (2, 4, 6))
     assert budget.used == m.page_bytes == host.own_bytes() == m.held_bytes()
     assert m.mapped_pages == 1
     assert m.unmap_all() and budget.used == 0 == host.own_bytes()
     t.close()
 
 
+@pytest.mark.parametrize("layout", [KVLayout.PER_LAYER, KVLayout.CONTIGUOUS])
+def test_adjacent_spans_take_one_set_access_per_range_and_one_unmap(host, layout):
+    faulty = FaultyDriver(host)
+    t, m, budget = _parts(faulty, layout=layout)
+    ranges = 1 if layout is KVLayout.CONTIGUOUS else 4
+    assert m.map_runs([(0, 1), (1, 1), (2, 1), (3, 1), (5, 1)]) == 5
+    # pages 0-3 are one run (one set_access per range), page 5 its own
+    assert faulty.calls["create"] == faulty.calls["map"] == 5 * ranges
+    assert faulty.calls["set_access"] == 2 * ranges
+    assert [m.extent_of(p) for p in range(6)] == [(0, 1), (1, 1), (2, 1), (3, 1), None, (5, 1)]
+    view = SimpleNamespace(tensors=t, geometry=t.geometry)  # what the pattern helpers read
+    blocks = [b for b in range(6 * 4) if b // 4 != 4]
+    write_pattern(view, blocks)
+    check_pattern(view, blocks)
+    # released together, in any order: one unmap per range of the run 1-3, page 5 alone
+    assert m.unmap_runs([(5, 1), (3, 1), (1, 1), (2, 1)]) == [True] * 4
+    assert faulty.calls["unmap"] == 4 * ranges and faulty.calls["release"] == 4 * ranges
+    assert budget.used == m.page_bytes == host.own_bytes() == m.held_bytes()
+    check_pattern(view, list(range(4)))  # page 0 kept its data
+    assert m.unmap_all() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+@pytest.mark.parametrize("call, nth", [("create", 7), ("map", 7), ("set_access", 4)])
+def test_a_failure_in_a_run_undoes_the_whole_run_only(host, call, nth):
+    # 4 ranges: run 0-1 is created, mapped and enabled range by range (8 creates,
+    # 4 set_access); run 3-4 follows; each nth lands in the 2nd run
+    faulty = FaultyDriver(host, fail_nth={call: nth + (8 if call != "set_access" else 4)})
+    t, m, budget = _parts(faulty)
+    assert m.map_runs([(0, 1), (1, 1), (3, 1), (4, 1)]) == 2
+    assert m.is_mapped(0) and m.is_mapped(1)
+    assert all(m.extent_of(p) is None for p in (3, 4))
+    assert budget.used == 2 * m.page_bytes == host.own_bytes() == m.held_bytes()
+    assert m.unmap_all() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+@pytest.mark.parametrize("fail", [{"unmap": 2}, {"release": 3}])
+def test_a_failed_run_unmap_or_release_falls_back_per_handle(host, fail):
+    faulty = FaultyDriver(host, fail_nth=fail)
+    t, m, budget = _parts(faulty, layers=1, buffers=1)  # one handle per page
+    assert m.map_runs([(p, 1) for p in range(4)]) == 4
+    results = m.unmap_runs([(p, 1) for p in range(4)])
+    if "unmap" in fail:  # the run's one call fails whole, then each page goes by itself
+        assert results == [True] * 4 and faulty.calls["unmap"] == 4 + 4
+    else:  # the 3rd release fails: that page is unmapped, retried once, then released
+        assert results == [True] * 4 and faulty.calls["release"] == 5
+    assert m.mapped_pages == 0 and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_a_release_that_keeps_failing_quarantines_its_page_only(host):
+    faulty = FaultyDriver(host, fail_nth={"release": {2, 5}})
+    t, m, budget = _parts(faulty, layers=1, buffers=1)
+    assert m.map_runs([(p, 1) for p in range(4)]) == 4
+    assert m.unmap_runs([(p, 1) for p in range(4)]) == [True, False, True, True]
+    assert m.quarantined_extents() == [(1, 1)]
+    assert budget.used == m.page_bytes == m.held_bytes() == host.own_bytes()
+    assert m.retry_quarantined() == [(1, 1)]
+    assert budget.used == 0 == host.own_bytes()
+    t.close()
+
+
 def test_a_failed_undo_in_a_batch_is_quarantined(host):
     faulty = FaultyDriver(host, fail_nth={"map": 6, "release": 1})
     t, m, budget = _parts(faulty)
-    assert m.map_runs([(0, 1), (1, 1), (2, 1)]) == 1
-    assert m.quarantined_extents() == [(1, 1)]
+    assert m.map_runs([(0, 1), (2, 1), (4, 1)]) == 1
+    assert m.quarantined_extents() == [(2, 1)]
     assert budget.used == m.held_bytes() == host.own_bytes() > m.page_bytes
-    assert m.retry_quarantined() == [(1, 1)]
+    assert m.retry_quarantined() == [(2, 1)]
     assert m.unmap_all() and budget.used == 0 == host.own_bytes()
     t.close()
 
@@ -108,17 +174,20 @@ class InterruptingDriver(FaultyDriver):
 
 
 def test_an_interrupt_in_a_pool_refill_settles_every_page(host):
-    driver = InterruptingDriver(host, at=9)  # the 3rd page of a refill of 4 (4 handles each)
+    # 4 handles per page: a refill grows 4 pages per step (REFILL_STEP_HANDLES),
+    # so a refill of 6 is a run of pages 0-3 (creates 1-16), then of 4-5; the
+    # 19th create is in the second
+    driver = InterruptingDriver(host, at=16 + 3)
     t, m, budget = _parts(driver, pages=8)
     pa = PageAllocator(m, min_reserved=0, max_reserved=8, background=False)
-    pa.min_reserved = 4
+    pa.min_reserved = 6
     with pytest.raises(Interrupt):
         pa._refill()
-    assert [pa.state_of(p) for p in range(4)] == [IDLE, IDLE, UNMAPPED, UNMAPPED]
+    assert [pa.state_of(p) for p in range(6)] == [IDLE] * 4 + [UNMAPPED] * 2
     assert pa.counts() == pa.recount()
-    assert budget.used == 2 * m.page_bytes == host.own_bytes() == m.held_bytes()
-    assert pa.take(3) == [0, 1, 2]  # and the pool goes on
-    assert pa.counts()["used"] == 3
+    assert budget.used == 4 * m.page_bytes == host.own_bytes() == m.held_bytes()
+    assert pa.take(5) == [0, 1, 2, 3, 4]  # and the pool goes on
+    assert pa.counts()["used"] == 5
     assert pa.close() and budget.used == 0 == host.own_bytes()
     t.close()
 
@@ -198,12 +267,34 @@ def test_a_backend_without_map_runs_is_called_per_span(host):
 
 
 def test_quarantine_state_survives_in_the_pool(host):
-    faulty = FaultyDriver(host, fail_nth={"set_access": 4 + 1, "unmap": 1})
+    faulty = FaultyDriver(host, fail_nth={"set_access": 2, "unmap": 1})
     t, m, budget = _parts(faulty, pages=8)
     pa = PageAllocator(m, max_reserved=8, background=False)
-    assert pa.take(2) is None  # page 1 fails and its undo cannot unmap
-    assert pa.state_of(1) == QUARANTINED and pa.state_of(0) == IDLE
+    # pages 0-1 are one run: its 2nd range fails, and page 1's undo cannot unmap
+    assert pa.take(2) is None
+    assert pa.state_of(1) == QUARANTINED and pa.state_of(0) == UNMAPPED
     assert pa.counts() == pa.recount()
     assert pa.retry_quarantined() == 1
+    assert pa.close() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
+def test_a_take_prefers_a_hole_that_holds_all_its_pages(host):
+    faulty = FaultyDriver(host)
+    t, m, budget = _parts(faulty, pages=12, layers=1, buffers=1)
+    pa = PageAllocator(m, background=False)  # no pool: given-back pages are unmapped
+    got = pa.take(6)
+    assert got == [0, 1, 2, 3, 4, 5]
+    pa.give_back([1, 3])
+    assert pa.state_of(1) == pa.state_of(3) == UNMAPPED
+    access = faulty.calls["set_access"]
+    assert pa.take(3) == [6, 7, 8]  # one run, not pages 1, 3 and 6
+    assert faulty.calls["set_access"] == access + 1
+    assert pa.take(1) == [1]  # the lowest page still goes first to a one-page take
+    assert pa.take(2) == [9, 10]  # page 3 alone is no hole of two
+    assert pa.take(1) == [3]
+    pa.give_back([0, 2])
+    assert pa.take(3) == [0, 2, 11]  # no hole of three left: the lowest pages
+    assert pa.counts() == pa.recount()
     assert pa.close() and budget.used == 0 == host.own_bytes()
     t.close()

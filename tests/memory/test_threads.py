@@ -190,11 +190,13 @@ def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
     assert budget.used == 0
 
 
-def test_a_take_behind_a_refill_waits_for_one_page_not_the_whole_refill(host):
-    """The pool maps one extent per hold of the grow lock: a take that finds
-    the refill growing waits for the page in flight and then takes it idle,
-    instead of waiting for every page of the refill (or growing beside it)."""
-    page_s = 0.1  # a slow create, so that one page and the whole refill stand apart
+def test_a_take_behind_a_refill_waits_for_one_step_not_the_whole_refill(host, monkeypatch):
+    """The pool maps one step (a run of a few pages) per hold of the grow
+    lock: a take that finds the refill growing waits for the step in flight
+    and then takes a page of it idle, instead of waiting for every page of
+    the refill (or growing beside it)."""
+    monkeypatch.setattr("kvcached.memory.pages.REFILL_STEP_HANDLES", 2)  # 2 pages a step
+    page_s = 0.1  # a slow create, so that one step and the whole refill stand apart
     watch = _GrowWatch(host, delay_s={"create": page_s})
     cache, budget = make_cache(watch, small_spec(1, 1), pages=16, background=True,
                                min_reserved=8, max_reserved=8, max_handle_bytes=0)

@@ -74,7 +74,8 @@ class PageExecutor:
         return self.tensors.buffer(torch.int8)
 
     def apply(self, ops: Sequence[PageOp]) -> bool:
-        """Apply ``ops`` in order (runs of unmaps share one device sync).
+        """Apply ``ops`` in order (runs of unmaps share one device sync, runs
+        of maps one ``map_runs``).
         ``False`` when a map failed even after retrying (the ops before it are
         applied, the rest not)."""
         mapper = self.mapper
@@ -93,22 +94,31 @@ class PageExecutor:
                 self.unmaps += len(spans)
                 continue
             assert kind == MAP, f"invariant: a page op is map or unmap, not {kind!r}"
-            if not self._map(first, count):
+            spans = []
+            while i < n and ops[i][0] == MAP:  # one map_runs: adjacent extents share calls
+                spans.append((ops[i][1], ops[i][2]))
+                i += 1
+            if not self._map(spans):
                 return False
-            self.maps += 1
-            i += 1
         return True
 
-    def _map(self, first: int, count: int) -> bool:
+    def _map(self, spans: list[tuple[int, int]]) -> bool:
+        """Map ``spans`` in order (one ``map_runs``, so runs of adjacent
+        extents share their set-access calls), retrying what the device
+        refused; ``False`` once that has failed for :data:`MAP_RETRY_S`."""
         mapper = self.mapper
         deadline = time.monotonic() + MAP_RETRY_S
         while True:
             if mapper.quarantined_pages:
                 mapper.retry_quarantined()
-            if mapper.map_run(first, count):
+            done = mapper.map_runs(spans)
+            self.maps += done
+            spans = spans[done:]
+            if not spans:
                 return True
             self.failed_maps += 1
             if time.monotonic() >= deadline:
+                first, count = spans[0]
                 log.error("device refused %.1f MiB the ledger granted (pages [%d, %d)) for "
                           "%.0f s", count * self.lanes.page_bytes / MIB, first, first + count,
                           MAP_RETRY_S)
