@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
+        import aiohttp  # noqa: F401 - the extra's packages, checked before anything runs
+        import yaml  # noqa: F401
+
         from kvcached.serve.config import ServeConfigError, describe, load_config
     except ImportError as exc:
         print(f"kvcached serve: needs the serve extra ({exc.name} is missing): "

@@ -59,7 +59,8 @@ class Serve:
         self.router = Router(self)
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._stopped = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._stop_task: asyncio.Task[None] | None = None
         self._adopted: set[str] = set()
         self._misses: dict[str, int] = {}
         self.port = config.port
@@ -96,11 +97,19 @@ class Serve:
                 self._tasks.append(asyncio.ensure_future(m.start()))
         self._tasks.append(asyncio.ensure_future(self._policy_loop()))
 
+    def request_stop(self) -> None:
+        """Ask :meth:`wait_stopped`'s waiter to stop (safe from a signal handler)."""
+        self._stop_requested.set()
+
     async def stop(self) -> None:
-        """Stop every engine (reverse order) and the router; remove the state. Idempotent."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
+        """Stop every engine (reverse order) and the router; remove the state.
+        Idempotent: a second call waits for the first one's work."""
+        self._stop_requested.set()
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -118,7 +127,8 @@ class Serve:
         log.info("kvcached serve: stopped")
 
     async def wait_stopped(self) -> None:
-        await self._stopped.wait()
+        """Return once a stop was asked for (:meth:`request_stop`, :meth:`stop`)."""
+        await self._stop_requested.wait()
 
     async def __aenter__(self) -> Serve:
         await self.start()
@@ -202,7 +212,7 @@ async def _main(config: ServeConfig, ready: Any = None) -> int:  # noqa: ANN401
     serve = Serve(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(serve.stop()))
+        loop.add_signal_handler(sig, serve.request_stop)
     try:
         await serve.start()
         if ready is not None:

@@ -62,7 +62,9 @@ class ModelConfig:
     engine: str = "vllm"
     model: str = ""  #: the engine's model path or id (vllm, sglang)
     args: tuple[str, ...] = ()  #: more engine arguments
-    command: tuple[str, ...] = ()  #: engine ``command``: argv, ``{port}`` and ``{host}`` filled
+    #: argv that serves HTTP on ``{port}`` (``{host}``, ``{port}`` filled in): required for
+    #: engine ``command``; for vllm/sglang, a launch command of your own instead of ``model``
+    command: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     port: int | None = None  #: None: a free port is assigned at start
     env: Mapping[str, str] = field(default_factory=dict)
@@ -81,6 +83,9 @@ class ModelConfig:
 
     def argv(self, host: str, port: int, python: str = sys.executable) -> list[str]:
         """The engine's command line on ``host:port``."""
+        if self.command:  # the user's own launch command (any engine kind)
+            return [part.replace("{port}", str(port)).replace("{host}", host)
+                    for part in self.command]
         if self.engine == "vllm":
             argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                     "--served-model-name", self.name, "--host", host, "--port", str(port)]
@@ -93,8 +98,7 @@ class ModelConfig:
             if self.sleep.level == "weights" and "--enable-memory-saver" not in self.args:
                 argv.append("--enable-memory-saver")
             return argv + list(self.args)
-        return [part.replace("{port}", str(port)).replace("{host}", host)
-                for part in self.command]
+        raise AssertionError(f"model {self.name}: engine command without a command")
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The engine's environment: ``base``, this model's ``env``, then what serve sets."""
@@ -325,11 +329,13 @@ def _model(r: _Reader) -> ModelConfig:
     r.done()
     if m.port is not None and m.port > 65535:
         r.fail(f"must be a TCP port (1-65535), got {m.port}", r.line_of("port"), r.where("port"))
-    if engine in ("vllm", "sglang") and not m.model:
-        r.fail(f"engine {engine} needs model: the model path or id to serve", r.line, r.path)
-    if engine in ("vllm", "sglang") and m.command:
-        r.fail(f"command is for engine: command; engine {engine} builds its own (use args)",
-               r.line_of("command"), r.where("command"))
+    if engine in ("vllm", "sglang") and not (m.model or m.command):
+        r.fail(f"engine {engine} needs model (the model path or id to serve) or command "
+               "(your own launch command of that engine)", r.line, r.path)
+    if m.command and (m.model or m.args):
+        key = "model" if m.model else "args"
+        r.fail(f"{key} is for the command serve builds; with command, put everything in "
+               "command", r.line_of(key), r.where(key))
     if engine == "command" and not m.command:
         r.fail("engine command needs command: the argv that serves HTTP on {port}",
                r.line, r.path)
