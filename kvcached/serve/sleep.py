@@ -60,7 +60,7 @@ def read_kv(name: str) -> KvReading | None:
     return KvReading(charged, limits[0], tuple(devices), tuple(limits), min(headrooms))
 
 
-def kv_sleep(name: str, settle_s: float = 10.0) -> KvReading | None:
+def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
     """Hold instance ``name`` at zero and wait up to ``settle_s`` for its memory to go.
     Returns the reading before (``None``: it holds no pool anywhere: nothing to do)."""
     from kvcached.control.limits import set_limit
