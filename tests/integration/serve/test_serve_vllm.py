@@ -11,6 +11,7 @@ then after its stop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -192,10 +193,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             if record.exists():
                 pid = json.loads(record.read_text()).get("pid")
                 if pid:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
 
 
 def greedy(client: openai.OpenAI, model: str, prompt: str, n: int = 8) -> str:
