@@ -10,8 +10,9 @@
   OpenAI's error schema; an engine that cannot be reached is a 502, one that
   cannot wake in time a 503 with ``Retry-After``;
 * ``/health`` (the router is alive), ``/ready`` (every model that should be up
-  is), ``/metrics`` (Prometheus text), ``/is_sleeping?model=`` and
-  ``/v1/models/{model}/state`` for cluster routers; ``POST
+  is), ``/metrics`` (Prometheus text), ``/is_sleeping?model=``,
+  ``/v1/models/{model}/state`` and ``/v1/models/{model}/metrics`` (the
+  engine's own) for cluster routers; ``POST
   /admin/models/{model}/sleep|wake`` to act by hand.
 
 With an API key configured every route but ``/health`` wants ``Authorization:
@@ -67,6 +68,7 @@ class Router:
             web.get("/v1/models", self.list_models),
             web.get("/v1/models/{model}", self.get_model),
             web.get("/v1/models/{model}/state", self.model_state),
+            web.get("/v1/models/{model}/metrics", self.engine_metrics),
             web.get("/is_sleeping", self.is_sleeping),
             web.post("/admin/models/{model}/sleep", self.admin_sleep),
             web.post("/admin/models/{model}/wake", self.admin_wake),
@@ -140,6 +142,25 @@ class Router:
         if m is None:
             return self._unknown(request.match_info["model"])
         return web.json_response(m.describe())
+
+    async def engine_metrics(self, request: web.Request) -> web.Response:
+        """The engine's own ``/metrics`` (vLLM's ``vllm:*`` gauges that cluster
+        routers read), fetched as is; empty while no engine process runs."""
+        m = self._find(request.match_info["model"])
+        if m is None:
+            return self._unknown(request.match_info["model"])
+        if m.process is None or not m.record.port:
+            return web.Response(text="", content_type="text/plain")
+        assert self.session is not None, "the router's client session opens at app startup"
+        try:
+            async with self.session.get(m.base_url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
+                body = await r.read()
+                return web.Response(body=body, status=r.status,
+                                    content_type="text/plain", charset="utf-8")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return openai_error(502, f"model {m.name!r}: its engine's /metrics could not be "
+                                     f"read ({exc!r})", "server_error", "engine_unreachable")
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         name = request.query.get("model", "")

@@ -207,6 +207,15 @@ def test_models_are_listed_with_aliases(served):
     assert ids == [served.name("alpha"), f"a-{served.tag}", served.name("beta")]
 
 
+def test_probes_for_cluster_routers(served):
+    """/health, /ready, the router's /metrics, and each engine's own /metrics."""
+    assert served.get("/health")[0] == 200 and served.get("/ready")[0] == 200
+    status, text = served.get(f"/v1/models/{served.name('alpha')}/metrics")
+    assert status == 200 and "vllm:num_requests_waiting" in text
+    status, text = served.get("/metrics")
+    assert f'kvcached_serve_state{{model="{served.name("beta")}",state="stopped"}} 1' in text
+
+
 def test_outputs_equal_the_engines_own(served):
     """Chat and completions, streamed and not, through the router and straight
     to the engine: the same text."""
