@@ -155,7 +155,7 @@ class ModelRuntime:
         waiting requests). Raises :class:`ModelUnavailable` after ``wake_timeout``."""
         if self.state == READY and not self.lock.locked():
             return
-        if self.state == FAILED and self._wake_task is None:
+        if self.state == FAILED:  # restarts are the supervisor's (restart policy), not a request's
             raise ModelUnavailable(f"model {self.name!r} failed: {self.failure}", 30)
         if self._wake_task is None or self._wake_task.done():
             self._wake_task = asyncio.ensure_future(self._bring_up())
@@ -176,7 +176,7 @@ class ModelRuntime:
                 return
             if state in (SLEEPING, WAKING):
                 await self._wake_locked()
-            elif state in (STOPPED, FAILED, STARTING):
+            elif state in (STOPPED, STARTING):
                 await self._start_locked(reason="request")
 
     # -- start / stop ---------------------------------------------------------------------
