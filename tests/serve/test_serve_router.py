@@ -256,3 +256,31 @@ def _exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_pressure_sleeps_the_least_recently_used_idle_model_on_that_gpu(tmp_path, monkeypatch):
+    """The decision, from a ledger reading: a busy model whose misses grow on a GPU
+    with no headroom makes the LRU idle model there sleep (not one on another GPU)."""
+    from kvcached.serve import app as app_module
+
+    models = [fake_model(n, tmp_path / f"{n}.log") for n in ("busy", "old", "new", "elsewhere")]
+    cfg = config(tmp_path, models, pressure="sleep-lru", idle_check_s=3600)
+    reading = {"busy": (0, ("gpu0",), 0, 1 << 20), "old": (0, ("gpu0",), 0, 1 << 20),
+               "new": (0, ("gpu0",), 0, 1 << 20), "elsewhere": (0, ("gpu1",), 1 << 30, 1 << 20)}
+    monkeypatch.setattr(app_module, "_pressure_view", lambda names: dict(reading))
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            busy, old, new, elsewhere = serve.models
+            await until(lambda: all(m.state == "ready" for m in serve.models), what="ready")
+            old.last_used, new.last_used, elsewhere.last_used = 1.0, 2.0, 0.5
+            await serve.policy_pass()  # first reading: nothing grew yet
+            busy.begin()
+            try:
+                reading["busy"] = (3, ("gpu0",), 0, 1 << 20)  # misses grew, no headroom
+                await serve.policy_pass()
+            finally:
+                busy.end()
+            assert [m.state for m in serve.models] == ["ready", "sleeping", "ready", "ready"]
+
+    run(body())
