@@ -87,10 +87,10 @@ def test_the_worker_unmaps_and_maps_page_zero_again() -> None:
     pytest.importorskip("torch")
     from kvcached.driver.host import HostDriver
     from kvcached.integrations.vllm.executor import PageExecutor
-    from kvcached.integrations.vllm.geometry import lanes_of
-    from tests.integration.vllm.test_vllm_planner import _layer_outer  # noqa: PLC2701
+    from kvcached.integrations.vllm.geometry import TensorShape, lanes_of
 
-    t = _layer_outer(2, 2, 32, 128, 512)
+    page = 2 * 32 * 128  # heads x tokens x bytes per cell: 8 KiB per layer and block
+    t = TensorShape(0, (2, 512, 2, 32, 128), (512 * page, page, 32 * 128, 128, 1), page)
     lanes = lanes_of([t], 2 * 512 * 8 * 1024, 512, G)
     driver = HostDriver(capacity=64 * MIB, index=31)
     ex = PageExecutor(driver, lanes, calibrate=False)
