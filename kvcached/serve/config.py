@@ -73,7 +73,7 @@ class ModelConfig:
     restart: RestartConfig = field(default_factory=RestartConfig)
     wake_timeout: float = 120.0  #: a request waits this long for its model to wake
     startup_timeout: float = 600.0  #: an engine not ready after this is ``failed``
-    stop_timeout: float = 60.0  #: SIGTERM, then SIGKILL after this
+    stop_timeout: float = 60.0  #: SIGINT to the engine's group, then SIGKILL after this
     ready_path: str = "/health"  #: GET answering 200 once the engine serves
     kvcached: bool = True  #: set ENABLE_KVCACHED=true and KVCACHED_IPC_NAME=<name>
 

@@ -91,17 +91,19 @@ class EngineProcess:
         return group_pids(self.pid)
 
     async def stop(self, timeout_s: float) -> bool:
-        """SIGTERM to the group, SIGKILL to what is left after ``timeout_s``;
-        returns when no process of the group is left. True: it ended on SIGTERM."""
+        """SIGINT to the group (what Ctrl-C in a terminal sends: vLLM and SGLang
+        shut down cleanly on it, closing their kvcached pools), SIGKILL to what is
+        left after ``timeout_s``; returns when no process of the group is left.
+        True: it ended on SIGINT."""
         if not self.alive() and not self.leftovers():
             return True
-        self._signal_group(signal.SIGTERM)
+        self._signal_group(signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         clean = True
         while self.alive() or self.leftovers():
             if time.monotonic() >= deadline:
                 clean = False
-                log.warning("engine pid %d did not stop within %.0f s of SIGTERM; SIGKILL",
+                log.warning("engine pid %d did not stop within %.0f s of SIGINT; SIGKILL",
                             self.pid, timeout_s)
                 self._signal_group(signal.SIGKILL)
                 deadline = time.monotonic() + 30.0

@@ -239,12 +239,23 @@ class ModelRuntime:
     async def _stop_process(self) -> None:
         if self.process is not None:
             await self.process.stop(self.config.stop_timeout)
+            await self._retire_dead()
         self.process = None
         self.record.pid = 0
         self.record.start_ticks = 0
 
+    async def _retire_dead(self) -> None:
+        """No ledger charge outlives the engine, however it ended."""
+        if not self.config.kvcached:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, sleep_levels.retire_dead_pools, self.name)
+        except Exception:  # a ledger problem must not stop a shutdown; say so
+            log.exception("model %s: could not retire its dead ledger records", self.name)
+
     async def stop(self, reason: str = "serve is stopping") -> None:
-        """Stop the engine (SIGTERM, then SIGKILL) and mark the model stopped."""
+        """Stop the engine (SIGINT, then SIGKILL) and mark the model stopped."""
         async with self.lock:
             await self._stop_process()
             self.record.sleep_level = ""
@@ -359,6 +370,7 @@ class ModelRuntime:
                     self.store.log_path(self.name))
         if self.process is not None:
             await self.process.stop(5.0)  # its workers may outlive it
+            await self._retire_dead()
         self.process = None
         self.record.pid = 0
         self.set_state(FAILED, self.failure)

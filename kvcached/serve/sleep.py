@@ -99,6 +99,30 @@ def kv_wake(name: str, restore_limit: int) -> bool:
     return True
 
 
+def retire_dead_pools(name: str) -> int:
+    """Retire the ledger records of instance ``name``'s dead processes (an engine
+    that was killed, or exited without closing its pools), as the next
+    registration or calibration would: their charge leaves the sum and the
+    budget alike (a later calibration finds the memory free). Returns how many."""
+    from kvcached.control.limits import ledger_paths
+    from kvcached.errors import LedgerError
+    from kvcached.ledger.ledger import Ledger
+
+    retired = 0
+    for path in ledger_paths():
+        try:
+            ledger = Ledger.open_existing(path)
+        except (LedgerError, OSError) as exc:
+            log.warning("model %s: ledger %s unreadable (%s)", name, path, exc)
+            continue
+        try:
+            if any(p.instance == name and not p.alive for p in ledger.snapshot().pools):
+                retired += ledger.retire_dead()
+        finally:
+            ledger.close()
+    return retired
+
+
 def wait_released(name: str, timeout_s: float) -> int:
     """Wait up to ``timeout_s`` for instance ``name``'s charge to reach zero; the charge then."""
     deadline = time.monotonic() + timeout_s
