@@ -81,8 +81,9 @@ class ModelConfig:
     def served_names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
-    def argv(self, host: str, port: int, python: str = sys.executable) -> list[str]:
-        """The engine's command line on ``host:port``."""
+    def argv(self, host: str, port: int | str, python: str = sys.executable) -> list[str]:
+        """The engine's command line on ``host:port`` (``port`` may be a placeholder
+        text, for the plan)."""
         if self.command:  # the user's own launch command (any engine kind)
             return [part.replace("{port}", str(port)).replace("{host}", host)
                     for part in self.command]
@@ -432,10 +433,7 @@ def describe(config: ServeConfig) -> str:
              f"{'required' if config.api_key else 'none'}; pressure: {config.pressure})",
              f"state    {config.resolved_state_dir()}"]
     for m in config.models:
-        port = m.port if m.port is not None else 0
-        argv = m.argv(config.engine_host, port)
-        if m.port is None:
-            argv = [a if a != "0" else "<free port>" for a in argv]
+        argv = m.argv(config.engine_host, m.port if m.port is not None else "<free port>")
         sleep = m.sleep.level
         if sleep != "none":
             sleep += f" after {m.sleep.idle_after:g} s idle"

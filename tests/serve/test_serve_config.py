@@ -63,6 +63,7 @@ def test_a_good_file_loads_with_every_key(tmp_path):
     assert cfg.model("chat") is a and cfg.model("nope") is None
     plan = describe(cfg)
     assert "llama-a" in plan and "vLLM sleep level 2" in plan and "port auto" in plan
+    assert "--port '<free port>'" in plan and "--port 8002" in plan
 
 
 @pytest.mark.parametrize("text, line, message", [
