@@ -106,6 +106,7 @@ class ModelRuntime:
         self._wake_task: asyncio.Task[None] | None = None
         self._restart_times: list[float] = []
         self._next_restart = 0.0
+        self._kv_ledgers: tuple[str, ...] = ()  #: the ledgers it last slept on
         self.last_released_fraction: float | None = None
         self.last_kv_released = 0
 
@@ -288,6 +289,7 @@ class ModelRuntime:
                     level = "kv"
             before = await loop.run_in_executor(None, sleep_levels.kv_sleep, self.name)
             held_before = before.charged_bytes if before is not None else 0
+            self._kv_ledgers = before.ledgers if before is not None else ()
             left = await loop.run_in_executor(None, sleep_levels.wait_released, self.name, 0.0)
             self.record.held_before_sleep = held_before
             self.last_kv_released = max(0, held_before - left)
@@ -322,7 +324,7 @@ class ModelRuntime:
                 self.set_state(FAILED, self.failure)
                 return
         await loop.run_in_executor(None, sleep_levels.kv_wake, self.name,
-                                   self.record.restore_limit)
+                                   self.record.restore_limit, self._kv_ledgers)
         self.record.sleep_level = ""
         self.counters.wakes += 1
         self.counters.wake_seconds += time.monotonic() - began

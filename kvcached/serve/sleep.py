@@ -39,6 +39,7 @@ class KvReading:
     devices: tuple[str, ...]
     limits: tuple[int, ...]  #: per device, in ``devices`` order
     headroom_bytes: int  #: the smallest budget headroom over its devices
+    ledgers: tuple[str, ...] = ()  #: the ledger files, in ``devices`` order
 
 
 def read_kv(name: str) -> KvReading | None:
@@ -46,7 +47,7 @@ def read_kv(name: str) -> KvReading | None:
     from kvcached.control.limits import ledger_snapshots
 
     charged = 0
-    devices, limits, headrooms = [], [], []
+    devices, limits, headrooms, paths = [], [], [], []
     for snap in ledger_snapshots(problems=[]):
         inst = snap.instance(name)
         if inst is None or inst.pools == 0:
@@ -55,9 +56,11 @@ def read_kv(name: str) -> KvReading | None:
         devices.append(snap.header.device_id)
         limits.append(inst.limit)
         headrooms.append(snap.header.budget - snap.header.charged)
+        paths.append(snap.header.path)
     if not devices:
         return None
-    return KvReading(charged, limits[0], tuple(devices), tuple(limits), min(headrooms))
+    return KvReading(charged, limits[0], tuple(devices), tuple(limits), min(headrooms),
+                     tuple(paths))
 
 
 def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
@@ -80,11 +83,17 @@ def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
     return before
 
 
-def kv_wake(name: str, restore_limit: int) -> bool:
+def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> bool:
     """Give instance ``name`` back ``restore_limit`` (0: unlimited) where it is
-    still held at zero. False when it holds no pool or someone changed the limit."""
+    still held at zero. False when it holds no pool or someone changed the limit.
+
+    ``ledgers``: the files it slept on (:attr:`KvReading.ledgers`): then only
+    those are opened, a few ms on the request's path instead of a scan of every
+    snapshot and ledger on the machine; otherwise (or if one is gone) the scan."""
     from kvcached.control.limits import set_limit
 
+    if ledgers and _wake_on(name, restore_limit, ledgers):
+        return True
     now = read_kv(name)
     if now is None:
         return False
@@ -97,6 +106,35 @@ def kv_wake(name: str, restore_limit: int) -> bool:
     except InstanceNotFoundError:
         return False
     return True
+
+
+def _wake_on(name: str, restore_limit: int, ledgers: tuple[str, ...]) -> bool:
+    """:func:`kv_wake` on known ledger files; False (nothing written) when one of
+    them cannot be used or no longer holds the instance at zero."""
+    from kvcached.errors import LedgerError
+    from kvcached.ledger.ledger import Ledger
+
+    opened = []
+    try:
+        for path in ledgers:
+            try:
+                opened.append(Ledger.open_existing(path))
+            except (LedgerError, OSError):
+                return False
+        records = []
+        for ledger in opened:
+            inst = ledger.snapshot().instance(name)
+            if inst is None or inst.pools == 0 or inst.limit != HOLD_AT_ZERO:
+                return False
+            records.append((ledger, inst.revision))
+        for ledger, revision in records:
+            ledger.set_limit(name, restore_limit or None, revision + 1)
+        return True
+    except InstanceNotFoundError:
+        return False
+    finally:
+        for ledger in opened:
+            ledger.close()
 
 
 def retire_dead_pools(name: str) -> int:
