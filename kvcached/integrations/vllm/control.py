@@ -78,6 +78,9 @@ class EngineContext:
         self._reclaim_done = threading.Event()
         self.reclaimed = 0
         self.closed = False
+        #: Whether the null block's page may be released while held at zero (not
+        #: under data parallelism: idle ranks' dummy batches may read it).
+        self.park_null_ok = True
 
     # -- wiring ------------------------------------------------------------------------------
     def bind_engine(self, engine: Any) -> None:
@@ -152,8 +155,8 @@ class EngineContext:
         if planner.null_parked:
             if self._null_allowed():
                 planner.unpark_null()
-        elif (not self._null_allowed() and self.idle() and planner.live_blocks() == 0
-              and planner.park_null()):
+        elif (self.park_null_ok and not self._null_allowed() and self.idle()
+              and planner.live_blocks() == 0 and planner.park_null()):
             log.info("instance %s: held at zero; the null block's page is released "
                      "until the limit allows a page again", self.instance.name)
 
