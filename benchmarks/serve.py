@@ -78,6 +78,25 @@ def commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def utc_now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def provenance_start(result: dict[str, Any]) -> dict[str, Any]:
+    """The ``provenance`` block every result file carries (the schema of
+    ``benchmarks/_provenance.py``: commit, tree_dirty, command, machine, load averages)."""
+    sha = result["commit"]
+    m = result["machine"]
+    return {"commit": sha.removesuffix("-dirty"), "tree_dirty": sha.endswith("-dirty"),
+            "command": result["command"],
+            "machine": {"host": m["host"], "platform": platform.platform(), "cpu": m["cpu"],
+                        "cpus": m["cpus"], "python": m["python"]},
+            "load_average_start": [round(x, 2) for x in m["loadavg_at_start"]],
+            "started_utc": utc_now()}
+
+
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
@@ -187,6 +206,7 @@ def main() -> int:
         "benchmark": "serve", "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
         "machine": machine(), "settings": vars(args)}
+    provenance = provenance_start(result)
     with open(work / "serve.log", "ab") as log:
         serve = subprocess.Popen([sys.executable, "-m", "kvcached", "serve",
                                   str(work / "serve.yaml")], stdout=log,
@@ -275,6 +295,9 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             serve.kill()
     result["machine"]["loadavg_at_end"] = os.getloadavg()
+    result["provenance"] = {**provenance, "load_average_end": [round(x, 2) for x in
+                                                                os.getloadavg()],
+                            "finished_utc": utc_now()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     keys = ("proxy_throughput_ratio", "proxy_ttft_p50_added_ms", "kv_wake_ms_p50",
