@@ -1,4 +1,4 @@
-"""``kvcached``: the user's entry point: ``demo`` (the main job) and ``info``."""
+"""``kvcached``: the user's entry point: ``demo`` (the main job), ``info`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,49 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pages to map in the check (default 8)")
     p_info.add_argument("--backend", choices=("auto", "cuda", "hip", "host"),
                         help="override KVCACHED_DRIVER for this run")
+    p_serve = sub.add_parser(
+        "serve", help="one OpenAI-compatible router in front of several engines",
+        description="Start every model of CONFIG.yaml as a supervised engine with kvcached, "
+                    "route OpenAI requests to them by model name, put idle models to sleep "
+                    "and wake them on request (docs/serve.md). Needs kvcached[serve].")
+    p_serve.add_argument("config", metavar="CONFIG.yaml", help="the serve configuration")
+    p_serve.add_argument("--check", action="store_true",
+                         help="validate the configuration, print the plan, start nothing")
+    p_serve.add_argument("--host", help="override the config's host (the router's address)")
+    p_serve.add_argument("--port", type=int, help="override the config's port")
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import aiohttp  # noqa: F401 - the extra's packages, checked before anything runs
+        import yaml  # noqa: F401
+
+        from kvcached.serve.config import ServeConfigError, describe, load_config
+    except ImportError as exc:
+        print(f"kvcached serve: needs the serve extra ({exc.name} is missing): "
+              'pip install "kvcached[serve]"', file=sys.stderr)
+        return 2
+    import dataclasses
+
+    try:
+        config = load_config(args.config)
+    except ServeConfigError as exc:
+        print(f"kvcached serve: {exc}", file=sys.stderr)
+        return 2
+    if args.host:
+        config = dataclasses.replace(config, host=args.host)
+    if args.port is not None:
+        if not 0 <= args.port <= 65535:
+            print(f"kvcached serve: --port={args.port}: must be 0-65535", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, port=args.port)
+    if args.check:
+        print(describe(config))
+        return 0
+    from kvcached.serve import run
+
+    return run(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return info(as_json=args.json, pages=args.pages,
                         backend=None if args.backend in (None, "auto") else args.backend)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "demo":
             from kvcached.cli.demo import run_demo
             from kvcached.units import parse_size

@@ -42,6 +42,10 @@ log = get_logger("kvcached.control")
 
 #: Seconds between two passes of the control thread: publish, then enforce limits.
 TICK_S = 0.2
+#: Seconds between two looks at the limit revisions (a read of the mapped ledger,
+#: no lock): a new limit is acted on within this, not a whole tick, so an instance
+#: woken by raising its limit (``kvcached serve``'s ``kv`` sleep) grows again at once.
+REVISION_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -293,9 +297,21 @@ class Instance:
         else:
             member.flush_error = None
 
+    def _limit_changed(self) -> bool:
+        with self._lock:
+            members = list(self._members)
+        return any(m.watch is not None and m.watch.limit_revision != m.revision_seen
+                   for m in members)
+
     def _run(self) -> None:
-        while not self._stop.wait(self._tick_s):
+        poll = min(REVISION_POLL_S, self._tick_s)
+        due = time.monotonic() + self._tick_s
+        while not self._stop.wait(poll):
             try:
+                now = time.monotonic()
+                if now < due and not self._limit_changed():
+                    continue
+                due = now + self._tick_s
                 self.enforce()
                 self.publish()
             except Exception:  # the control thread must outlive one bad pass

@@ -114,6 +114,11 @@ def prometheus(rows: Sequence[InstanceRow], gpus: Sequence[GpuRow]) -> str:
     for name, kind, help_text, value in _INSTANCE:
         _family(out, name, kind, help_text,
                 [(_labels(instance=r.name, gpu=r.gpu), value(r)) for r in rows])
+    _family(out, "kvcached_instance_serve_state", "gauge",
+            "1, labelled with the model's state under kvcached serve (starting, ready, "
+            "sleeping, waking, stopped, failed)",
+            [(_labels(instance=r.name, gpu=r.gpu, state=r.serve_state), 1)
+             for r in rows if r.serve_state])
     for name, kind, help_text, value in _GPU:
         _family(out, name, kind, help_text, [(_labels(gpu=g.gpu), value(g)) for g in gpus])
     return "\n".join(out) + "\n"

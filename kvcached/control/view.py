@@ -54,6 +54,9 @@ class InstanceRow:
     uptime_s: float = 0.0
     misses: int = 0
     ledger: str = ""
+    #: The model's state under ``kvcached serve`` (starting, ready, sleeping, waking,
+    #: stopped, failed), from the router's snapshot; "" when no serve runs it.
+    serve_state: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,8 +129,12 @@ def instance_rows(snapshots: Sequence[Snapshot],
     ledger but publish no snapshot."""
     rows: dict[tuple[str, str], InstanceRow] = {}
     now = time.time()
+    served: dict[str, str] = {}  # instance -> its state, published by kvcached serve
     for snap in snapshots:
         doc = snap.data
+        serve = doc.get("serve")
+        if snap.alive and isinstance(serve, dict) and isinstance(serve.get("state"), str):
+            served[snap.instance] = serve["state"]
         for pool in doc.get("pools", []):
             key = (snap.instance, str(pool.get("gpu", "?")))
             row = rows.get(key)
@@ -174,6 +181,11 @@ def instance_rows(snapshots: Sequence[Snapshot],
     for row in rows.values():
         if row.state != DEAD and row.limit_bytes and row.used_bytes > row.limit_bytes:
             row.state = OVER
+        row.serve_state = served.get(row.name, "")
+    for name, state in served.items():  # a served model with no engine memory (stopped)
+        if not any(r.name == name for r in rows.values()):
+            rows[(name, "-")] = InstanceRow(name=name, gpu="-", serve_state=state,
+                                            engine="kvcached-serve")
     return sorted(rows.values(), key=lambda r: (r.name, r.gpu))
 
 
@@ -227,10 +239,13 @@ def _columns(lines: list[tuple[str, ...]], right: Sequence[int] = ()) -> str:
 
 def render_table(rows: Sequence[InstanceRow]) -> str:
     """``kvctl list``'s table."""
-    lines: list[tuple[str, ...]] = [("NAME", "GPU", "USED", "RESERVED", "LIMIT", "PID", "STATE")]
+    serve = any(r.serve_state for r in rows)  # the SERVE column only under kvcached serve
+    lines: list[tuple[str, ...]] = [("NAME", "GPU", "USED", "RESERVED", "LIMIT", "PID", "STATE")
+                                    + (("SERVE",) if serve else ())]
     for r in rows:
         lines.append((r.name, r.gpu, format_bytes(r.used_bytes), format_bytes(r.reserved_bytes),
-                      _limit_text(r), ",".join(map(str, r.pids)), r.state))
+                      _limit_text(r), ",".join(map(str, r.pids)), r.state)
+                     + ((r.serve_state or "-",) if serve else ()))
     return _columns(lines, right=(2, 3, 4))
 
 
@@ -252,7 +267,8 @@ def render_status(rows: Sequence[InstanceRow]) -> str:
     """``kvctl status NAME``: everything known about one instance."""
     first = rows[0]
     out = [f"instance   {first.name}",
-           f"state      {', '.join(sorted({r.state for r in rows}))}",
+           f"state      {', '.join(sorted({r.state for r in rows}))}"
+           + (f" (kvcached serve: {first.serve_state})" if first.serve_state else ""),
            f"engine     {first.engine or '?'} {first.engine_version}".rstrip(),
            f"kvcached   {first.kvcached_version or '?'}",
            f"pids       {', '.join(str(p) for p in sorted({p for r in rows for p in r.pids}))}",
@@ -331,7 +347,8 @@ def render_top(rows: Sequence[InstanceRow], gpus: Sequence[GpuRow], width: int =
         scale = scales.get(r.gpu) or r.limit_bytes or r.virtual_bytes or r.used_bytes or 1
         out.append(f"{r.name:<{nw}.{nw}} {r.gpu:<{gw}.{gw}} "
                    f"{usage_bar(r.used_bytes, r.reserved_bytes, r.limit_bytes, scale, bw)} "
-                   f"{format_bytes(r.used_bytes):>10} {_limit_text(r):>10}  {r.state}")
+                   f"{format_bytes(r.used_bytes):>10} {_limit_text(r):>10}  {r.state}"
+                   + (f" ({r.serve_state})" if r.serve_state else ""))
     if not rows:
         out.append("no kvcached instance is running")
     if footer:

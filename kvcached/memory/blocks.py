@@ -75,7 +75,11 @@ class BlockManager:
     * ``free blocks in held pages`` equals the sum of those free lists, and a
       held page with ``k > 0`` free blocks is in bucket ``k.bit_length()``;
     * :meth:`available_size` is what :meth:`alloc` will grant right now when
-      no other thread or process changes anything in between.
+      no other thread or process changes anything in between;
+    * while the null block is *parked* (:meth:`park_null_block`: its page given
+      back so that an instance held at zero holds nothing), no page is held and
+      :meth:`alloc` grants nothing but ``[]``, until :meth:`unpark_null_block`
+      has block 0 on page 0 again.
     """
 
     def __init__(self, pages: PageAllocator, *, reserve_null_block: bool = True,
@@ -109,6 +113,7 @@ class BlockManager:
         self._limit_pages = g.num_pages
         self._resize_pages = g.num_pages
         self.null_block: int | None = None
+        self.null_parked = False
         if reserve_null_block:
             got = pages.take(1)
             if got is None:
@@ -191,6 +196,8 @@ class BlockManager:
                 lst += self._take(-m)
             return lst
         else:
+            if self.null_parked:
+                return None  # no block before block 0 is back (unpark_null_block)
             bpp = self.blocks_per_page
             pages = self._pages.take((n - self._free_in_held + bpp - 1) // bpp)
             if pages is None:
@@ -441,6 +448,51 @@ class BlockManager:
         returns pages released."""
         return self._pages.trim()
 
+    def park_null_block(self) -> bool:
+        """Give back page 0, the null block's, when no other block lives on it,
+        so that nothing stays mapped (an instance put to sleep at zero). The
+        caller guarantees that nothing reads block 0 until
+        :meth:`unpark_null_block` (an idle engine runs no step). False, and
+        nothing changed, when there is no null block, it is parked already, or
+        page 0 holds other live blocks."""
+        with self._lock:
+            if self.null_block is None or self.null_parked or self._closed:
+                return False
+            bpp = self.blocks_per_page
+            lst = self._free[0]
+            if lst is None or len(lst) != bpp - 1:
+                return False
+            c = self._class_of[0]
+            if c:
+                del self._buckets[c][0]
+                self._class_of[0] = 0
+            self._free_in_held -= bpp - 1
+            lst.append(0)  # last: _take hands it out first when the page comes back
+            self._state[0] = 0
+            self.null_parked = True
+        self._pages.give_back([0])
+        return True
+
+    def unpark_null_block(self) -> bool:
+        """Map page 0 again and make block 0 the null block, as at start. False
+        when the page cannot be had now (the cap or the budget: retry later; the
+        block manager grants nothing meanwhile)."""
+        with self._lock:
+            if not self.null_parked:
+                return True
+            got = self._pages.take(1)
+            if got is None:
+                return False
+            if got != [0]:  # page 0 still held elsewhere (e.g. in flight): try again later
+                self._pages.give_back(got)
+                return False
+            self._adopt(got)
+            taken = self._take(1)
+            assert taken == [0], f"the null block must be block 0 again, got {taken}"
+            self._state[0] = _NULL
+            self.null_parked = False
+            return True
+
     def close(self) -> None:
         """Stop handing out blocks (the cache is being torn down): every later
         ``alloc`` is a miss and ``free`` does nothing. Idempotent."""
@@ -464,7 +516,7 @@ class BlockManager:
             c = self._pages.counts()
             # every used page is held here: its blocks are live or free
             live = c["used"] * self.blocks_per_page - self._free_in_held
-            live -= self.null_block is not None
+            live -= self.null_block is not None and not self.null_parked
             available = self.available_size()
         mapped = c["idle"] + c["used"] + c["busy"] + c["quarantined"]
         return MemoryUsage(
@@ -516,5 +568,6 @@ class BlockManager:
             assert pa.counts() == pa.recount(), f"page counters {pa.counts()} != {pa.recount()}"
             assert pa.n_used == held, f"allocator has {pa.n_used} used pages, manager holds {held}"
             live = sum(1 for s in state if s == _LIVE)
-            used = pa.n_used * bpp - self._free_in_held - (self.null_block is not None)
+            used = pa.n_used * bpp - self._free_in_held - (
+                self.null_block is not None and not self.null_parked)
             assert used == live, f"blocks_used {used} differs from a recount {live}"

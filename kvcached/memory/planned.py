@@ -22,7 +22,9 @@ Accounting (the rules of ``kvcached.memory.budget`` with a delay in between):
 
 Page ``0`` can be *premapped*: the workers map it themselves at start (vLLM's
 null block lives there and dummy runs write it before any plan exists). Its
-map is granted but never queued; it is never unmapped.
+map is granted but never queued. It is never unmapped, except while
+:attr:`PlannedPages.release_page0` is set (the planner parks the null block of
+an idle engine held at zero); mapped again, its map is queued like any other.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class PlannedPages:
         self._queue: list[PageOp] = []
         self._queued_refund = 0  # bytes of queued unmaps, refunded after confirmation
         self._page0_premapped = premapped_page0
+        #: Set while the null block is parked: page 0 may then be unmapped.
+        self.release_page0 = False
         self.maps = 0
         self.unmaps = 0
         self.cancelled = 0
@@ -93,7 +97,7 @@ class PlannedPages:
         for first, count in spans:
             if self._extents.get(first) != count:
                 raise MappingError(f"unmap [{first}, {first + count}) is not one planned run")
-            if first == 0:
+            if first == 0 and not self.release_page0:
                 raise MappingError("page 0 (the null block's) is never unmapped")
         for first, count in spans:
             nbytes = count * self.page_bytes

@@ -78,6 +78,9 @@ class EngineContext:
         self._reclaim_done = threading.Event()
         self.reclaimed = 0
         self.closed = False
+        #: Whether the null block's page may be released while held at zero (not
+        #: under data parallelism: idle ranks' dummy batches may read it).
+        self.park_null_ok = True
 
     # -- wiring ------------------------------------------------------------------------------
     def bind_engine(self, engine: Any) -> None:
@@ -119,6 +122,8 @@ class EngineContext:
         planner = self.planner
         control = planner.take_control()
         if not control:
+            if planner.null_parked and self._null_allowed():
+                planner.unpark_null()  # a wake whose page 0 was refused: retry each step
             return
         start = planner.mapped_bytes()
         if "limit" in control:
@@ -130,10 +135,30 @@ class EngineContext:
             wanted = int(control["reclaim"]) - (start - planner.mapped_bytes())  # type: ignore[call-overload]
             if wanted > 0:
                 self.pool.reclaim(wanted)
+        self._park_or_unpark_null()
         self.reclaimed = max(0, start - planner.mapped_bytes())
         if self.idle():
             planner.flush()
         self._reclaim_done.set()
+
+    def _null_allowed(self) -> bool:
+        cap = self._cap_bytes()
+        return cap is None or cap >= self.planner.page_bytes
+
+    def _park_or_unpark_null(self) -> None:
+        """Held below one page (a limit of 0-ish: ``kvcached serve``'s ``kv``
+        sleep) with nothing in use and no request: give back the null block's
+        page too, so the instance holds nothing; map it again once the limit
+        allows a page. A step never runs while it is parked: no block can be
+        allocated, and the engine is idle."""
+        planner = self.planner
+        if planner.null_parked:
+            if self._null_allowed():
+                planner.unpark_null()
+        elif (self.park_null_ok and not self._null_allowed() and self.idle()
+              and planner.live_blocks() == 0 and planner.park_null()):
+            log.info("instance %s: held at zero; the null block's page is released "
+                     "until the limit allows a page again", self.instance.name)
 
     def _cap_bytes(self) -> int | None:
         """The smallest limit over devices, in bytes per rank (``None``: none)."""

@@ -164,6 +164,10 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
         raise KVCachedError(f"kvcached holds the KV cache of some workers only: {descs}")
     ENGINE.block_size = vllm_config.cache_config.block_size
     context = build_context(kv_cache_config, descs)
+    # Idle data-parallel ranks run dummy batches that may read the null block
+    # (docs/vllm-integration.md, open points): keep its page mapped there.
+    parallel = getattr(vllm_config, "parallel_config", None)
+    context.park_null_ok = int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1
     context.bind_engine(self)
     context.planner.rpc = lambda ops: self.collective_rpc("kvcached_apply_page_ops",
                                                           args=(ops,))

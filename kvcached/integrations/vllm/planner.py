@@ -123,7 +123,31 @@ class StepPlanner:
     def live_blocks(self) -> int:
         """Blocks handed out and not freed (the null block excluded)."""
         pa = self.pages
-        return (pa.n_used + pa.n_idle) * self.blocks_per_page - self.blocks.ready_size() - 1
+        null = 0 if self.blocks.null_parked else 1
+        return (pa.n_used + pa.n_idle) * self.blocks_per_page - self.blocks.ready_size() - null
+
+    # -- the null block, parked while held at zero --------------------------------------
+    @property
+    def null_parked(self) -> bool:
+        return self.blocks.null_parked
+
+    def park_null(self) -> bool:
+        """Unmap page 0 (the null block's) while no other block lives: an idle
+        engine held at zero (``kvcached serve``'s ``kv`` sleep) then holds
+        nothing. Only when no step will run before :meth:`unpark_null`."""
+        self.backend.release_page0 = True
+        if not self.blocks.park_null_block():
+            self.backend.release_page0 = False
+            return False
+        self.pages.trim()
+        return True
+
+    def unpark_null(self) -> bool:
+        """Map page 0 again (its map rides on the next step, or an idle flush)."""
+        if not self.blocks.unpark_null_block():
+            return False
+        self.backend.release_page0 = False
+        return True
 
     def growable_blocks(self) -> int:
         """Blocks that could still be mapped now (cap, virtual size, budget)."""

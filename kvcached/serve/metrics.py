@@ -1,0 +1,73 @@
+"""``/metrics``: the router's Prometheus text exposition, per model.
+
+Requests, errors, requests in flight, a TTFT histogram (seconds from the
+request's arrival to the engine's first byte), sleeps and wakes with their
+durations, starts, restarts, deaths, and the state as a labelled gauge
+(``kvcached_serve_state{model, state} 1`` for the current one) and a code
+(:data:`~kvcached.serve.state.STATE_CODES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcached.control.metrics import escape_label, format_value
+from kvcached.serve.model import TTFT_BUCKETS, ModelRuntime
+from kvcached.serve.state import STATE_CODES, STATES
+
+
+def render_metrics(models: Sequence[ModelRuntime]) -> str:
+    out: list[str] = []
+
+    def family(name: str, kind: str, help_text: str) -> None:
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {kind}")
+
+    def line(name: str, value: float, **labels: str) -> None:
+        text = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items())
+        out.append(f"{name}{{{text}}} {format_value(value)}")
+
+    simple = (
+        ("kvcached_serve_requests_total", "counter", "Requests routed to the model.",
+         lambda m: m.counters.requests),
+        ("kvcached_serve_errors_total", "counter",
+         "Requests answered with a status >= 400 or broken off.", lambda m: m.counters.errors),
+        ("kvcached_serve_in_flight", "gauge", "Requests routed and not yet answered.",
+         lambda m: m.in_flight),
+        ("kvcached_serve_sleeps_total", "counter", "Times the model was put to sleep.",
+         lambda m: m.counters.sleeps),
+        ("kvcached_serve_sleep_seconds_total", "counter", "Seconds spent putting it to sleep.",
+         lambda m: m.counters.sleep_seconds),
+        ("kvcached_serve_wakes_total", "counter", "Times the model was woken.",
+         lambda m: m.counters.wakes),
+        ("kvcached_serve_wake_seconds_total", "counter", "Seconds spent waking it.",
+         lambda m: m.counters.wake_seconds),
+        ("kvcached_serve_starts_total", "counter", "Engine processes started.",
+         lambda m: m.counters.starts),
+        ("kvcached_serve_restarts_total", "counter", "Restarts after an engine died.",
+         lambda m: m.counters.restarts),
+        ("kvcached_serve_engine_deaths_total", "counter", "Engine processes that died.",
+         lambda m: m.counters.deaths),
+        ("kvcached_serve_state_code", "gauge",
+         "The model's state: " + ", ".join(f"{c}={s}" for s, c in STATE_CODES.items()) + ".",
+         lambda m: STATE_CODES[m.state]),
+    )
+    for name, kind, help_text, get in simple:
+        family(name, kind, help_text)
+        for m in models:
+            line(name, get(m), model=m.name)
+    family("kvcached_serve_state", "gauge", "1 for the model's current state, 0 for the others.")
+    for m in models:
+        for s in STATES:
+            line("kvcached_serve_state", 1 if m.state == s else 0, model=m.name, state=s)
+    name = "kvcached_serve_ttft_seconds"
+    family(name, "histogram", "Seconds from a request's arrival to its first byte from the "
+                              "engine (successful requests).")
+    for m in models:
+        c = m.counters
+        for bound, count in zip(TTFT_BUCKETS, c.ttft_buckets, strict=True):
+            line(name + "_bucket", count, model=m.name, le=format_value(bound))
+        line(name + "_bucket", c.ttft_count, model=m.name, le="+Inf")
+        line(name + "_sum", c.ttft_sum, model=m.name)
+        line(name + "_count", c.ttft_count, model=m.name)
+    return "\n".join(out) + "\n"

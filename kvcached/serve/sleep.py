@@ -1,0 +1,192 @@
+"""Sleep levels: what putting a model to sleep, and waking it, does.
+
+* ``kv`` (any engine that runs kvcached, the CPU build included): the
+  instance's limit is lowered to :data:`HOLD_AT_ZERO` (one byte: no page fits
+  under it) through :func:`kvcached.control.limits.set_limit`; the instance
+  then releases its idle memory (reserved pages, unreferenced prefix-cache
+  blocks) and grows no more. Waking writes back the limit the user had,
+  unless someone (``kvctl limit``) changed it meanwhile: then theirs stays.
+* ``weights``: the engine's own sleep API, with its parameters where the engine
+  reads them (vLLM: ``POST /sleep?level=N`` in the query string, ``POST
+  /wake_up``; SGLang: ``POST /release_memory_occupation`` and ``POST
+  /resume_memory_occupation`` with a JSON body), then ``kv``.
+* ``stop`` is the supervisor's: ``kv`` first, then the process is stopped.
+
+These calls block on the ledgers (a few ms), so the router runs them in a
+thread. Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvcached.errors import InstanceNotFoundError
+from kvcached.log import get_logger
+
+log = get_logger("kvcached.serve")
+
+#: The limit that holds an instance at zero pages (0 means "unlimited" in the ledger).
+HOLD_AT_ZERO = 1
+
+
+@dataclass(frozen=True)
+class KvReading:
+    """An instance's memory on every device, summed, from its ledgers and snapshots."""
+
+    charged_bytes: int  #: the ledgers' charge (what a sleep must bring to zero)
+    limit_bytes: int  #: the limit on its first device (0: unlimited)
+    devices: tuple[str, ...]
+    limits: tuple[int, ...]  #: per device, in ``devices`` order
+    headroom_bytes: int  #: the smallest budget headroom over its devices
+    ledgers: tuple[str, ...] = ()  #: the ledger files, in ``devices`` order
+
+
+def read_kv(name: str) -> KvReading | None:
+    """Where instance ``name`` holds memory now; ``None`` when no ledger has a pool of it."""
+    from kvcached.control.limits import ledger_snapshots
+
+    charged = 0
+    devices, limits, headrooms, paths = [], [], [], []
+    for snap in ledger_snapshots(problems=[]):
+        inst = snap.instance(name)
+        if inst is None or inst.pools == 0:
+            continue
+        charged += inst.charged
+        devices.append(snap.header.device_id)
+        limits.append(inst.limit)
+        headrooms.append(snap.header.budget - snap.header.charged)
+        paths.append(snap.header.path)
+    if not devices:
+        return None
+    return KvReading(charged, limits[0], tuple(devices), tuple(limits), min(headrooms),
+                     tuple(paths))
+
+
+def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
+    """Hold instance ``name`` at zero and wait up to ``settle_s`` for its memory to go.
+    Returns the reading before (``None``: it holds no pool anywhere: nothing to do)."""
+    from kvcached.control.limits import set_limit
+
+    before = read_kv(name)
+    if before is None:
+        log.info("model %s: no kvcached instance holds memory; the kv sleep has nothing "
+                 "to release", name)
+        return None
+    try:
+        result = set_limit(name, HOLD_AT_ZERO, wait_s=settle_s)
+    except InstanceNotFoundError:
+        return None
+    if result.status.value != "applied":
+        log.info("model %s: kv sleep %s (%s still held)", name, result.status.value,
+                 ", ".join(f"{d.gpu}: {d.charged_bytes} B" for d in result.devices))
+    return before
+
+
+def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> bool:
+    """Give instance ``name`` back ``restore_limit`` (0: unlimited) where it is
+    still held at zero. False when it holds no pool or someone changed the limit.
+
+    ``ledgers``: the files it slept on (:attr:`KvReading.ledgers`): then only
+    those are opened, a few ms on the request's path instead of a scan of every
+    snapshot and ledger on the machine; otherwise (or if one is gone) the scan."""
+    from kvcached.control.limits import set_limit
+
+    if ledgers and _wake_on(name, restore_limit, ledgers):
+        return True
+    now = read_kv(name)
+    if now is None:
+        return False
+    if any(limit != HOLD_AT_ZERO for limit in now.limits):
+        log.info("model %s: its limit was changed while it slept (%s); leaving it", name,
+                 now.limits)
+        return False
+    try:
+        set_limit(name, restore_limit or None)
+    except InstanceNotFoundError:
+        return False
+    return True
+
+
+def _wake_on(name: str, restore_limit: int, ledgers: tuple[str, ...]) -> bool:
+    """:func:`kv_wake` on known ledger files; False (nothing written) when one of
+    them cannot be used or no longer holds the instance at zero."""
+    from kvcached.errors import LedgerError
+    from kvcached.ledger.ledger import Ledger
+
+    opened = []
+    try:
+        for path in ledgers:
+            try:
+                opened.append(Ledger.open_existing(path))
+            except (LedgerError, OSError):
+                return False
+        records = []
+        for ledger in opened:
+            inst = ledger.snapshot().instance(name)
+            if inst is None or inst.pools == 0 or inst.limit != HOLD_AT_ZERO:
+                return False
+            records.append((ledger, inst.revision))
+        for ledger, revision in records:
+            ledger.set_limit(name, restore_limit or None, revision + 1)
+        return True
+    except InstanceNotFoundError:
+        return False
+    finally:
+        for ledger in opened:
+            ledger.close()
+
+
+def retire_dead_pools(name: str) -> int:
+    """Retire the ledger records of instance ``name``'s dead processes (an engine
+    that was killed, or exited without closing its pools), as the next
+    registration or calibration would: their charge leaves the sum and the
+    budget alike (a later calibration finds the memory free). Returns how many."""
+    from kvcached.control.limits import ledger_paths
+    from kvcached.errors import LedgerError
+    from kvcached.ledger.ledger import Ledger
+
+    retired = 0
+    for path in ledger_paths():
+        try:
+            ledger = Ledger.open_existing(path)
+        except (LedgerError, OSError) as exc:
+            log.warning("model %s: ledger %s unreadable (%s)", name, path, exc)
+            continue
+        try:
+            if any(p.instance == name and not p.alive for p in ledger.snapshot().pools):
+                retired += ledger.retire_dead()
+        finally:
+            ledger.close()
+    return retired
+
+
+def wait_released(name: str, timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` for instance ``name``'s charge to reach zero; the charge then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = read_kv(name)
+        held = now.charged_bytes if now is not None else 0
+        if held == 0 or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class WeightsApi:
+    """An engine's own sleep endpoints: (method, path with query, JSON body or None)."""
+
+    sleep: tuple[str, str, dict[str, object] | None]
+    wake: tuple[str, str, dict[str, object] | None]
+
+
+def weights_api(engine: str, level: int = 1) -> WeightsApi:
+    """The documented sleep/wake calls of ``engine`` (vllm, sglang)."""
+    if engine == "vllm":
+        # vLLM reads the level from the query string (a JSON body is ignored: level 1)
+        return WeightsApi(("POST", f"/sleep?level={int(level)}", None),
+                          ("POST", "/wake_up", None))
+    if engine == "sglang":
+        return WeightsApi(("POST", "/release_memory_occupation", {}),
+                          ("POST", "/resume_memory_occupation", {}))
+    raise ValueError(f"engine={engine!r} has no weights sleep API: vllm or sglang")

@@ -1,0 +1,92 @@
+"""A small engine for the router's unit tests: real HTTP on loopback, the
+endpoint shapes of vLLM's and SGLang's servers, every request it gets logged.
+
+``python fake_engine.py PORT LOGFILE [--slow-start S] [--exit-after S]``. Each
+request is appended to LOGFILE as one JSON line: method, path, query string,
+body. Routes:
+
+* ``GET /health``; ``GET /v1/models``;
+* ``POST /v1/completions`` and ``/v1/chat/completions``: echo the request
+  (``"stream": true``: three SSE chunks, ``chunk_delay`` seconds apart, then
+  ``[DONE]``); ``"fail": N`` answers status N with an OpenAI-style error body;
+* vLLM's ``POST /sleep`` (level read from the query string, as vLLM does),
+  ``POST /wake_up``, ``GET /is_sleeping``; SGLang's ``POST
+  /release_memory_occupation`` and ``/resume_memory_occupation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from aiohttp import web
+
+
+def main() -> None:
+    port, log_path = int(sys.argv[1]), sys.argv[2]
+    args = sys.argv[3:]
+    slow_start = float(args[args.index("--slow-start") + 1]) if "--slow-start" in args else 0
+    state = {"sleeping": False, "level": 0}
+
+    def record(request: web.Request, body: bytes) -> None:
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"method": request.method, "path": request.path,
+                                "query": request.query_string,
+                                "body": body.decode(errors="replace"),
+                                "t": time.time()}) + "\n")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        record(request, body)
+        doc = json.loads(body)
+        if doc.get("fail"):
+            return web.json_response({"object": "error", "message": "asked to fail",
+                                      "type": "BadRequestError", "code": doc["fail"]},
+                                     status=int(doc["fail"]), headers={"X-Fake": "1"})
+        if state["sleeping"]:
+            return web.json_response({"message": "asleep"}, status=500)
+        if not doc.get("stream"):
+            return web.json_response({"echo": doc, "port": port}, headers={"X-Fake": "1"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(f"data: {json.dumps({'i': i, 'model': doc['model']})}\n\n".encode())
+            await asyncio.sleep(float(doc.get("chunk_delay", 0)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def sleep(request: web.Request) -> web.Response:
+        record(request, await request.read())
+        state["sleeping"], state["level"] = True, int(request.query.get("level", "1"))
+        return web.json_response({"status": "sleeping", "level": state["level"]})
+
+    async def wake(request: web.Request) -> web.Response:
+        record(request, await request.read())
+        state["sleeping"] = False
+        return web.json_response({"status": "awake"})
+
+    async def is_sleeping(request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": state["sleeping"]})
+
+    app = web.Application()
+    app.add_routes([
+        web.get("/health", health),
+        web.post("/v1/completions", completions),
+        web.post("/v1/chat/completions", completions),
+        web.post("/sleep", sleep), web.post("/wake_up", wake),
+        web.get("/is_sleeping", is_sleeping),
+        web.post("/release_memory_occupation", sleep),
+        web.post("/resume_memory_occupation", wake),
+    ])
+    time.sleep(slow_start)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The ``kv`` sleep level's calls on a real instance in this process: a real
+KVCache on the host backend, charged to a real ledger, with its control thread."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvcached.control.instance import Instance, KVCachePool
+from kvcached.control.limits import set_limit
+from kvcached.driver.host import HostDriver
+from kvcached.ledger import Ledger
+from kvcached.memory.cache import KVCache
+from kvcached.memory.spec import KVCacheSpec
+from kvcached.serve import sleep as kv
+from kvcached.units import MIB
+
+SPEC = KVCacheSpec(num_layers=2, block_size=16, num_heads=4, head_dim=64, dtype=torch.float16)
+NAME = "serve-kv-test"
+
+
+@pytest.fixture
+def instance(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    from kvcached import config
+
+    config.reload_config()
+    driver = HostDriver(index=33, capacity=512 * MIB)
+    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
+    budget = ledger.register_pool(NAME)
+    cache = KVCache(SPEC, driver=driver, budget=budget, capacity_bytes=128 * MIB,
+                    min_reserved=2, max_reserved=4, max_handle_bytes=0)
+    inst = Instance(NAME, engine="test", tick_s=0.05)
+    inst.add_pool(KVCachePool(cache), budget)
+    yield cache
+    inst.close()
+    cache.close()
+    budget.close()
+    ledger.close()
+
+
+def held() -> int:
+    reading = kv.read_kv(NAME)
+    assert reading is not None
+    return reading.charged_bytes
+
+
+def test_sleep_releases_everything_idle_and_wake_restores_the_users_limit(instance):
+    cache = instance
+    ids = cache.alloc(cache.blocks_per_page * 3)
+    assert ids is not None
+    cache.free(ids)
+    set_limit(NAME, 96 * MIB)  # the user's own limit, to come back on wake
+    before = kv.kv_sleep(NAME, settle_s=5.0)
+    assert before is not None and before.charged_bytes > 0 and before.limit_bytes == 96 * MIB
+    assert before.ledgers and before.ledgers[0].endswith(before.devices[0])
+    # a KVCache keeps its null block's page (only vLLM's planner parks it)
+    assert kv.wait_released(NAME, 5.0) <= cache.geometry.page_bytes
+    assert cache.alloc(cache.blocks_per_page * 2) is None  # held: growth is a miss
+    began = time.monotonic()
+    assert kv.kv_wake(NAME, before.limit_bytes, before.ledgers)
+    assert time.monotonic() - began < 5.0
+    reading = kv.read_kv(NAME)
+    assert reading is not None and reading.limit_bytes == 96 * MIB
+    deadline = time.monotonic() + 5
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = cache.alloc(cache.blocks_per_page * 2)  # the control thread applies it within 20 ms
+        time.sleep(0.01)
+    assert got is not None
+
+
+def test_a_limit_changed_while_asleep_is_left_alone(instance):
+    before = kv.kv_sleep(NAME, settle_s=1.0)
+    assert before is not None
+    set_limit(NAME, 64 * MIB)  # kvctl limit while it slept
+    assert not kv.kv_wake(NAME, 0, before.ledgers)
+    reading = kv.read_kv(NAME)
+    assert reading is not None and reading.limit_bytes == 64 * MIB
+
+
+def test_no_instance_is_nothing_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    from kvcached import config
+
+    config.reload_config()
+    assert kv.read_kv("nobody-here") is None
+    assert kv.kv_sleep("nobody-here") is None
+    assert not kv.kv_wake("nobody-here", 0)
+    assert kv.retire_dead_pools("nobody-here") == 0
