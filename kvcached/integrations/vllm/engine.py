@@ -28,7 +28,8 @@ from types import ModuleType
 from typing import Any
 
 from kvcached.errors import KVCachedError
-from kvcached.integrations.vllm.patching import STATE, Patcher, check_params, original
+from kvcached.integrations.patching import Patcher, check_params, original
+from kvcached.integrations.vllm.state import STATE
 from kvcached.integrations.vllm.worker import refusal_reason
 from kvcached.log import get_logger
 from kvcached.units import format_bytes
@@ -146,7 +147,7 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     reason = refusal_reason(vllm_config)
     if reason is not None:
         log.warning("vLLM %s engine core: kvcached does not serve this configuration (%s); "
-                    "vLLM runs with its own KV cache", STATE.vllm_version, reason)
+                    "vLLM runs with its own KV cache", STATE.version, reason)
         return orig(self, vllm_config)
     from kvcached.config import get_config
 
@@ -159,7 +160,7 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     oks = [bool(d.get("ok")) for d in descs]
     if not any(oks):
         log.warning("vLLM %s engine core: the workers keep native KV caches (%s); vLLM runs "
-                    "with its own KV cache", STATE.vllm_version, descs[0].get("reason"))
+                    "with its own KV cache", STATE.version, descs[0].get("reason"))
         return kv_cache_config
     if not all(oks):
         raise KVCachedError(f"kvcached holds the KV cache of some workers only: {descs}")
@@ -191,7 +192,7 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
             f"the workers' {first['num_pages']} pages of {first['blocks_per_page']} blocks are "
             f"not vLLM's {kv_cache_config.num_blocks} blocks")
     config = get_config()
-    instance = get_instance(engine="vllm", engine_version=STATE.vllm_version)
+    instance = get_instance(engine="vllm", engine_version=STATE.version)
     ledgers: dict[str, Any] = {}
     pools: list[Any] = []
     try:
@@ -245,7 +246,7 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
         "vLLM %s engine core: block pool, allocate_slots, schedule, update_from_output, "
         "reset_prefix_cache patched; %d blocks of %d tokens, %d pages of %d blocks (%s per "
         "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, instance %s",
-        STATE.vllm_version, planner.num_blocks, ENGINE.block_size, g.num_pages,
+        STATE.version, planner.num_blocks, ENGINE.block_size, g.num_pages,
         g.blocks_per_page, format_bytes(g.page_bytes), format_bytes(g.num_pages * g.page_bytes),
         len(context.devices), "" if len(context.devices) == 1 else "s", ",".join(devices),
         "unlimited" if cap < 0 else cap * ENGINE.block_size, context.instance.name)
