@@ -30,7 +30,7 @@ import os
 
 #: vLLM releases the patch groups were written against and tested on (the
 #: real engine, ``tests/compat/run.sh vllm VERSION``); any other runs native.
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32.0",)
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0")
 
 _FALSE = ("", "0", "false", "no", "off")
 _applied = False
@@ -50,13 +50,20 @@ def plugin() -> None:
 
 
 def groups() -> tuple:
-    """Every patch group, in install order (each for every supported version
-    unless it names its own; docs/vllm-integration.md lists where they differ)."""
+    """Every patch group, in install order. A group keyed by ``versions``
+    applies to those releases only; where 0.30/0.31 differ from 0.32 the
+    group of the same name comes from :mod:`.older` (docs/vllm-integration.md,
+    "Versions")."""
     from kvcached.integrations.patching import PatchGroup as G
-    from kvcached.integrations.vllm import engine, worker
+    from kvcached.integrations.vllm import engine, older, worker
 
+    new, old, oldest = (frozenset({"0.32.0"}), frozenset({"0.30.0", "0.31.0"}),
+                        frozenset({"0.30.0"}))
     return (
-        G("worker_utils", "vllm.v1.worker.utils", worker.install_utils, worker.check_utils),
+        G("worker_utils", "vllm.v1.worker.utils", worker.install_utils, worker.check_utils,
+          versions=new),
+        G("worker_utils", "vllm.v1.worker.utils", older.install_utils, older.check_utils,
+          versions=old),
         G("worker_base", "vllm.v1.worker.worker_base", worker.install_worker_base,
           worker.check_worker_base),
         G("gpu_model_runner", "vllm.v1.worker.gpu_model_runner", worker.install_runner,
@@ -64,17 +71,26 @@ def groups() -> tuple:
         G("gpu_attn_utils", "vllm.v1.worker.gpu.attn_utils", worker.install_runner,
           worker.check_runner),
         G("gpu_worker", "vllm.v1.worker.gpu_worker", worker.install_gpu_worker,
-          worker.check_gpu_worker),
+          worker.check_gpu_worker, versions=new),
+        G("gpu_worker", "vllm.v1.worker.gpu_worker", older.install_gpu_worker,
+          older.check_gpu_worker, versions=old),
         G("xpu_worker", "vllm.v1.worker.xpu_worker", worker.install_request_memory,
-          worker.check_request_memory),
+          worker.check_request_memory, versions=new),
+        G("xpu_worker", "vllm.v1.worker.xpu_worker", older.install_request_memory,
+          older.check_request_memory, versions=old),
         G("cpu_worker", "vllm.v1.worker.cpu_worker", worker.install_cpu_worker,
           worker.check_cpu_worker),
         G("kv_cache_utils", "vllm.v1.core.kv_cache_utils", engine.install_kv_cache_utils,
           engine.check_kv_cache_utils),
         G("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
-          engine.install_coordinator, engine.check_coordinator),
+          engine.install_coordinator, engine.check_coordinator,
+          versions=frozenset({"0.31.0", "0.32.0"})),
+        G("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
+          engine.install_coordinator, older.check_coordinator, versions=oldest),
         G("kv_cache_manager", "vllm.v1.core.kv_cache_manager", engine.install_kv_cache_manager,
-          engine.check_kv_cache_manager),
+          engine.check_kv_cache_manager, versions=new),
+        G("kv_cache_manager", "vllm.v1.core.kv_cache_manager", older.install_kv_cache_manager,
+          older.check_kv_cache_manager, versions=old),
         G("scheduler", "vllm.v1.core.sched.scheduler", engine.install_scheduler,
           engine.check_scheduler),
         G("engine_core", "vllm.v1.engine.core", engine.install_engine_core,

@@ -265,6 +265,20 @@ def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
 _WAITING: tuple[Any, ...] = ()
 
 
+def hold_back(manager: Any, request: Any, reserved_blocks: int, has_scheduled_reqs: bool) -> bool:
+    """Inside ``allocate_slots``: note on a kvcached pool the blocks vLLM keeps
+    back beyond the need; ``False`` for a native pool (nothing noted)."""
+    pool = manager.block_pool
+    if getattr(pool, "kvcached", None) is None:
+        return False
+    # vLLM applies the watermark only to waiting or preempted requests, and
+    # only when others are scheduled (kv_cache_manager.allocate_slots).
+    watermark = manager.watermark_blocks if has_scheduled_reqs and \
+        request.status in _WAITING else 0
+    pool.alloc_extra = reserved_blocks + watermark
+    return True
+
+
 def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                     new_computed_blocks=None, num_lookahead_tokens=0,
                     num_external_computed_tokens=0, delay_cache_blocks=False,
@@ -272,13 +286,7 @@ def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                     has_scheduled_reqs=True, skip_zeroing_group_ids=()):  # noqa: ANN001, ANN202
     orig = original(_allocate_slots)
     pool = self.block_pool
-    kvcached = getattr(pool, "kvcached", None) is not None
-    if kvcached:
-        # vLLM applies the watermark only to waiting or preempted requests, and
-        # only when others are scheduled (kv_cache_manager.allocate_slots).
-        watermark = self.watermark_blocks if has_scheduled_reqs and \
-            request.status in _WAITING else 0
-        pool.alloc_extra = reserved_blocks + watermark
+    kvcached = hold_back(self, request, reserved_blocks, has_scheduled_reqs)
     try:
         return orig(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                     num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
