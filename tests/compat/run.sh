@@ -72,6 +72,12 @@ esac
 # restricted to this engine's tests, with the engine required (a missing or
 # broken engine fails instead of skipping).
 "${pip[@]}" install --no-compile -e ".[test]"
+if [ "$engine" = vllm ]; then
+    # The first import byte-compiles vLLM (installed --no-compile): minutes on a
+    # loaded 2-core machine, longer than the tests' probe waits. Pay it here.
+    "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server, vllm.v1.engine.core" \
+        >/dev/null 2>&1 || true
+fi
 junit="$(mktemp -d)/junit.xml"
 command="KVCACHED_REQUIRE_ENGINES=$engine python -m pytest ${tests[*]}"
 set +e
