@@ -81,6 +81,7 @@ fi
 junit="$(mktemp -d)/junit.xml"
 command="KVCACHED_REQUIRE_ENGINES=$engine python -m pytest ${tests[*]}"
 set +e
+KVCACHED_ENGINE_PROBE_S="${KVCACHED_ENGINE_PROBE_S:-900}" \
 KVCACHED_REQUIRE_ENGINES="$engine" "$venv/bin/python" -m pytest -p no:cacheprovider \
     --junitxml="$junit" "${tests[@]}"
 rc=$?
