@@ -50,9 +50,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvcached.integrations.patching import PatchGroup  # noqa: E402
 from kvcached.integrations.vllm import engine  # noqa: E402
-from kvcached.integrations.vllm.patching import STATE, PatchGroup, install_group  # noqa: E402
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry  # noqa: E402
+from kvcached.integrations.vllm.state import STATE  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
 BLOCK = 32
@@ -173,14 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("kvcached").setLevel(logging.WARNING)  # one engine line per manager
-    STATE.active, STATE.vllm_version = True, VLLM_VERSION
+    STATE.active, STATE.version = True, VLLM_VERSION
     for name, module, check, install in (
         ("kv_cache_coordinator", kv_cache_coordinator, engine.check_coordinator,
          engine.install_coordinator),
         ("kv_cache_manager", kv_cache_manager, engine.check_kv_cache_manager,
          engine.install_kv_cache_manager),
     ):
-        assert install_group(PatchGroup(name, module.__name__, check, install), module)
+        assert STATE.install(PatchGroup(name, module.__name__, install, check), module)
     rounds = []
     for r in range(args.rounds):
         prompts = workload(r, args.requests, args.min_prompt, args.max_prompt)

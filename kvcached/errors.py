@@ -107,7 +107,3 @@ class LedgerFullError(LedgerError):
 
 class InstanceNotFoundError(KVCachedError, LookupError):
     """No live kvcached instance has the given name."""
-
-
-class PatchError(KVCachedError):
-    """An engine integration could not be applied to this engine version."""

@@ -90,9 +90,13 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
 
 
 @functools.cache
-def probe_engine(module: str, timeout_s: float = 180.0) -> tuple[str | None, str]:
+def probe_engine(module: str, timeout_s: float | None = None) -> tuple[str | None, str]:
     """``(version, "")`` when ``sys.executable`` imports ``module`` in a child
-    interpreter, else ``(None, why)``. Cached for the session."""
+    interpreter, else ``(None, why)``. Cached for the session. The wait is
+    ``KVCACHED_ENGINE_PROBE_S`` seconds (default 180; a loaded machine's
+    first import of a fresh venv can take longer)."""
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("KVCACHED_ENGINE_PROBE_S", "180"))
     try:
         done = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True,
                               text=True, timeout=timeout_s, check=False)

@@ -320,6 +320,48 @@ class BlockManager:
         if emptied:
             self._pages.give_back(emptied)
 
+    def claim(self, block: int) -> bool:
+        """Hand out the free block ``block`` itself (an engine that picks
+        blocks by id: vLLM's ``touch`` of a free block). Its page is taken or
+        mapped if the manager does not hold it; ``False`` when that cannot be
+        done now (nothing changed). Raises :class:`BlockError` if ``block`` is
+        not free (live, the null block) and :class:`ConfigError` if it is out
+        of range."""
+        if isinstance(block, bool) or not isinstance(block, int) or \
+                not 0 <= block < self.num_blocks:
+            raise ConfigError("block", block, f"a block id in [0, {self.num_blocks})")
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._state[block] != 0:
+                raise BlockError(f"claim(): block {block} is not free (it is live or the null "
+                                 "block); nothing was changed")
+            bpp = self.blocks_per_page
+            p = block // bpp
+            lst = self._free[p]
+            if lst is None or len(lst) == bpp:  # the page is not held: take it first
+                if not self._pages.take_page(p):
+                    return False
+                self._adopt([p])
+                lst = self._free[p]
+            lst.remove(block)
+            k = len(lst)
+            c = self._class[k] if k else 0
+            old = self._class_of[p]
+            if c != old:
+                if old:
+                    del self._buckets[old][p]
+                if c:
+                    self._buckets[c][p] = None
+                    if c < self._lo:
+                        self._lo = c
+                self._class_of[p] = c
+            self._free_in_held -= 1
+            self._state[block] = _LIVE
+            return True
+        finally:
+            lock.release()
+
     def available_size(self) -> int:
         """Blocks :meth:`alloc` can grant now: free blocks in held pages, plus
         whole idle pages, plus the pages the cap and the budget still allow.

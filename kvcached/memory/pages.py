@@ -635,6 +635,55 @@ class PageAllocator:
             return self._grow_idle_locked(None)[0]
         return self._grow_idle(None)
 
+    def take_page(self, page: int) -> bool:
+        """Page ``page`` itself for blocks: taken if idle, mapped if unmapped
+        (within the cap and the budget). ``False`` when it cannot be had now
+        (no room, or it is used, busy or quarantined). For an engine that hands
+        out a block by id rather than by count (vLLM's ``touch`` of a free block)."""
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ConfigError("page", page, f"a page id in [0, {self.num_pages})")
+        with self._grow_lock:
+            room = self.budget.headroom() // self.page_bytes
+            with self._lock:
+                if self._closed:
+                    return False
+                state = self._state[page]
+                if state == IDLE:
+                    self._take_idle(page)
+                    return True
+                if state != UNMAPPED or self.growable(room) < 1:
+                    return False
+                self._state[page] = BUSY
+                self.n_unmapped -= 1
+                self.n_busy += 1
+            try:
+                ok = self.mapper.map_run(page, 1)
+            except BaseException:
+                with self._lock:
+                    self._settle_interrupted([(page, 1)])
+                raise
+            with self._lock:
+                if ok:
+                    self._publish(page, 1, USED)
+                else:
+                    self._fail_span(page, 1)
+        if not ok:
+            self._maybe_shrink_inline()
+        return ok
+
+    def _take_idle(self, p: int) -> None:
+        """One idle page becomes used (lock held); its heap entry goes stale."""
+        state, run = self._state, self._run[p]
+        state[p] = USED
+        if run.used == 0:
+            del self._idle_runs[run.first]
+            for q in range(run.first, run.first + run.count):
+                if q != p and state[q] == IDLE:
+                    heapq.heappush(self._pinned, q)
+        run.used += 1
+        self.n_idle -= 1
+        self.n_used += 1
+
     def map_idle(self, want: int) -> int:
         """Map up to ``want`` new pages as idle, within the cap and the budget;
         returns how many were mapped (it stops at the first denial). For an

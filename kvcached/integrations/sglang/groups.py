@@ -1,8 +1,9 @@
 """The patch groups for SGLang 0.5.23 (targets and reasons: docs/sglang-integration.md).
 
-Each ``_install_*`` receives a :class:`~kvcached.integrations.sglang.patch.Patcher`
+Each ``_install_*`` receives a :class:`~kvcached.integrations.patching.Patcher`
 and its trigger module, and makes every change through the patcher (so a
-failure halfway is undone). Nothing here imports SGLang at module level: the
+failure halfway is undone). A wrapper calls SGLang's own function, found with
+:func:`~kvcached.integrations.patching.original`, so installing twice wraps once. Nothing here imports SGLang at module level: the
 SGLang-facing classes (``pools.py``) load when the ``pools`` group installs.
 
 * ``pools`` (``mem_cache.kv_cache_configurator``): the configurator resolves
@@ -25,7 +26,7 @@ import functools
 from types import ModuleType
 from typing import Any
 
-from kvcached.integrations.sglang.patch import Patcher, PatchGroup
+from kvcached.integrations.patching import Patcher, PatchGroup, original
 
 #: Groups an elastic pool depends on: when one of these failed to install,
 #: pools stay native (SGLang is never half kvcached).
@@ -81,8 +82,8 @@ def _install_pools(p: Patcher, module: ModuleType) -> None:
     from kvcached.integrations.sglang import pools
 
     conf_cls = module.KVCacheConfigurator
-    resolve = conf_cls._resolve_kv_pool_class
-    profile = conf_cls._profile_available_bytes
+    resolve = original(conf_cls._resolve_kv_pool_class)
+    profile = original(conf_cls._profile_available_bytes)
     elastic_for = {module.MHATokenToKVPool: pools.ElasticMHATokenToKVPool,
                    module.MLATokenToKVPool: pools.ElasticMLATokenToKVPool}
 
@@ -225,9 +226,9 @@ def _install_scheduler(p: Patcher, module: ModuleType) -> None:
 
     scheduler_cls = module.Scheduler
     batch_cls = module.ScheduleBatch
-    next_batch = scheduler_cls.get_next_batch_to_run
-    prefill_raw = scheduler_cls._get_new_batch_prefill_raw
-    prepare_extend = batch_cls.prepare_for_extend
+    next_batch = original(scheduler_cls.get_next_batch_to_run)
+    prefill_raw = original(scheduler_cls._get_new_batch_prefill_raw)
+    prepare_extend = original(batch_cls.prepare_for_extend)
     cap = get_config().max_cached_tokens
 
     @functools.wraps(next_batch)

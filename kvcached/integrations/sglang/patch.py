@@ -6,15 +6,14 @@
   must show no ``[kvcached]`` line when kvcached is off);
 * SGLang not installed, or a version not in :data:`SUPPORTED_VERSIONS`: one
   ``[kvcached]`` warning line and SGLang stays native;
-* otherwise one ``[kvcached]`` info line, and every :class:`PatchGroup` is
-  installed when its trigger module finishes importing (at once if it already
-  has).
+* otherwise one ``[kvcached]`` info line, and every patch group is installed
+  when its trigger module finishes importing (at once if it already has).
 
-A group is installed as one transaction: every attribute it replaces goes
-through a :class:`Patcher`, and if the group raises halfway the patcher puts
-the originals back in reverse order, so SGLang is never left half patched. A
-failed group logs one error line and leaves its part of SGLang native; whether
-the elastic pools may then be built is decided at pool-build time from
+The groups go through kvcached's one patcher
+(:mod:`kvcached.integrations.patching`) under the ``GROUP_NATIVE`` policy: a
+group is one transaction, undone if it raises halfway, and a failed group logs
+one error line and leaves only its part of SGLang native; whether the elastic
+pools may then be built is decided at pool-build time from
 :func:`group_states` (see docs/sglang-integration.md).
 
 Calling :func:`apply` again returns the first result and changes nothing.
@@ -22,84 +21,20 @@ Calling :func:`apply` again returns the first result and changes nothing.
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from types import ModuleType
-from typing import Any
 
-from kvcached.integrations.import_hook import when_imported
+from kvcached.integrations.patching import FailurePolicy, Patches, PatchGroup, supported
 
-#: SGLang releases whose internals the patch groups were written against.
-#: Pool, allocator and scheduler code moves between minor releases: a version
-#: not listed here is left native rather than patched on a guess.
+#: SGLang releases the patch groups were written against and tested on (their
+#: real classes, ``tests/compat/run.sh sglang VERSION``). Pool, allocator and
+#: scheduler code moves between releases: a version not listed here is left
+#: native rather than patched on a guess.
 SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.23",)
 
-_MISSING = object()
-_LOCAL_LABEL = re.compile(r"\+.*$")
-
-
-class Patcher:
-    """Replaces attributes and remembers the originals so they can be put back.
-
-    Invariant: :meth:`undo` restores every replaced attribute to exactly the
-    object (or absence) it had before, newest first, and leaves the patcher
-    empty, so calling it twice is harmless.
-    """
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def replace(self, owner: Any, name: str, value: Any) -> Any:
-        """Set ``owner.name = value``; return ``owner``'s own previous entry
-        (``None`` when the name was absent or only inherited)."""
-        if not name.isidentifier():
-            raise ValueError(f"name={name!r}: must be an attribute name")
-        if not hasattr(owner, "__dict__"):
-            raise TypeError(f"owner={owner!r}: only modules, classes and plain objects are patched")
-        # The owner's own entry, not an inherited one: undo must re-expose the
-        # base class' attribute by deleting ours, not copy it onto the subclass.
-        original = vars(owner).get(name, _MISSING)
-        self._undo.append((owner, name, original))
-        setattr(owner, name, value)
-        return None if original is _MISSING else original
-
-    @property
-    def replaced(self) -> int:
-        """How many attributes this patcher has replaced and not yet put back."""
-        return len(self._undo)
-
-    def undo(self) -> None:
-        """Put every replaced attribute back, newest first."""
-        while self._undo:
-            owner, name, original = self._undo.pop()
-            if original is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-
-@dataclass(frozen=True)
-class PatchGroup:
-    """Patches that only make sense together, installed as one transaction.
-
-    ``trigger`` is the module whose import completes the group's targets (for
-    the pools: ``sglang.srt.mem_cache.kv_cache_configurator``, which has
-    imported ``memory_pool`` and ``allocator`` by then). ``install`` receives a
-    :class:`Patcher` and the trigger module, and must make every change
-    through the patcher.
-    """
-
-    name: str
-    trigger: str
-    install: Callable[[Patcher, ModuleType], None]
-
-
-# The patch groups themselves live in ``groups.py`` (they import this module
-# for Patcher / PatchGroup); ``apply`` loads them when it runs.
+PATCHES = Patches("SGLang", FailurePolicy.GROUP_NATIVE, "integrations.sglang")
 
 
 @dataclass(frozen=True)
@@ -114,7 +49,6 @@ class ApplyResult:
 
 _lock = threading.RLock()
 _result: ApplyResult | None = None
-_group_states: dict[str, str] = {}
 
 
 def sglang_version() -> str | None:
@@ -133,7 +67,7 @@ def sglang_version() -> str | None:
 def is_supported(version: str) -> bool:
     """Whether ``version`` (a local label such as ``+cu130`` is ignored) is one
     this patch was written for."""
-    return _LOCAL_LABEL.sub("", version.strip()) in SUPPORTED_VERSIONS
+    return supported(version, SUPPORTED_VERSIONS)
 
 
 def apply() -> ApplyResult:
@@ -178,57 +112,23 @@ def _apply(groups: tuple[PatchGroup, ...]) -> ApplyResult:
             )
             return _result
 
-        names = tuple(group.name for group in groups)
+        PATCHES.version = version
+        table = tuple(g for g in groups if g.applies_to(version))
+        names = tuple(group.name for group in table)
         _result = ApplyResult(True, version, "patched", names)
-        for group in groups:
-            _group_states[group.name] = "pending"
         log.info(
             "SGLang %s: kvcached %s patch on (groups: %s)",
             version, kvcached_version, ", ".join(names) if names else "none yet",
         )
     # Outside the lock: a trigger already imported installs right here, and an
     # installing group may itself import modules.
-    for group in groups:
-        when_imported(group.trigger, _installer(group))
+    PATCHES.start(table)
     return _result
-
-
-def _installer(group: PatchGroup) -> Callable[[ModuleType], None]:
-    def install(module: ModuleType) -> None:
-        _install_group(group, module)
-
-    return install
-
-
-def _install_group(group: PatchGroup, module: ModuleType) -> None:
-    from kvcached.errors import ConfigError
-    from kvcached.log import get_logger
-
-    patcher = Patcher()
-    try:
-        group.install(patcher, module)
-    except ConfigError:
-        patcher.undo()
-        with _lock:
-            _group_states[group.name] = "failed: configuration"
-        raise
-    except Exception as exc:  # the engine keeps running, natively for this group
-        patcher.undo()
-        with _lock:
-            _group_states[group.name] = f"failed: {type(exc).__name__}: {exc}"
-        get_logger("integrations.sglang").error(
-            "patch group %r failed on %s and was undone; that part of SGLang stays native: %s",
-            group.name, group.trigger, exc,
-        )
-        return
-    with _lock:
-        _group_states[group.name] = "installed"
 
 
 def group_states() -> dict[str, str]:
     """``{group: "pending" | "installed" | "failed: ..."}`` for this process."""
-    with _lock:
-        return dict(_group_states)
+    return PATCHES.states()
 
 
 def result() -> ApplyResult | None:
@@ -241,4 +141,4 @@ def _reset_for_tests() -> None:
     global _result
     with _lock:
         _result = None
-        _group_states.clear()
+        PATCHES.reset()

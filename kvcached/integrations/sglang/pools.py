@@ -239,13 +239,9 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
     def available_size(self) -> int:
         return self.kvcached_slots.available_tokens()
 
-    def get_all_free_pages(self) -> None:
-        return None
-
-    def merge_and_sort_free(self) -> None:
-        """Nothing is staged: frees go to the block manager at once."""
-
     def alloc(self, need_size: int) -> torch.Tensor | None:
+        if self.debug_mode:  # SGLang's own debug check, with its message
+            assert need_size % self.page_size == 0, "The allocation size should be page-aligned"
         ids = self.kvcached_slots.alloc_pages(need_size // self.page_size)
         if ids is None:
             return None
@@ -265,6 +261,8 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
                      seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                      last_loc: torch.Tensor, extend_num_tokens: int,
                      num_new_pages: int | None = None) -> torch.Tensor | None:
+        if self.debug_mode:
+            assert torch.all((last_loc + 1) % self.page_size == prefix_lens % self.page_size)
         if num_new_pages is None:
             num_new_pages = _paged.get_num_new_pages(
                 seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
@@ -280,10 +278,14 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         else:
             _paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out,
                                       self.page_size, self.device)
+        if self.debug_mode:
+            assert len(torch.unique(out)) == len(out)
         return out
 
     def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                      last_loc: torch.Tensor) -> torch.Tensor | None:
+        if self.debug_mode:
+            assert torch.all((last_loc + 2) % self.page_size == seq_lens % self.page_size)
         num_new_pages = int(_paged.get_num_new_pages(
             seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
         free_pages = self._new_pages(num_new_pages)
@@ -298,7 +300,17 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         else:
             _paged.alloc_decode_naive(seq_lens, last_loc, free_pages, out, self.page_size,
                                       num_new_pages)
+        if self.debug_mode:
+            assert len(torch.unique(out)) == len(out)
         return out
+
+    def _debug_check_no_duplicate_pages(self) -> None:
+        """SGLang's debug check after a free (``SGLANG_DEBUG_MEMORY_POOL``):
+        there is no free-page tensor to census here (``get_all_free_pages()``
+        is ``None``, as SGLang's base allows); a page freed twice is refused by
+        the block manager in any mode, so the debug check is its full
+        invariant check."""
+        self.kvcached_slots.kv.blocks.check()
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)

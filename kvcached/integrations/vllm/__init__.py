@@ -3,7 +3,7 @@
 vLLM calls :func:`plugin` once in every process it runs (the API server, the
 engine core, every worker; spawned or forked). Unless ``ENABLE_KVCACHED`` is
 true it returns at once: nothing of vLLM is touched, nothing is logged. With
-it, :func:`apply` checks the vLLM version (only :data:`SUPPORTED_SERIES`;
+it, :func:`apply` checks the vLLM version (only :data:`SUPPORTED_VERSIONS`;
 anything else leaves vLLM native with one ``[kvcached]`` warning) and
 installs each patch group when its vLLM module finishes importing (at once if
 it already has), so the API server, which never imports the model runner,
@@ -27,19 +27,13 @@ vLLM calls :func:`apply` in each process instead.
 from __future__ import annotations
 
 import os
-import re
-import sys
 
-#: vLLM release series whose internals the patch groups were written against.
-SUPPORTED_SERIES: tuple[str, ...] = ("0.32",)
+#: vLLM releases the patch groups were written against and tested on (the
+#: real engine, ``tests/compat/run.sh vllm VERSION``); any other runs native.
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.32.0",)  # 0.30/0.31 groups exist; not yet run
 
 _FALSE = ("", "0", "false", "no", "off")
 _applied = False
-
-
-def _series(version: str) -> str:
-    match = re.match(r"^(\d+)\.(\d+)", version)
-    return f"{match.group(1)}.{match.group(2)}" if match else version
 
 
 def plugin() -> None:
@@ -56,35 +50,51 @@ def plugin() -> None:
 
 
 def groups() -> tuple:
-    """Every patch group, in install order."""
-    from kvcached.integrations.vllm import engine, worker
-    from kvcached.integrations.vllm.patching import PatchGroup
+    """Every patch group, in install order. A group keyed by ``versions``
+    applies to those releases only; where 0.30/0.31 differ from 0.32 the
+    group of the same name comes from :mod:`.older` (docs/vllm-integration.md,
+    "Versions")."""
+    from kvcached.integrations.patching import PatchGroup as G
+    from kvcached.integrations.vllm import engine, older, worker
 
+    new, old, oldest = (frozenset({"0.32.0"}), frozenset({"0.30.0", "0.31.0"}),
+                        frozenset({"0.30.0"}))
     return (
-        PatchGroup("worker_utils", "vllm.v1.worker.utils", worker.check_utils,
-                   worker.install_utils),
-        PatchGroup("worker_base", "vllm.v1.worker.worker_base", worker.check_worker_base,
-                   worker.install_worker_base),
-        PatchGroup("gpu_model_runner", "vllm.v1.worker.gpu_model_runner", worker.check_runner,
-                   worker.install_runner),
-        PatchGroup("gpu_attn_utils", "vllm.v1.worker.gpu.attn_utils", worker.check_runner,
-                   worker.install_runner),
-        PatchGroup("gpu_worker", "vllm.v1.worker.gpu_worker", worker.check_gpu_worker,
-                   worker.install_gpu_worker),
-        PatchGroup("xpu_worker", "vllm.v1.worker.xpu_worker", worker.check_request_memory,
-                   worker.install_request_memory),
-        PatchGroup("cpu_worker", "vllm.v1.worker.cpu_worker", worker.check_cpu_worker,
-                   worker.install_cpu_worker),
-        PatchGroup("kv_cache_utils", "vllm.v1.core.kv_cache_utils", engine.check_kv_cache_utils,
-                   engine.install_kv_cache_utils),
-        PatchGroup("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
-                   engine.check_coordinator, engine.install_coordinator),
-        PatchGroup("kv_cache_manager", "vllm.v1.core.kv_cache_manager",
-                   engine.check_kv_cache_manager, engine.install_kv_cache_manager),
-        PatchGroup("scheduler", "vllm.v1.core.sched.scheduler", engine.check_scheduler,
-                   engine.install_scheduler),
-        PatchGroup("engine_core", "vllm.v1.engine.core", engine.check_engine_core,
-                   engine.install_engine_core),
+        G("worker_utils", "vllm.v1.worker.utils", worker.install_utils, worker.check_utils,
+          versions=new),
+        G("worker_utils", "vllm.v1.worker.utils", older.install_utils, older.check_utils,
+          versions=old),
+        G("worker_base", "vllm.v1.worker.worker_base", worker.install_worker_base,
+          worker.check_worker_base),
+        G("gpu_model_runner", "vllm.v1.worker.gpu_model_runner", worker.install_runner,
+          worker.check_runner),
+        G("gpu_attn_utils", "vllm.v1.worker.gpu.attn_utils", worker.install_runner,
+          worker.check_runner),
+        G("gpu_worker", "vllm.v1.worker.gpu_worker", worker.install_gpu_worker,
+          worker.check_gpu_worker, versions=new),
+        G("gpu_worker", "vllm.v1.worker.gpu_worker", older.install_gpu_worker,
+          older.check_gpu_worker, versions=old),
+        G("xpu_worker", "vllm.v1.worker.xpu_worker", worker.install_request_memory,
+          worker.check_request_memory, versions=new),
+        G("xpu_worker", "vllm.v1.worker.xpu_worker", older.install_request_memory,
+          older.check_request_memory, versions=old),
+        G("cpu_worker", "vllm.v1.worker.cpu_worker", worker.install_cpu_worker,
+          worker.check_cpu_worker),
+        G("kv_cache_utils", "vllm.v1.core.kv_cache_utils", engine.install_kv_cache_utils,
+          engine.check_kv_cache_utils),
+        G("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
+          engine.install_coordinator, engine.check_coordinator,
+          versions=frozenset({"0.31.0", "0.32.0"})),
+        G("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
+          engine.install_coordinator, older.check_coordinator, versions=oldest),
+        G("kv_cache_manager", "vllm.v1.core.kv_cache_manager", engine.install_kv_cache_manager,
+          engine.check_kv_cache_manager, versions=new),
+        G("kv_cache_manager", "vllm.v1.core.kv_cache_manager", older.install_kv_cache_manager,
+          older.check_kv_cache_manager, versions=old),
+        G("scheduler", "vllm.v1.core.sched.scheduler", engine.install_scheduler,
+          engine.check_scheduler),
+        G("engine_core", "vllm.v1.engine.core", engine.install_engine_core,
+          engine.check_engine_core),
     )
 
 
@@ -92,7 +102,8 @@ def apply() -> bool:
     """Install the patch in this process (idempotent). Returns whether
     kvcached is on here."""
     global _applied
-    from kvcached.integrations.vllm.patching import STATE, install_group
+    from kvcached.integrations.patching import supported
+    from kvcached.integrations.vllm.state import STATE
     from kvcached.log import get_logger
 
     with STATE.lock:
@@ -105,35 +116,18 @@ def apply() -> bool:
     except ImportError:
         log.warning("ENABLE_KVCACHED is set but vLLM cannot be imported here")
         return False
-    STATE.vllm_version = version
-    if _series(version) not in SUPPORTED_SERIES:
+    STATE.version = version
+    if not supported(version, SUPPORTED_VERSIONS):
         STATE.off_reason = f"vLLM {version} is not supported"
         # One line per server, not per process: its children inherit it silently.
         level = log.warning if _top_level_process() else log.debug
         level("vLLM %s is not supported (supported: %s); vLLM runs without kvcached", version,
-              ", ".join(f"{s}.x" for s in SUPPORTED_SERIES))
+              ", ".join(SUPPORTED_VERSIONS))
         return False
     from kvcached.control.naming import instance_name
 
     instance_name("vllm")  # resolved here, inherited by every process this one starts
-    STATE.active = True
-    table = groups()
-    # Modules vLLM has already imported are checked all together first, so a
-    # mismatch leaves this process wholly native rather than half patched.
-    loaded = [g for g in table if g.module in sys.modules]
-    for group in loaded:
-        try:
-            reason = group.check(sys.modules[group.module])
-        except Exception as exc:  # a class or function the check looks for is gone
-            reason = repr(exc)
-        if reason is not None:
-            STATE.switch_off(f"{group.module} changed: {reason}")
-            return False
-    from kvcached.integrations.import_hook import when_imported
-
-    for group in table:
-        when_imported(group.module, lambda module, g=group: install_group(g, module))
-    return STATE.active
+    return STATE.start(groups())
 
 
 def _top_level_process() -> bool:
@@ -142,4 +136,4 @@ def _top_level_process() -> bool:
     return multiprocessing.parent_process() is None
 
 
-__all__ = ["SUPPORTED_SERIES", "apply", "plugin"]
+__all__ = ["SUPPORTED_VERSIONS", "apply", "plugin"]

@@ -32,12 +32,13 @@ Rules the pool keeps:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from vllm.v1.core import block_pool as _vllm_block_pool
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
+from kvcached.errors import KVCachedError
 from kvcached.integrations.vllm.planner import StepPlanner
 
 _logger = _vllm_block_pool.logger  # vLLM's own log lines keep their source
@@ -149,11 +150,45 @@ class KvcachedBlockPool(BlockPool):
         metrics = self.metrics_collector
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                self.free_block_queue.remove(block)
-                idle_seq[block.block_id] = -1
+                if block.prev_free_block is not None:  # idle cached (or unpinned): in the queue
+                    self.free_block_queue.remove(block)
+                    idle_seq[block.block_id] = -1
+                else:  # free without a hash: the planner's, handed out by id
+                    self._claim(block)
             block.ref_cnt += 1
             if metrics:
                 metrics.on_block_accessed(block)
+
+    def _claim(self, block: KVCacheBlock) -> None:
+        """vLLM takes the free block ``block`` itself (as its pool's ``touch``
+        does with any free block): the planner hands it out, evicting idle
+        cached pages if its page needs memory that is not there."""
+        planner = self.planner
+        while not planner.blocks.claim(block.block_id):
+            if self.evict_oldest_page() == 0:
+                planner.note_miss()
+                raise KVCachedError(
+                    f"touch(): free block {block.block_id} lies in a page that cannot be mapped "
+                    "now (the budget, the instance limit or the device is full); vLLM's own "
+                    "pool would have handed it out")
+            planner.pages.trim()
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
+                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """As vLLM's: released blocks join the tail of the queue of idle
+        blocks (last to be evicted), count as free and stay readable until the
+        pool reuses them or drops them to the planner, when ``on_reuse`` fires."""
+        released: list[KVCacheBlock] = []
+        for block in blocks:
+            assert block.ref_cnt > 0 and not block.is_null, (
+                f"invariant: only a held block can be unpinned: {block}")
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                released.append(block)
+        if released:
+            self.free_block_queue.append_n(released)
+            self._mark_idle(released)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
@@ -162,6 +197,8 @@ class KvcachedBlockPool(BlockPool):
             # now a plain free block, which the planner owns.
             self.free_block_queue.remove(block)
             self._idle_seq[block.block_id] = -1
+            if self._reuse_watchers:
+                self._notify_reuse([block])
             self.planner.free([block.block_id])
         return evicted
 
@@ -225,7 +262,10 @@ class KvcachedBlockPool(BlockPool):
         heapq.heapify(self._page_heap)
 
     def _drop_idle(self, blocks: list[KVCacheBlock]) -> None:
-        """Blocks already out of the queue lose their hashes and go to the planner."""
+        """Blocks already out of the queue lose their hashes and go to the planner
+        (whose page may then be unmapped: an unpinned block's reader is told now)."""
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
         idle_seq = self._idle_seq
         evict = super()._maybe_evict_cached_block  # not ours: they left the queue already
         ids = []

@@ -27,7 +27,8 @@ from types import ModuleType
 from typing import Any
 
 from kvcached.errors import KVCachedError
-from kvcached.integrations.vllm.patching import STATE, Patcher, check_params, original
+from kvcached.integrations.patching import Patcher, check_params, original
+from kvcached.integrations.vllm.state import STATE
 from kvcached.integrations.vllm.worker import refusal_reason
 from kvcached.log import get_logger
 from kvcached.units import format_bytes
@@ -145,7 +146,7 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     reason = refusal_reason(vllm_config)
     if reason is not None:
         log.warning("vLLM %s engine core: kvcached does not serve this configuration (%s); "
-                    "vLLM runs with its own KV cache", STATE.vllm_version, reason)
+                    "vLLM runs with its own KV cache", STATE.version, reason)
         return orig(self, vllm_config)
     from kvcached.config import get_config
 
@@ -158,7 +159,7 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     oks = [bool(d.get("ok")) for d in descs]
     if not any(oks):
         log.warning("vLLM %s engine core: the workers keep native KV caches (%s); vLLM runs "
-                    "with its own KV cache", STATE.vllm_version, descs[0].get("reason"))
+                    "with its own KV cache", STATE.version, descs[0].get("reason"))
         return kv_cache_config
     if not all(oks):
         raise KVCachedError(f"kvcached holds the KV cache of some workers only: {descs}")
@@ -194,7 +195,7 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
             f"the workers' {first['num_pages']} pages of {first['blocks_per_page']} blocks are "
             f"not vLLM's {kv_cache_config.num_blocks} blocks")
     config = get_config()
-    instance = get_instance(engine="vllm", engine_version=STATE.vllm_version)
+    instance = get_instance(engine="vllm", engine_version=STATE.version)
     ledgers: dict[str, Any] = {}
     pools: list[Any] = []
     try:
@@ -251,7 +252,7 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
         "vLLM %s engine core: block pool, allocate_slots, schedule, update_from_output, "
         "reset_prefix_cache patched; %d blocks of %d tokens, %d pages of %d blocks (%s per "
         "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, instance %s",
-        STATE.vllm_version, planner.num_blocks, ENGINE.block_size, g.num_pages,
+        STATE.version, planner.num_blocks, ENGINE.block_size, g.num_pages,
         g.blocks_per_page, format_bytes(g.page_bytes), format_bytes(g.num_pages * g.page_bytes),
         len(context.devices), "" if len(context.devices) == 1 else "s", ",".join(devices),
         "unlimited" if cap < 0 else cap * ENGINE.block_size, context.instance.name)
@@ -270,6 +271,20 @@ def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
 _WAITING: tuple[Any, ...] = ()
 
 
+def hold_back(manager: Any, request: Any, reserved_blocks: int, has_scheduled_reqs: bool) -> bool:
+    """Inside ``allocate_slots``: note on a kvcached pool the blocks vLLM keeps
+    back beyond the need; ``False`` for a native pool (nothing noted)."""
+    pool = manager.block_pool
+    if getattr(pool, "kvcached", None) is None:
+        return False
+    # vLLM applies the watermark only to waiting or preempted requests, and
+    # only when others are scheduled (kv_cache_manager.allocate_slots).
+    watermark = manager.watermark_blocks if has_scheduled_reqs and \
+        request.status in _WAITING else 0
+    pool.alloc_extra = reserved_blocks + watermark
+    return True
+
+
 def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                     new_computed_blocks=None, num_lookahead_tokens=0,
                     num_external_computed_tokens=0, delay_cache_blocks=False,
@@ -277,13 +292,7 @@ def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                     has_scheduled_reqs=True, skip_zeroing_group_ids=()):  # noqa: ANN001, ANN202
     orig = original(_allocate_slots)
     pool = self.block_pool
-    kvcached = getattr(pool, "kvcached", None) is not None
-    if kvcached:
-        # vLLM applies the watermark only to waiting or preempted requests, and
-        # only when others are scheduled (kv_cache_manager.allocate_slots).
-        watermark = self.watermark_blocks if has_scheduled_reqs and \
-            request.status in _WAITING else 0
-        pool.alloc_extra = reserved_blocks + watermark
+    kvcached = hold_back(self, request, reserved_blocks, has_scheduled_reqs)
     try:
         return orig(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                     num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,

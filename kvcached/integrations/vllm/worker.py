@@ -28,7 +28,8 @@ from types import ModuleType
 from typing import Any
 
 from kvcached.errors import KVCachedError
-from kvcached.integrations.vllm.patching import STATE, Patcher, check_params, original
+from kvcached.integrations.patching import Patcher, check_params, original
+from kvcached.integrations.vllm.state import STATE
 from kvcached.log import get_logger
 from kvcached.units import format_bytes
 
@@ -108,7 +109,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
         driver = _driver_for(device)
     except (PlanError, KVCachedError) as exc:
         WORKER.native_reason = str(exc)
-        log.warning("vLLM %s worker rank %d: KV cache stays native: %s", STATE.vllm_version,
+        log.warning("vLLM %s worker rank %d: KV cache stays native: %s", STATE.version,
                     WORKER.rank, exc)
         return native(kv_cache_config, device, layout, kernel_block_sizes)
     if WORKER.executor is not None:  # a second real allocation (re-initialisation)
@@ -141,7 +142,7 @@ def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
     n = len(kv_cache_config.kv_cache_tensors)
     log.info(
         "vLLM %s worker rank %d: allocate_kv_cache patched; %d KV tensor%s, %d layers, %s, "
-        "%d pages of %d blocks (%s each), virtual %s (%s %s)", STATE.vllm_version, WORKER.rank,
+        "%d pages of %d blocks (%s each), virtual %s (%s %s)", STATE.version, WORKER.rank,
         n, "" if n == 1 else "s", layers, getattr(layout, "name", layout), lanes.num_pages,
         lanes.blocks_per_page, format_bytes(lanes.page_bytes), format_bytes(lanes.size),
         info.backend, info.pci_bus_id)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build the venv the SGLang integration tests run in (CPU, no server), fast on
 # reruns. Usage: bash tests/integration/sglang/install_env.sh [VENV_DIR]
+# SGLANG_VERSION=0.5.20 installs that release instead of requirements.txt's
+# (the other pins stay: tests/compat/run.sh proves each release with them).
 #
 # The wheels are kept in a wheelhouse under ~/.cache/pip (CI keeps that folder
 # between runs; pip's HTTP cache stays empty with this registry), so a rerun
@@ -11,6 +13,10 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${1:-.ci-venv-sglang}"
 req="$here/requirements.txt"
+if [ -n "${SGLANG_VERSION:-}" ]; then
+    req="$(mktemp)"
+    sed "s/^sglang==.*/sglang==$SGLANG_VERSION/" "$here/requirements.txt" > "$req"
+fi
 wheels="${KVCACHED_SGLANG_WHEELHOUSE:-$HOME/.cache/pip/kvcached-sglang-wheels}"
 
 if [ ! -x "$venv/bin/python" ]; then
@@ -24,4 +30,7 @@ if ! "${pip[@]}" install --no-compile --no-deps --no-index --find-links "$wheels
     "${pip[@]}" download --no-deps -d "$wheels" -r "$req"
     "${pip[@]}" install --no-compile --no-deps --no-index --find-links "$wheels" -r "$req"
 fi
-"$venv/bin/python" -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+# Some releases (0.5.20) import torchvision from `import sglang`: the tests'
+# stand-in (stubs/, which conftest.py puts first) serves this check too.
+PYTHONPATH="$here/stubs${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -c \
+    "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"

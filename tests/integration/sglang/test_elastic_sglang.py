@@ -43,9 +43,9 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool 
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from kvcached.driver.host import HostDriver  # noqa: E402
+from kvcached.integrations.patching import Patcher  # noqa: E402
 from kvcached.integrations.sglang import groups, pools  # noqa: E402
 from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape  # noqa: E402
-from kvcached.integrations.sglang.patch import Patcher  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 from tests.budgets import ExactBudget  # noqa: E402
 from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402

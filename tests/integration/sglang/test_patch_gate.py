@@ -12,8 +12,8 @@ import pytest
 from kvcached.config import reload_config
 from kvcached.errors import ConfigError
 from kvcached.integrations import import_hook
+from kvcached.integrations.patching import Patcher, PatchGroup
 from kvcached.integrations.sglang import patch
-from kvcached.integrations.sglang.patch import Patcher, PatchGroup
 
 
 class _Records(logging.Handler):
@@ -153,10 +153,11 @@ def test_patcher_undo_restores_inherited_and_own_attributes() -> None:
             return "child"
 
     p = Patcher()
-    assert p.replace(Child, "f", lambda self: "patched-f") is None  # inherited only
+    base_f = Base.__dict__["f"]
+    assert p.replace(Child, "f", lambda self: "patched-f") is base_f  # the inherited original
     own_g = Child.__dict__["g"]
     assert p.replace(Child, "g", lambda self: "patched-g") is own_g
-    assert Child().f() == "patched-f" and Child().g() == "patched-g" and p.replaced == 2
+    assert Child().f() == "patched-f" and Child().g() == "patched-g" and p.changed == 2
     p.undo()
     assert "f" not in Child.__dict__ and Child().f() == "base" and Child().g() == "child"
     p.undo()  # twice is harmless

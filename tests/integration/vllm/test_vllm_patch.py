@@ -22,10 +22,11 @@ from types import SimpleNamespace
 import pytest
 
 from kvcached.config import reload_config
+from kvcached.integrations.patching import PatchGroup
 from kvcached.integrations.vllm import engine, worker
 from kvcached.integrations.vllm.geometry import plan_lanes
-from kvcached.integrations.vllm.patching import STATE, PatchGroup, install_group
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+from kvcached.integrations.vllm.state import STATE
 from kvcached.memory.planned import MAP
 from kvcached.units import MIB
 from tests.budgets import ExactBudget
@@ -70,10 +71,10 @@ def kvcached_on(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
     monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
     reload_config()
-    saved = (STATE.active, STATE.off_reason, STATE.vllm_version)
-    STATE.active, STATE.off_reason, STATE.vllm_version = True, None, VLLM_VERSION
+    saved = (STATE.active, STATE.off_reason, STATE.version)
+    STATE.active, STATE.off_reason, STATE.version = True, None, VLLM_VERSION
     yield
-    STATE.active, STATE.off_reason, STATE.vllm_version = saved
+    STATE.active, STATE.off_reason, STATE.version = saved
     monkeypatch.undo()
     reload_config()
 
@@ -166,13 +167,13 @@ def engine_patched():
     saved = STATE.active
     STATE.active = True
     for group in (
-        PatchGroup("kv_cache_coordinator", "", engine.check_coordinator,
-                   engine.install_coordinator),
-        PatchGroup("kv_cache_manager", "", engine.check_kv_cache_manager,
-                   engine.install_kv_cache_manager),
+        PatchGroup("kv_cache_coordinator", "", engine.install_coordinator,
+                   engine.check_coordinator),
+        PatchGroup("kv_cache_manager", "", engine.install_kv_cache_manager,
+                   engine.check_kv_cache_manager),
     ):
         module = kv_cache_coordinator if "coordinator" in group.name else kv_cache_manager
-        assert install_group(group, module), STATE.off_reason
+        assert STATE.install(group, module), STATE.off_reason
     yield
     STATE.active = saved
 
@@ -291,9 +292,9 @@ def test_reset_prefix_cache_gives_every_page_back(engine_patched) -> None:
 # -- version and signature gates ---------------------------------------------------------------------
 def test_a_changed_signature_switches_kvcached_off(kvcached_on) -> None:
     fake = SimpleNamespace(allocate_kv_cache=lambda cfg, device: None, __name__="fake")
-    group = PatchGroup("fake", "fake", worker.check_runner, worker.install_runner)
+    group = PatchGroup("fake", "fake", worker.install_runner, worker.check_runner)
     try:
-        assert not install_group(group, fake)
+        assert not STATE.install(group, fake)
         assert not STATE.active and "allocate_kv_cache" in (STATE.off_reason or "")
         assert not hasattr(fake.allocate_kv_cache, "__kvcached_original__")
     finally:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcached.integrations.vllm import SUPPORTED_VERSIONS
+
 ROOT = Path(__file__).resolve().parents[3]
 
 PROBE = """
@@ -24,7 +26,7 @@ first = import_hook.pending()
 config_loaded = "kvcached.config" in sys.modules
 name = os.environ.get("KVCACHED_IPC_NAME")
 again = apply()
-from kvcached.integrations.vllm.patching import STATE
+from kvcached.integrations.vllm.state import STATE
 print(json.dumps({"active": STATE.active, "pending": list(first),
                   "pending_again": list(import_hook.pending()), "again": again,
                   "name": name, "pid": os.getpid(), "config_loaded": config_loaded}))
@@ -68,7 +70,8 @@ def test_unknown_version_is_refused_with_one_line(tmp_path: Path) -> None:
     out, err = run_probe(tmp_path, "0.33.1", ENABLE_KVCACHED="true")
     lines = [line for line in err.splitlines() if "[kvcached]" in line]
     assert len(lines) == 1, err
-    assert "vLLM 0.33.1 is not supported (supported: 0.32.x); vLLM runs without kvcached" \
+    supported = ", ".join(SUPPORTED_VERSIONS)
+    assert f"vLLM 0.33.1 is not supported (supported: {supported}); vLLM runs without kvcached" \
         in lines[0]
     assert out["active"] is False and out["pending"] == [] and out["pending_again"] == []
 
