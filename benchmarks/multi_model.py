@@ -45,6 +45,7 @@ import io
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ from multi_model_trace import (  # noqa: E402
 )
 from vllm_model import TINY_LLAMA_CONFIG  # noqa: E402
 from vllm_server import SERVED_MODEL_NAME, ServerError, ServerOptions, VllmServer  # noqa: E402
+from vllm_serving import group_cpu_s  # noqa: E402
 
 MODELS = ("mm-a", "mm-b", "mm-c")
 CONFIGS = ("kvcached", "native")
@@ -321,6 +323,10 @@ class Run:
     loadavg_start: float = 0.0
     loadavg_end: float = 0.0
     wall_s: float = 0.0
+    #: CPU seconds the servers' processes (API server, engine core, worker) used
+    #: during the run, per model: less sensitive to other work on the machine
+    #: than latency.
+    cpu_s: list[float] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
 
@@ -341,6 +347,7 @@ def run_trace(config: str, rnd: int, setup: Setup, servers: list[VllmServer],
         late[i] = time.monotonic() - t0 - r["t"]
         results[i] = send(servers[r["model"]].port, prompts[i], r["max_tokens"])
 
+    cpu0 = [group_cpu_s(s) for s in servers]
     with Sampler(config, setup, servers, ledger_dir, sample_s) as sampler, \
             ThreadPoolExecutor(max_workers=max(8, len(reqs))) as pool:
         t0 = time.monotonic()
@@ -352,6 +359,7 @@ def run_trace(config: str, rnd: int, setup: Setup, servers: list[VllmServer],
         pool.shutdown(wait=True)
         run.wall_s = time.monotonic() - t0
     run.samples = sampler.samples
+    run.cpu_s = [round(group_cpu_s(s) - c, 3) for s, c in zip(servers, cpu0, strict=True)]
     run.loadavg_end = os.getloadavg()[0]
     for i, r in enumerate(reqs):
         res = results[i] or {"ok": False, "error": "not run"}
@@ -410,6 +418,8 @@ def run_summary(run: Run) -> dict[str, Any]:
         "failed": len(run.requests) - len(ok),
         "loadavg_1m_start": run.loadavg_start, "loadavg_1m_end": run.loadavg_end,
         "wall_s": round(run.wall_s, 2),
+        "cpu_s": run.cpu_s,
+        "cpu_ms_per_token": 1e3 * sum(run.cpu_s) / max(1, sum(r["tokens"] for r in ok)),
         "ttft_s": stats([r["ttft_s"] for r in ok]),
         "e2e_s": stats([r["e2e_s"] for r in ok]),
         "queue_s": stats([r["queue_s"] for r in ok if r.get("queue_s") is not None]),
@@ -425,10 +435,12 @@ def peak_key(peak: float) -> str:
 def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
     """Per peak and configuration the TTFT, end-to-end and queue statistics
     pooled over rounds; the speed-ups (native over kvcached); the controls
-    (round 0 over round 1 of one configuration)."""
+    (round 0 over round 1 of one configuration); the servers' CPU time per
+    output token (``cpu_per_token_ratio``: kvcached over native)."""
     out: dict[str, Any] = {"ttft_s": {}, "e2e_s": {}, "queue_s": {},
                            "mean_ttft_speedup": {}, "p99_ttft_speedup": {},
-                           "p50_ttft_speedup": {}, "mean_e2e_speedup": {}, "control": {}}
+                           "p50_ttft_speedup": {}, "mean_e2e_speedup": {}, "cpu_ms_per_token": {},
+                           "cpu_per_token_ratio": {}, "control": {}}
     for metric in ("ttft_s", "e2e_s", "queue_s"):
         for config in CONFIGS:
             out[metric][config] = {}
@@ -444,6 +456,13 @@ def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
         out["p50_ttft_speedup"][k] = nat["p50"] / kv["p50"]
         out["mean_e2e_speedup"][k] = (out["e2e_s"]["native"][k]["mean"]
                                       / out["e2e_s"]["kvcached"][k]["mean"])
+        cpu = {}
+        for config in CONFIGS:
+            sel = [run for run in runs if run.config == config and run.peak == peak]
+            tokens = sum(r["tokens"] for run in sel for r in run.requests if r.get("ok"))
+            cpu[config] = 1e3 * sum(sum(run.cpu_s) for run in sel) / max(1, tokens)
+        out["cpu_ms_per_token"][k] = cpu
+        out["cpu_per_token_ratio"][k] = cpu["kvcached"] / cpu["native"]
     for config in CONFIGS:
         ctrl: dict[str, dict[str, float]] = {"mean_ttft_ratio": {}, "p99_ttft_ratio": {}}
         for peak in peaks:
@@ -545,8 +564,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every finally: servers are stopped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-multi-model-"))
     workdir.mkdir(parents=True, exist_ok=True)
     out = args.out or (workdir / "multi-model-cpu.json" if args.short

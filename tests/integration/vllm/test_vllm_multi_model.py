@@ -55,6 +55,7 @@ def test_both_configurations_ran_every_request(short_run):
         assert run["failed"] == 0, config
         assert run["ttft_s"]["n"] == run["requests"], config
         assert run["queue_s"]["n"] == run["requests"], config  # vLLM's per-request queue time
+        assert len(run["cpu_s"]) == 3 and all(c > 0 for c in run["cpu_s"]), config
         for key in ("loadavg_1m_start", "loadavg_1m_end"):
             assert run[key] >= 0, (config, key)
 
@@ -89,7 +90,7 @@ def test_the_json_is_complete(short_run):
         assert entry["n"] > 10
         assert 0 < entry["p50"] <= entry["p99"], config
         assert entry["mean"] > 0, config
-    for key in ("mean_ttft_speedup", "p99_ttft_speedup"):
+    for key in ("mean_ttft_speedup", "p99_ttft_speedup", "cpu_per_token_ratio"):
         assert set(report[key]) == {"1"}, key
         assert math.isfinite(report[key]["1"]) and report[key]["1"] > 0, key
     trace = Path(report["trace"]["file"])
