@@ -46,6 +46,11 @@ def plot_speedup(report: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("peak arrival rate per model (req/s)")
     ax.set_ylabel("speed-up (native / kvcached)")
     ax.set_yscale("log", base=2)
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    ax.yaxis.set_major_locator(FixedLocator([0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.25, 1.5, 2, 3, 4, 8]))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set_xticks(xs)
     ax.set_title("Three tiny Llamas on vLLM CPU: shared budget vs static thirds", fontsize=10)
     ax.legend(fontsize=8)
@@ -83,7 +88,7 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path:
             ax.set_title("kvcached: KV memory mapped per model (kvctl used)", fontsize=9)
         ax.set_ylabel("MiB")
         ax.set_ylim(0, budget * 1.15)
-        ax.legend(fontsize=7, loc="upper right", ncol=4)
+        ax.legend(fontsize=7, loc="upper left", ncol=4)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel(f"seconds into the trace (peak {peak} req/s per model, round 0)")
     fig.tight_layout()
