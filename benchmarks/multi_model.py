@@ -246,23 +246,40 @@ def engine_metrics(port: int) -> dict[str, float]:
     return out
 
 
-def kvctl_used(ledger_dir: Path, gpu: str) -> dict[str, dict[str, int]]:
-    """``kvctl list --json`` (its own code, in this process: a new interpreter
-    every sample would take CPU from the kvcached servers alone), as
-    ``{instance: {used_bytes, reserved_bytes, misses}}`` for the instances on ``gpu``
-    (misses: allocations the budget refused, so far)."""
+def _kvctl_json(*args: str) -> Any:
+    """``kvctl ARGS --json`` run by kvctl's own code in this process (a new
+    interpreter every sample would take CPU from the kvcached servers alone);
+    None when it fails."""
     from kvcached.cli import kvctl
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
         try:
-            kvctl.main(["list", "--json", "--ledger-dir", str(ledger_dir)])
+            kvctl.main([*args, "--json"])
         except SystemExit:
-            return {}
+            return None
     try:
-        rows = json.loads(buf.getvalue() or "[]")
+        return json.loads(buf.getvalue() or "null")
     except ValueError:
-        return {}
+        return None
+
+
+def kvctl_ledger(ledger_dir: Path, gpu: str) -> dict[str, int]:
+    """``kvctl gpus --json`` for ``gpu``: the ledger's budget, charges, batched
+    refunds and headroom, in bytes (empty when not found)."""
+    rows = _kvctl_json("gpus", "--ledger-dir", str(ledger_dir)) or []
+    for g in rows:
+        if g.get("gpu") == gpu:
+            return {k: int(g[k]) for k in ("budget_bytes", "charged_bytes", "released_bytes",
+                                          "headroom_bytes")}
+    return {}
+
+
+def kvctl_used(ledger_dir: Path, gpu: str) -> dict[str, dict[str, int]]:
+    """``kvctl list --json`` as ``{instance: {used_bytes, reserved_bytes,
+    misses}}`` for the instances on ``gpu`` (misses: allocations the budget
+    refused, so far)."""
+    rows = _kvctl_json("list", "--ledger-dir", str(ledger_dir)) or []
     return {r["name"]: {"used_bytes": int(r["used_bytes"]),
                         "reserved_bytes": int(r["reserved_bytes"]), "misses": int(r["misses"])}
             for r in rows if r.get("gpu") == gpu and r.get("state") != "dead"}
@@ -295,6 +312,8 @@ class Sampler:
         kv = (kvctl_used(self.ledger_dir, f"host-{self.setup.host_device}")
               if self.config == "kvcached" else {})
         row: dict[str, Any] = {"t": round(t, 2)}
+        if self.config == "kvcached":
+            row["ledger"] = kvctl_ledger(self.ledger_dir, f"host-{self.setup.host_device}")
         for name, server in zip(names, self.servers, strict=True):
             m = engine_metrics(server.port)
             row[name] = {"kv_bytes": None, "running": m.get("num_requests_running"),
