@@ -16,7 +16,9 @@ decision becomes an op that rides to the workers on vLLM's own step queue:
   when that step's output is processed (:meth:`step_done`): with one rank its
   reply is the confirmation; with several, a step that ran a forward pass is
   (its collectives need every rank past its ops), and the refunds of other
-  steps wait for the next such step or an idle flush.
+  steps wait for the next such step or an idle flush. Confirmed refunds are
+  flushed to the ledger at once, so other instances on the device can use the
+  memory while this engine stays busy.
 * **Idle flush.** When no step will come, :meth:`flush` sends the queued ops
   through ``collective_rpc``, which returns once every rank applied them.
 
@@ -176,8 +178,17 @@ class StepPlanner:
         if not (forward or self.world_size == 1):
             return
         inflight = self._inflight
+        refunded = 0
         while inflight and inflight[0][0] <= step:
-            self.backend.confirm(inflight.popleft()[1])
+            nbytes = inflight.popleft()[1]
+            self.backend.confirm(nbytes)
+            refunded += nbytes
+        if refunded:
+            # The ledger batches refunds below 64 MiB per pool, and batched bytes
+            # are this pool's alone: under steady load the engine never idles to
+            # flush, and a budget of a few pages stops being shared. A step
+            # refunds at most a few pages, so one flush per such step is cheap.
+            self.budget.flush()
 
     @property
     def pending(self) -> bool:

@@ -117,6 +117,23 @@ def test_ops_ride_the_step_and_refund_after_its_output() -> None:
     assert budget.used == planner.page_bytes
 
 
+def test_a_confirmed_refund_is_flushed_to_the_ledger_at_once() -> None:
+    """A busy engine never idles to flush: batched refunds would stay usable
+    by this instance alone (the multi-model benchmark's shared budget)."""
+    planner, budget = make_planner()
+    planner.reserve(15)
+    ids = planner.alloc(15)
+    _, step = planner.ops_for_step()
+    before = budget.flushes
+    planner.step_done(step, forward=True)
+    assert budget.flushes == before, "a step that refunds nothing flushes nothing"
+    planner.free(ids)
+    _, step = planner.ops_for_step()
+    before = budget.flushes
+    planner.step_done(step, forward=True)
+    assert budget.flushes == before + 1 and budget.used == planner.page_bytes
+
+
 def test_with_several_ranks_only_a_forward_step_confirms() -> None:
     planner, budget = make_planner(world_size=2)
     planner.reserve(15)
