@@ -58,14 +58,19 @@ class GroupReducer:
     attention-CP group gives the minimum over the ranks that run one batch
     (the groups form a grid), and never crosses attention-DP replicas, which
     schedule independently. Groups of one rank (or ``None``) are dropped.
+
+    ``device``: where the reduced tensors live, ``cpu`` (default) for gloo
+    groups; an NCCL group reduces only CUDA tensors, so pass its rank's device.
     """
 
-    def __init__(self, groups: Sequence[Any]) -> None:
+    def __init__(self, groups: Sequence[Any], device: Any = None) -> None:
+        import torch
         import torch.distributed as dist
 
         if not dist.is_available():
             raise RuntimeError("torch.distributed is not available in this torch build")
         self._dist = dist
+        self._device = torch.device("cpu") if device is None else torch.device(device)
         self._groups = tuple(
             g for g in groups if g is not None and dist.get_world_size(group=g) > 1
         )
@@ -84,15 +89,17 @@ class GroupReducer:
         """Both values MIN-reduced in one collective (a two-element tensor)."""
         import torch
 
-        tensor = torch.tensor([int(first), int(second)], dtype=torch.int64)
+        tensor = torch.tensor([int(first), int(second)], dtype=torch.int64,
+                              device=self._device)
         for group in self._groups:
             self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=group)
-        return int(tensor[0]), int(tensor[1])
+        first_out, second_out = tensor.tolist()
+        return int(first_out), int(second_out)
 
     def _reduce(self, value: int, op: Any) -> int:
         import torch
 
-        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        tensor = torch.tensor([int(value)], dtype=torch.int64, device=self._device)
         for group in self._groups:
             self._dist.all_reduce(tensor, op=op, group=group)
         return int(tensor.item())
