@@ -121,9 +121,21 @@ def rounds_to(value: float, shown: str) -> bool:
     return abs(value - float(shown)) <= 0.5 * 10.0 ** -_decimals(shown) + 1e-9
 
 
-def provenance_problems(path: Path, data: dict) -> list[str]:
-    prov = data.get("provenance")
+COMPANION_SUFFIXES = ("-requests", "-trace")
+
+
+def provenance_problems(path: Path, data: dict | list) -> list[str]:
     name = path.relative_to(ROOT)
+    for suffix in COMPANION_SUFFIXES:
+        # X-requests.json / X-trace.json are the raw data of X.json, which records them.
+        if path.stem.endswith(suffix) and path.with_name(
+                path.stem[: -len(suffix)] + ".json").exists():
+            return []
+    if isinstance(data, list):
+        # A table of rows (compat.json): each row records where it came from.
+        return [f"{name}: row {i} has no {field}" for i, row in enumerate(data)
+                for field in ("commit", "command", "date") if not row.get(field)]
+    prov = data.get("provenance")
     if not isinstance(prov, dict):
         return [f"{name}: no provenance block (write it through benchmarks/_provenance.py)"]
     problems = [f"{name}: provenance has no {field}" for field in ("commit", "command", "machine")
