@@ -21,6 +21,8 @@ README = (rf.ROOT / "README.md").read_text()
 MEMORY_RUNS = "h200/run*/memory-h200.json"
 # Runs after the grow lock (runs 5 on): the pooled figure's "after".
 MEMORY_RUNS_LOCKED = ("h200/run[5-9]/memory-h200.json", "h200/run[1-9][0-9]/memory-h200.json")
+# The runs on the current memory code (runs 12 and 13).
+RUNS_NOW = "h200/run1[23]/memory-h200.json"
 
 
 FIGURES: list[Figure] = [
@@ -46,38 +48,51 @@ FIGURES: list[Figure] = [
     Figure("On the host backend, {1.03}x (`driver-host.json`)", "driver-host.json",
            "overhead_ratio"),
     # memory
-    Figure("in O(1) ({0.17–0.39} µs on the H200 machine over {#eight} runs)", MEMORY_RUNS,
+    Figure("in O(1) ({0.17–0.39} µs on the H200 machine over {#ten} runs;", MEMORY_RUNS,
            "available_size_us"),
-    Figure("growing 64 MiB at a time is {19–21}x faster than a raw loop of 2 MiB handles on "
-           "the H200 ({#eight} runs)", MEMORY_RUNS, "grow_ratio_coalesced_64mib"),
-    Figure("one page per take, runs at {0.87–0.95}x a raw driver loop on the H200 over "
-           "{#eight} runs", MEMORY_RUNS, "grow_ratio"),
-    Figure("(paired-round median {0.88–0.92} over {#four}; target 0.95, not met)", MEMORY_RUNS,
-           "paired_round_median.grow_ratio"),
-    Figure("kvcached adds {1.97–3.99} µs of Python per page (null driver) to {34–55} µs of "
-           "driver calls", MEMORY_RUNS,
-           ("grow_explained.python_us_per_page_null_driver",
-            "grow_split_us_per_page.raw.total")),
-    Figure("32 pages per take: {0.90–1.00}x (paired {0.94–0.96})", MEMORY_RUNS,
+    Figure("{0.31–0.33} µs in runs 12–13, on the current code", RUNS_NOW, "available_size_us"),
+    Figure("growing 64 MiB at a time is {19.1–19.3}x faster than a raw loop of 2 MiB handles "
+           "on the H200 in runs 12–13", RUNS_NOW, "grow_ratio_coalesced_64mib"),
+    Figure("({19.1–21.0}x over all {#ten} runs; `grow_ratio_coalesced_64mib`)", MEMORY_RUNS,
+           "grow_ratio_coalesced_64mib"),
+    Figure("a raw loop with one set-access per 32 mappings grows {1.037}x the per-page loop, "
+           "one unmap per 32 shrinks {1.070}x", "h200/run13/driver-runs-h200.json",
+           ("paired_over_per_page.grow_k32", "paired_over_per_page.shrink_k32")),
+    Figure("So 32 pages per take grow at {0.977–1.018}x the raw per-page loop in runs 12–13 "
+           "(paired {0.959–0.971};", RUNS_NOW,
            ("grow_ratio_batched_32", "paired_round_median.grow_ratio_batched_32")),
-    Figure("grows at {1.005}x a raw loop making the same calls at the same addresses",
-           "memory-h200.json", "grow_ratio_llama3_8b_same_addresses"),
+    Figure("{0.898–1.018}x over all {#ten} runs; `grow_ratio_batched_32`; target 1.15, not met)",
+           MEMORY_RUNS, "grow_ratio_batched_32"),
+    Figure("and 32 pages given back shrink at {1.009–1.021}x the raw unmap + release loop "
+           "(paired {0.958–0.960};", RUNS_NOW,
+           ("shrink_ratio_batched_32", "paired_round_median.shrink_ratio_batched_32")),
+    Figure("one page per take, runs at {0.903–0.969}x a raw driver loop on the H200 in runs "
+           "12–13 (paired-round median {0.880–0.890}; target 0.85, met;", RUNS_NOW,
+           ("grow_ratio", "paired_round_median.grow_ratio")),
+    Figure("{0.870–0.969}x over all {#ten} runs, `grow_ratio`): kvcached adds {1.97–4.16} µs of "
+           "Python per page (null driver, all runs) to {32.8–36.6} µs of driver calls",
+           MEMORY_RUNS, ("grow_ratio", "grow_explained.python_us_per_page_null_driver",
+                         "raw_us_per_2mib")),
+    Figure("grows at {0.963–1.008}x a raw loop making the same calls at the same addresses "
+           "(runs 10, 12 and 13; paired {0.994–1.008};", MEMORY_RUNS,
+           ("grow_ratio_llama3_8b_same_addresses",
+            "paired_round_median.grow_ratio_llama3_8b_same_addresses")),
     Figure("and at {0.920–0.995}x the sequential raw loop", MEMORY_RUNS, "grow_ratio_llama3_8b"),
-    Figure("runs at {0.885}x the sequential one in its best round, {0.947}x in the median one",
-           "driver-threads-h200.json",
-           ("ratio_over_serial_best.lanes_64", "ratio_over_serial_median.lanes_64")),
-    Figure("one 128 MiB handle and grows {49–52}x the raw loop", MEMORY_RUNS,
+    Figure("grows {48.8–53.2}x the raw loop (`grow_ratio_llama3_8b_contiguous`)", MEMORY_RUNS,
            "grow_ratio_llama3_8b_contiguous"),
     Figure("alloc + free costs {0.91}x vLLM's own `BlockPool` ({0.84}x without the lock) on the "
            "CPU machine (`benchmarks/results/memory-host.json`; stale:", "memory-host.json",
            ("alloc_free_ratio_thread_safe", "alloc_free_ratio")),
-    Figure("once ran at {0.733}x one thread in the best round and {0.923}x in the median one "
-           "on the H200 (`driver-threads-h200.json`, run 8;", "driver-threads-h200.json",
-           ("ratio_over_serial_best.threads_2", "ratio_over_serial_median.threads_2")),
-    Figure("run 4: {0.683}x and {0.805}x)", "h200/run4/driver-threads-h200.json",
-           ("ratio_over_serial_best.threads_2", "ratio_over_serial_median.threads_2")),
-    Figure("went from {0.53}x", "h200/run4/memory-h200.json", "grow_ratio_pooled"),
-    Figure("to {0.85–0.91}x the raw loop", MEMORY_RUNS_LOCKED, "grow_ratio_pooled"),
+    Figure("Two threads creating and mapping at once run at {0.911}x one thread in the median "
+           "round on the H200 ({0.782} in the best;", "h200/run12/driver-threads-h200.json",
+           ("ratio_over_serial_median.threads_2", "ratio_over_serial_best.threads_2")),
+    Figure("run {1.36–1.40}x faster with the grow lock than with a no-op in its place "
+           "(`grow_lock`, median rounds, runs 12–13)", RUNS_NOW,
+           "grow_lock.locked_over_unlocked_median_round"),
+    Figure("run at {0.80–0.84}x the raw loop in runs 12–13 (`grow_ratio_pooled`;", RUNS_NOW,
+           "grow_ratio_pooled"),
+    Figure("{0.80–0.91}x since the lock came,", MEMORY_RUNS_LOCKED, "grow_ratio_pooled"),
+    Figure("run 4 before it: {0.53}x)", "h200/run4/memory-h200.json", "grow_ratio_pooled"),
     # layouts
     Figure("contiguous over per-layer {1.003} with shuffled blocks, {1.001} with sequential "
            "ones; against plain torch tensors, per-layer {1.000} and {1.003}, contiguous "
@@ -90,10 +105,10 @@ FIGURES: list[Figure] = [
             "summary.triton_paged_shuffled.contiguous_over_native",
             "summary.triton_paged_sequential.contiguous_over_native",
             "summary.gather_sdpa_sequential.contiguous_over_per_layer")),
-    Figure("a contiguous page is one handle ({49–52}x the raw 2 MiB loop for a Llama-3-8B page)",
-           MEMORY_RUNS, "grow_ratio_llama3_8b_contiguous"),
-    Figure("where a per-layer page is one handle per layer and buffer ({0.92}x)",
-           "memory-h200.json", "grow_ratio_llama3_8b"),
+    Figure("a contiguous page is one handle ({48.8–53.2}x the raw 2 MiB loop for a Llama-3-8B "
+           "page)", MEMORY_RUNS, "grow_ratio_llama3_8b_contiguous"),
+    Figure("where a per-layer page is one handle per layer and buffer ({0.934}x in run 13, the "
+           "latest)", "h200/run13/memory-h200.json", "grow_ratio_llama3_8b"),
     Figure("KV writes up to {1.58}x slower on contiguous", "kv-layout-h200.json",
            "summary.write_sequential.contiguous_over_per_layer"),
     # ledger
