@@ -142,12 +142,14 @@ def retire_dead_pools(name: str) -> int:
     that was killed, or exited without closing its pools), as the next
     registration or calibration would: their charge leaves the sum and the
     budget alike (a later calibration finds the memory free). Returns how many."""
-    from kvcached.control.limits import ledger_paths
+    from kvcached.control.limits import ledger_dirs
     from kvcached.errors import LedgerError
+    from kvcached.ledger.file import list_ledgers
     from kvcached.ledger.ledger import Ledger
 
     retired = 0
-    for path in ledger_paths():
+    paths = [path for directory in ledger_dirs() for path in list_ledgers(directory)]
+    for path in paths:
         try:
             ledger = Ledger.open_existing(path)
         except (LedgerError, OSError) as exc:
