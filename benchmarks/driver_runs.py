@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _provenance  # noqa: E402
 
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
@@ -109,14 +111,6 @@ SHAPES = {"grow_k1": grow_shape(1), **{f"grow_k{k}": grow_shape(k) for k in KS},
           "shrink_k1": shrink_shape(1), **{f"shrink_k{k}": shrink_shape(k) for k in KS}}
 
 
-def _git_head() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "?"
-    except OSError:
-        return "?"
-
-
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="cuda", choices=("cuda", "hip", "host"))
@@ -125,6 +119,7 @@ def main() -> dict:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    prov = _provenance.start()
     driver = make_driver(args.backend, args.device)
     pages = args.mib * MIB // driver.granularity
     total = pages * driver.granularity
@@ -140,7 +135,7 @@ def main() -> dict:
     result = {
         "benchmark": "driver_runs",
         "command": " ".join(["python3", *sys.argv]),
-        "commit": os.environ.get("KVCACHED_COMMIT") or _git_head(),
+        "commit": prov["commit"],
         "machine": platform.node(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -155,10 +150,11 @@ def main() -> dict:
                 v, base[k.split("_")[0]], strict=True)), 3) for k, v in secs.items()},
     }
     driver.close()
-    text = json.dumps(result, indent=2)
-    print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        _provenance.write_result(args.out, result, prov)
+    else:
+        result["provenance"] = _provenance.finish(prov)
+    print(json.dumps(result, indent=2))
     return result
 
 
