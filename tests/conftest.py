@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from kvcached import config
+
+# Ledgers of this test run live in a directory of its own (inherited by every process
+# a test starts), so a ledger another kvcached left in /dev/shm (another layout,
+# a killed run) changes nothing a test sees, and this run leaves none behind there.
+# A test that wants the default directory clears the variable itself.
+if "KVCACHED_LEDGER_DIR" not in os.environ:
+    _shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    os.environ["KVCACHED_LEDGER_DIR"] = tempfile.mkdtemp(prefix="kvcached-test-ledgers-",
+                                                         dir=_shm)
+    _OWN_LEDGER_DIR: str | None = os.environ["KVCACHED_LEDGER_DIR"]
+else:
+    _OWN_LEDGER_DIR = None
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +37,11 @@ def pytest_configure(config) -> None:
 
     config.addinivalue_line(
         "markers", f"{MISSING_MARK}(reason): a GPU test under KVCACHED_REQUIRE_GPU=1 with no GPU")
+
+
+def pytest_unconfigure(config) -> None:
+    if _OWN_LEDGER_DIR is not None:
+        shutil.rmtree(_OWN_LEDGER_DIR, ignore_errors=True)
 
 
 def pytest_runtest_setup(item) -> None:
