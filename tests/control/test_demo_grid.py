@@ -7,7 +7,9 @@ kvcached delayed 54 of 213 requests where the static split delayed 16.
 
 The corners of ``--budget`` 64M..4G x ``--instances`` 2..8 and two inner
 points, each a short run (``--duration 5``), so the grid stays a few minutes
-on a loaded 2-core CI machine."""
+on a loaded 2-core CI machine. 64 MiB cannot hold 8 instances at rest (each
+keeps its first page and its reserved pages), so that corner is refused up front
+with the budget that would do, and the smallest such budget, 203M, runs instead."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 
 from tests.control.kvctl_helpers import REPO
 
-GRID = [("64M", 2), ("64M", 8), ("4G", 2), ("4G", 8), ("256M", 4), ("1G", 6)]
+GRID = [("64M", 2), ("203M", 8), ("4G", 2), ("4G", 8), ("256M", 4), ("1G", 6)]
 
 
 @pytest.mark.parametrize("budget, instances", GRID, ids=[f"{b}x{n}" for b, n in GRID])
@@ -36,3 +38,16 @@ def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
     kv, static = summary["kvcached"], summary["static_split"]
     assert kv["requests"] == static["requests"] > 0
     assert kv["delayed"] <= static["delayed"], summary
+
+
+def test_a_budget_too_small_for_its_instances_is_refused_naming_what_would_do():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("KVCACHED_IPC_NAME", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcached", "demo", "--budget", "64M", "--instances", "8",
+         "--seed", "7", "--duration", "5", "--json"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "--budget 64.00 MiB is too small for 8 instances" in done.stderr
+    assert "raise --budget to 203M or more" in done.stderr
+    assert not done.stdout.strip()  # nothing started, no summary
