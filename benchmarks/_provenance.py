@@ -46,8 +46,7 @@ def _now() -> str:
 
 def _git(*args: str) -> str | None:
     try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=20)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -124,8 +123,9 @@ def finish(block: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
-def write_result(path: str | os.PathLike[str], result: dict[str, Any],
-                 block: dict[str, Any], indent: int = 2) -> Path:
+def write_result(
+    path: str | os.PathLike[str], result: dict[str, Any], block: dict[str, Any], indent: int = 2
+) -> Path:
     """Write ``result`` with its completed provenance block as JSON at ``path``."""
     if not isinstance(result, dict):
         raise TypeError(f"result must be a dict, not {type(result).__name__}")
@@ -137,9 +137,11 @@ def write_result(path: str | os.PathLike[str], result: dict[str, Any],
 
 
 # -- for files written without this module -----------------------------------------------------
-RETROFIT_NOTE = ("retrofitted from the file's own fields and git history: commit is the commit "
-                 "that last changed this file (the measured tree was that commit's working "
-                 "tree); fields the run did not record are null")
+RETROFIT_NOTE = (
+    "retrofitted from the file's own fields and git history: commit is the commit "
+    "that last changed this file (the measured tree was that commit's working "
+    "tree); fields the run did not record are null"
+)
 
 
 def retrofit(path: str | os.PathLike[str]) -> bool:
@@ -157,11 +159,15 @@ def retrofit(path: str | os.PathLike[str]) -> bool:
         raise ValueError(f"{rel}: has no 'command' field; add the command that made it")
     recorded = data.get("machine") if isinstance(data.get("machine"), dict) else {}
     data["provenance"] = {
-        "commit": sha, "tree_dirty": None, "command": data["command"],
+        "commit": sha,
+        "tree_dirty": None,
+        "command": data["command"],
         "machine": recorded or {"note": "not recorded; see the file's own fields"},
         "load_average_start": recorded.get("load_average_before"),
         "load_average_end": recorded.get("load_average_after"),
-        "started_utc": None, "finished_utc": None, "retrofitted": RETROFIT_NOTE,
+        "started_utc": None,
+        "finished_utc": None,
+        "retrofitted": RETROFIT_NOTE,
     }
     second = file.read_text().splitlines()[1:2] or [""]
     indent = len(second[0]) - len(second[0].lstrip(" ")) or 2
@@ -187,8 +193,9 @@ def mark_stale(path: str | os.PathLike[str], reason: str) -> None:
 def _main(argv: list[str]) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python benchmarks/_provenance.py",
-                                 description="Provenance of committed result files.")
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/_provenance.py", description="Provenance of committed result files."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("retrofit", help="add a block to files written without one")
     r.add_argument("files", nargs="+")

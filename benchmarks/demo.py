@@ -36,13 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     prov = _provenance.start(argv)
     out = io.StringIO()
-    rc = run_demo(duration_s=args.duration, instances=args.instances,
-                  budget=parse_size(args.budget), seed=args.seed, as_json=True, out=out)
+    rc = run_demo(
+        duration_s=args.duration,
+        instances=args.instances,
+        budget=parse_size(args.budget),
+        seed=args.seed,
+        as_json=True,
+        out=out,
+    )
     if rc != 0:
         print(f"benchmarks/demo.py: the demo exited with {rc}; nothing written", file=sys.stderr)
         return rc
-    result = {"benchmark": "demo", "options": vars(args) | {"out": None},
-              "summary": json.loads(out.getvalue())}
+    result = {
+        "benchmark": "demo",
+        "options": vars(args) | {"out": None},
+        "summary": json.loads(out.getvalue()),
+    }
     path = _provenance.write_result(args.out, result, prov)
     print(json.dumps(result["summary"], indent=2))
     print(f"wrote {path}")

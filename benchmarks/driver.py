@@ -51,8 +51,10 @@ from kvcached.units import MIB  # noqa: E402
 
 CALLS = ("create", "map", "set_access", "unmap", "release")
 SIZES = {"2MiB": 2 * MIB, "64MiB": 64 * MIB}
-DEFAULT_OUT = {"cuda": "benchmarks/results/driver-h200.json",
-               "host": "benchmarks/results/driver-host.json"}
+DEFAULT_OUT = {
+    "cuda": "benchmarks/results/driver-h200.json",
+    "host": "benchmarks/results/driver-host.json",
+}
 now = time.perf_counter_ns
 
 
@@ -91,9 +93,13 @@ class _Loc(ctypes.Structure):
 
 
 class _Prop(ctypes.Structure):  # CUmemAllocationProp
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
-                ("location", _Loc), ("win32HandleMetaData", ctypes.c_void_p),
-                ("allocFlags", ctypes.c_ubyte * 8)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Loc),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", ctypes.c_ubyte * 8),
+    ]
 
 
 class _Access(ctypes.Structure):  # CUmemAccessDesc
@@ -110,20 +116,25 @@ class RawCudaLoop:
         self._check("cuInit", lib.cuInit(0))
         dev, ctx, cur = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
         self._check("cuDeviceGet", lib.cuDeviceGet(ctypes.byref(dev), index))
-        self._check("cuDevicePrimaryCtxRetain",
-                    lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+        self._check(
+            "cuDevicePrimaryCtxRetain", lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+        )
         self._check("cuCtxGetCurrent", lib.cuCtxGetCurrent(ctypes.byref(cur)))
         if not cur.value:
             self._check("cuCtxSetCurrent", lib.cuCtxSetCurrent(ctx))
         self.prop = _Prop(type=1, requestedHandleTypes=0, location=_Loc(1, index))  # PINNED, DEVICE
         self.access = _Access(location=_Loc(1, index), flags=3)  # READWRITE
         gran = sz()
-        self._check("cuMemGetAllocationGranularity",
-                    lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(self.prop), 0))
+        self._check(
+            "cuMemGetAllocationGranularity",
+            lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(self.prop), 0),
+        )
         self.size = size
         va = u64()
         lib.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), sz, sz, u64, u64]
-        self._check("cuMemAddressReserve", lib.cuMemAddressReserve(ctypes.byref(va), size, gran.value, 0, 0))
+        self._check(
+            "cuMemAddressReserve", lib.cuMemAddressReserve(ctypes.byref(va), size, gran.value, 0, 0)
+        )
         self.va = va.value
         self.create = lib.cuMemCreate
         self.create.argtypes = [ctypes.POINTER(u64), sz, ctypes.POINTER(_Prop), u64]
@@ -144,11 +155,19 @@ class RawCudaLoop:
 
     def run(self, iters: int, samples: list[list[int]]) -> None:
         size, va = self.size, self.va
-        create, map_, access, unmap, release = (self.create, self.map, self.set_access,
-                                                self.unmap, self.release)
+        create, map_, access, unmap, release = (
+            self.create,
+            self.map,
+            self.set_access,
+            self.unmap,
+            self.release,
+        )
         handle = ctypes.c_ulonglong()
-        p_handle, p_prop, p_access = (ctypes.byref(handle), ctypes.byref(self.prop),
-                                      ctypes.byref(self.access))
+        p_handle, p_prop, p_access = (
+            ctypes.byref(handle),
+            ctypes.byref(self.prop),
+            ctypes.byref(self.access),
+        )
         check = self._check
         for _ in range(iters):
             t0 = now()
@@ -184,15 +203,18 @@ class RawHostLoop:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.va = _libc.mmap(None, size, _libc.PROT_NONE,
-                             _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_NORESERVE)
+        self.va = _libc.mmap(
+            None,
+            size,
+            _libc.PROT_NONE,
+            _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_NORESERVE,
+        )
 
     def run(self, iters: int, samples: list[list[int]]) -> None:
         size, va = self.size, self.va
         mmap = _libc._mmap  # the raw libc symbol, as a C caller would use it
         rw, shared_fixed = _libc.PROT_READ | _libc.PROT_WRITE, _libc.MAP_SHARED | _libc.MAP_FIXED
-        zero_flags = (_libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_FIXED
-                      | _libc.MAP_NORESERVE)
+        zero_flags = _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_FIXED | _libc.MAP_NORESERVE
         memfd_create, fallocate, close = os.memfd_create, os.posix_fallocate, os.close
         for _ in range(iters):
             t0 = now()
@@ -219,8 +241,10 @@ def summarize(samples: list[list[int]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for i, call in enumerate((*CALLS, "total")):
         values = [sum(s) for s in samples] if call == "total" else [s[i] for s in samples]
-        out[call] = {"p50": round(statistics.median(values) / 1000, 3),
-                     "mean": round(statistics.fmean(values) / 1000, 3)}
+        out[call] = {
+            "p50": round(statistics.median(values) / 1000, 3),
+            "mean": round(statistics.fmean(values) / 1000, 3),
+        }
     return out
 
 
@@ -249,9 +273,16 @@ def environment(driver) -> dict:
         if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v)) == 0:
             env["cuda_driver_version"] = v.value
     try:
-        env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-            text=True, timeout=10).stdout.strip() or None
+        env["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
     return env
@@ -271,7 +302,7 @@ def measure(backend: str, driver, size: int, iters: int, rounds: int, warmup: in
         try:
             for r in range(rounds):
                 order = ((ours, ours_samples), (raw, raw_samples))
-                for loop, samples in (order if r % 2 == 0 else order[::-1]):
+                for loop, samples in order if r % 2 == 0 else order[::-1]:
                     loop.run(iters, samples)
         finally:
             gc.enable()
@@ -284,12 +315,19 @@ def measure(backend: str, driver, size: int, iters: int, rounds: int, warmup: in
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("cuda", "host"), default="cuda")
-    parser.add_argument("--iters", type=int, default=500,
-                        help="page lives per round and loop for 2 MiB handles (64 MiB: a 1/8)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=500,
+        help="page lives per round and loop for 2 MiB handles (64 MiB: a 1/8)",
+    )
     parser.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
     parser.add_argument("--device", type=int, default=0, help="device index (default 0)")
-    parser.add_argument("--out", default=None,
-                        help="JSON path (default: " + ", ".join(f"{b}: {p}" for b, p in DEFAULT_OUT.items()) + ")")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: " + ", ".join(f"{b}: {p}" for b, p in DEFAULT_OUT.items()) + ")",
+    )
     args = parser.parse_args(argv)
     if args.iters < 1 or args.rounds < 1:
         parser.error("--iters and --rounds must be at least 1")
@@ -299,9 +337,11 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "driver",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "backend": args.backend,
-        "raw_baseline": ("ctypes calls into libcuda.so.1 with prebuilt argument structs"
-                         if args.backend == "cuda" else
-                         "os.memfd_create+posix_fallocate / libc mmap / close, no bookkeeping"),
+        "raw_baseline": (
+            "ctypes calls into libcuda.so.1 with prebuilt argument structs"
+            if args.backend == "cuda"
+            else "os.memfd_create+posix_fallocate / libc mmap / close, no bookkeeping"
+        ),
         "environment": environment(driver),
         "rounds": args.rounds,
         "iterations": {},
@@ -310,21 +350,27 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for label, size in SIZES.items():
         iters = args.iters if size == 2 * MIB else max(1, args.iters // 8)
-        ours, raw, n = measure(args.backend, driver, size, iters, args.rounds,
-                               warmup=min(iters, 20))
+        ours, raw, n = measure(
+            args.backend, driver, size, iters, args.rounds, warmup=min(iters, 20)
+        )
         result["iterations"][label] = n
         result["kvcached_us"][label] = ours
         result["raw_us"][label] = raw
-        print(f"{label}: kvcached total p50 {ours['total']['p50']:.2f} us, raw "
-              f"{raw['total']['p50']:.2f} us ({n} page lives each)", flush=True)
+        print(
+            f"{label}: kvcached total p50 {ours['total']['p50']:.2f} us, raw "
+            f"{raw['total']['p50']:.2f} us ({n} page lives each)",
+            flush=True,
+        )
     for label in SIZES:
         ours, raw = result["kvcached_us"][label]["total"], result["raw_us"][label]["total"]
         suffix = "" if label == "2MiB" else f"_{label}"
         result["overhead_ratio" + suffix] = round(ours["p50"] / raw["p50"], 4)
         result["overhead_ratio_mean" + suffix] = round(ours["mean"] / raw["mean"], 4)
     out = _provenance.write_result(args.out or ROOT / DEFAULT_OUT[args.backend], result, prov)
-    print(f"overhead_ratio (2 MiB, p50 of per-page totals): {result['overhead_ratio']:.4f}; "
-          f"wrote {out}")
+    print(
+        f"overhead_ratio (2 MiB, p50 of per-page totals): {result['overhead_ratio']:.4f}; "
+        f"wrote {out}"
+    )
     return result
 
 

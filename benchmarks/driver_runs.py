@@ -76,7 +76,7 @@ def _shrink(driver, va: int, handles: list, k: int) -> None:
             unmap(va + start * g, g)
         else:
             unmap_range(va + start * g, g, n)
-        for h in handles[start:start + n]:
+        for h in handles[start : start + n]:
             release(h)
 
 
@@ -90,6 +90,7 @@ def grow_shape(k: int, split: bool = False):
         _shrink(driver, va, made, 1)
         driver.free_reservation(va, total)
         return dt
+
     return run
 
 
@@ -103,12 +104,17 @@ def shrink_shape(k: int):
         dt = time.perf_counter() - t0
         driver.free_reservation(va, total)
         return dt
+
     return run
 
 
-SHAPES = {"grow_k1": grow_shape(1), **{f"grow_k{k}": grow_shape(k) for k in KS},
-          "grow_k32_split": grow_shape(32, split=True),
-          "shrink_k1": shrink_shape(1), **{f"shrink_k{k}": shrink_shape(k) for k in KS}}
+SHAPES = {
+    "grow_k1": grow_shape(1),
+    **{f"grow_k{k}": grow_shape(k) for k in KS},
+    "grow_k32_split": grow_shape(32, split=True),
+    "shrink_k1": shrink_shape(1),
+    **{f"shrink_k{k}": shrink_shape(k) for k in KS},
+}
 
 
 def main() -> dict:
@@ -127,7 +133,7 @@ def main() -> dict:
     names = list(SHAPES)
     secs: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds + 1):  # round 0 warms up, untimed
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dt = SHAPES[name](driver, total)
             if r:
                 secs[name].append(dt)
@@ -143,11 +149,15 @@ def main() -> dict:
         "pages_per_round": pages,
         "rounds": args.rounds,
         "us_per_page_best": {k: round(min(v) / pages * 1e6, 2) for k, v in secs.items()},
-        "us_per_page_median": {k: round(statistics.median(v) / pages * 1e6, 2)
-                               for k, v in secs.items()},
+        "us_per_page_median": {
+            k: round(statistics.median(v) / pages * 1e6, 2) for k, v in secs.items()
+        },
         "paired_over_per_page": {
-            k: round(statistics.median(b / a for a, b in zip(
-                v, base[k.split("_")[0]], strict=True)), 3) for k, v in secs.items()},
+            k: round(
+                statistics.median(b / a for a, b in zip(v, base[k.split("_")[0]], strict=True)), 3
+            )
+            for k, v in secs.items()
+        },
     }
     driver.close()
     if args.out:

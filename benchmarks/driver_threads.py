@@ -112,6 +112,7 @@ def lanes(n: int):
     """One thread, the pages spread over ``n`` separate reservations, page-major
     (page k of every lane, then page k+1): the address pattern of a per-layer
     cache of ``n`` buffers growing one page at a time."""
+
     def run(driver, total: int) -> float:
         g = driver.granularity
         pages = total // g
@@ -126,6 +127,7 @@ def lanes(n: int):
         for b in bases:
             driver.free_reservation(b, per_lane * g)
         return dt
+
     return run
 
 
@@ -133,6 +135,7 @@ def runs(k: int):
     """One thread, one ``set_access`` per run of ``k`` adjacent handles,
     each created and mapped first: the calls kvcached makes for a take or
     a refill of ``k`` one-handle pages."""
+
     def run(driver, total: int) -> float:
         g = driver.granularity
         pages = total // g
@@ -152,17 +155,28 @@ def runs(k: int):
         _teardown(driver, done, g)
         driver.free_reservation(va, total)
         return dt
+
     return run
 
 
-SHAPES = {"serial": serial, "threads_2": threaded(2), "threads_4": threaded(4),
-          "pipeline": pipeline, "lanes_64": lanes(64), "runs_32": runs(32)}
+SHAPES = {
+    "serial": serial,
+    "threads_2": threaded(2),
+    "threads_4": threaded(4),
+    "pipeline": pipeline,
+    "lanes_64": lanes(64),
+    "runs_32": runs(32),
+}
 
 
 def _git_head() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "?"
+        )
     except OSError:
         return "?"
 
@@ -183,7 +197,7 @@ def main() -> dict:
     names = list(SHAPES)
     secs: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds + 1):  # round 0 warms up, untimed
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dt = SHAPES[name](driver, pages * g)
             if r:
                 secs[name].append(dt)

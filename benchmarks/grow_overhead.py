@@ -72,8 +72,14 @@ class NullDriver(Driver):
         return 2 * MIB
 
     def info(self) -> DeviceInfo:
-        return DeviceInfo(backend="null", index=self.index, name="null driver",
-                          pci_bus_id="null", total_bytes=1 << 40, granularity=2 * MIB)
+        return DeviceInfo(
+            backend="null",
+            index=self.index,
+            name="null driver",
+            pci_bus_id="null",
+            total_bytes=1 << 40,
+            granularity=2 * MIB,
+        )
 
     def mem_info(self) -> tuple[int, int]:
         return 1 << 40, 1 << 40
@@ -233,15 +239,21 @@ def raw_shrink(driver: Driver, total: int, clock=time.perf_counter) -> float:
     return dt
 
 
-def allocator_shrink(driver: Driver, total: int, per_give_back: int,
-                     clock=time.perf_counter) -> float:
+def allocator_shrink(
+    driver: Driver, total: int, per_give_back: int, clock=time.perf_counter
+) -> float:
     """Seconds to release ``total`` bytes of 2 MiB one-handle pages through
     :class:`PageAllocator` (no pool, coalescing off), ``per_give_back`` pages
     given back at a time, each released at once (unmap, release, refund, and
     the one device synchronize before a batch of unmaps). Growth is untimed."""
     spec = KVCacheSpec.of_bytes(num_layers=1, block_bytes=64 * 1024)
-    geometry = plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,
-                          page_size=driver.granularity, capacity_bytes=total)
+    geometry = plan_pages(
+        spec,
+        layout=KVLayout.PER_LAYER,
+        granularity=driver.granularity,
+        page_size=driver.granularity,
+        capacity_bytes=total,
+    )
     tensors = VirtualKVTensors(driver, spec, geometry)
     budget = DriverFreeBudget(driver, sample_interval_s=60)
     mapper = PageMapper(tensors, budget, max_handle_bytes=0)
@@ -251,7 +263,7 @@ def allocator_shrink(driver: Driver, total: int, per_give_back: int,
         got = pages.take(min(32, geometry.num_pages - len(taken)))
         assert got is not None, "growth was refused: not enough free device memory"
         taken.extend(got)
-    chunks = [taken[i:i + per_give_back] for i in range(0, len(taken), per_give_back)]
+    chunks = [taken[i : i + per_give_back] for i in range(0, len(taken), per_give_back)]
     give_back = pages.give_back
     t0 = clock()
     for chunk in chunks:
@@ -321,20 +333,23 @@ def raw_growth_threads(driver: Driver, total: int, threads: int = 2) -> float:
 # A model-shaped cache: Llama-3-8B's KV (32 layers, K and V, 8 KV heads of 128,
 # bf16, 16-token blocks). On the default per-layer layout a 2 MiB page is 2 MiB
 # in each of its 64 buffers: one page id, 64 handles.
-LLAMA3_8B = KVCacheSpec(num_layers=32, block_size=16, num_heads=8, head_dim=128,
-                        dtype=torch.bfloat16)
+LLAMA3_8B = KVCacheSpec(
+    num_layers=32, block_size=16, num_heads=8, head_dim=128, dtype=torch.bfloat16
+)
 
 
-def raw_growth_like_cache(driver: Driver, spec: KVCacheSpec, total: int,
-                          clock=time.perf_counter) -> float:
+def raw_growth_like_cache(
+    driver: Driver, spec: KVCacheSpec, total: int, clock=time.perf_counter
+) -> float:
     """Seconds for a raw loop of 2 MiB create + map + set_access at the very
     addresses a per-layer cache of ``spec`` maps, page by page (every buffer
     of every layer, then the next page), page 0 first and untimed: the
     driver's cost of that address pattern with nothing around the calls."""
     g = driver.granularity
     page = page_bytes_of(spec, driver)
-    geometry = plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=g, page_size=g,
-                          capacity_bytes=total + page)
+    geometry = plan_pages(
+        spec, layout=KVLayout.PER_LAYER, granularity=g, page_size=g, capacity_bytes=total + page
+    )
     tensors = VirtualKVTensors(driver, spec, geometry)
     strides = tensors.handle_strides()
     assert all(span == g for _, span in strides), "one 2 MiB handle per buffer per page"
@@ -363,14 +378,27 @@ def raw_growth_like_cache(driver: Driver, spec: KVCacheSpec, total: int,
 
 def page_bytes_of(spec: KVCacheSpec, driver: Driver) -> int:
     """Physical bytes of one page of ``spec`` (per-layer, 2 MiB per buffer)."""
-    return plan_pages(spec, layout=KVLayout.PER_LAYER, granularity=driver.granularity,
-                      page_size=driver.granularity, num_blocks=1).page_bytes
+    return plan_pages(
+        spec,
+        layout=KVLayout.PER_LAYER,
+        granularity=driver.granularity,
+        page_size=driver.granularity,
+        num_blocks=1,
+    ).page_bytes
 
 
-def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
-                     clock=time.perf_counter, reserved: tuple[int, int] | None = None,
-                     spec: KVCacheSpec | None = None, null_page: bool = False,
-                     layout: KVLayout = KVLayout.PER_LAYER, grow_lock: bool = True) -> float:
+def allocator_growth(
+    driver: Driver,
+    total: int,
+    grow: int,
+    coalesce: bool,
+    clock=time.perf_counter,
+    reserved: tuple[int, int] | None = None,
+    spec: KVCacheSpec | None = None,
+    null_page: bool = False,
+    layout: KVLayout = KVLayout.PER_LAYER,
+    grow_lock: bool = True,
+) -> float:
     """Seconds to grow ``total`` bytes through :class:`PageAllocator`, ``grow``
     bytes per ``take`` (2 MiB pages), with the real driver-free-memory budget.
 
@@ -391,8 +419,13 @@ def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
     extra = 0
     if null_page:
         extra = page_bytes_of(spec, driver)
-    geometry = plan_pages(spec, layout=layout, granularity=driver.granularity,
-                          page_size=driver.granularity, capacity_bytes=total + extra)
+    geometry = plan_pages(
+        spec,
+        layout=layout,
+        granularity=driver.granularity,
+        page_size=driver.granularity,
+        capacity_bytes=total + extra,
+    )
     assert geometry.page_bytes * geometry.num_pages == total + extra, "total must be whole pages"
     tensors = VirtualKVTensors(driver, spec, geometry)
     budget = DriverFreeBudget(driver, sample_interval_s=60)
@@ -400,8 +433,9 @@ def allocator_growth(driver: Driver, total: int, grow: int, coalesce: bool,
     if reserved is None:
         pages = PageAllocator(mapper, background=False)
     else:
-        pages = PageAllocator(mapper, min_reserved=reserved[0], max_reserved=reserved[1],
-                              background=True)
+        pages = PageAllocator(
+            mapper, min_reserved=reserved[0], max_reserved=reserved[1], background=True
+        )
     if not grow_lock:
         pages._grow_lock = _NoLock()  # type: ignore[assignment]
     per_take = grow // geometry.page_bytes
@@ -446,8 +480,9 @@ def python_overhead(pages: int = 512, rounds: int = 9, pages_per_take: int = 1) 
     clock = time.thread_time  # all CPU work: time descheduled is not the allocator's
     for _ in range(rounds):
         raw.append(raw_growth(driver, total, clock))
-        alloc.append(allocator_growth(driver, total, pages_per_take * g, coalesce=False,
-                                      clock=clock))
+        alloc.append(
+            allocator_growth(driver, total, pages_per_take * g, coalesce=False, clock=clock)
+        )
     raw_us = min(raw) / pages * 1e6
     alloc_us = min(alloc) / pages * 1e6
     return {
@@ -458,7 +493,8 @@ def python_overhead(pages: int = 512, rounds: int = 9, pages_per_take: int = 1) 
         "allocator_null_us_per_page": round(alloc_us, 3),
         "allocator_python_us_per_page": round(alloc_us - raw_us, 3),
         "median_allocator_python_us_per_page": round(
-            (statistics.median(alloc) - statistics.median(raw)) / pages * 1e6, 3),
+            (statistics.median(alloc) - statistics.median(raw)) / pages * 1e6, 3
+        ),
     }
 
 
@@ -471,18 +507,24 @@ def split(driver: Driver, total: int, rounds: int = 3, clock=time.perf_counter) 
     timed = TimedDriver(driver, clock_ns)
     pages = total // driver.granularity
     out: dict[str, Any] = {}
-    for name, grow in (("raw", lambda: raw_growth(timed, total, clock)),
-                       ("allocator", lambda: allocator_growth(timed, total, driver.granularity,
-                                                              coalesce=False, clock=clock))):
+    for name, grow in (
+        ("raw", lambda: raw_growth(timed, total, clock)),
+        (
+            "allocator",
+            lambda: allocator_growth(timed, total, driver.granularity, coalesce=False, clock=clock),
+        ),
+    ):
         best = None
         for _ in range(rounds):
             timed.reset()
             seconds = grow()
             calls = {k: timed.ns[k] / 1e3 / pages for k in GROW_CALLS}
-            row = {**{k: round(v, 3) for k, v in calls.items()},
-                   "outside_calls": round(seconds * 1e6 / pages - sum(calls.values()), 3),
-                   "total": round(seconds * 1e6 / pages, 3),
-                   "calls_per_page": {k: timed.calls[k] / pages for k in GROW_CALLS}}
+            row = {
+                **{k: round(v, 3) for k, v in calls.items()},
+                "outside_calls": round(seconds * 1e6 / pages - sum(calls.values()), 3),
+                "total": round(seconds * 1e6 / pages, 3),
+                "calls_per_page": {k: timed.calls[k] / pages for k in GROW_CALLS},
+            }
             if best is None or row["total"] < best["total"]:
                 best = row
         out[name] = best
@@ -520,8 +562,9 @@ def main() -> None:
 
         driver = make_driver(args.backend, args.device)
         result["device"] = driver.info().as_dict()
-        result["split_us_per_page"] = split(driver, args.pages * driver.granularity,
-                                            rounds=min(args.rounds, 3))
+        result["split_us_per_page"] = split(
+            driver, args.pages * driver.granularity, rounds=min(args.rounds, 3)
+        )
         driver.close()
     if args.out:
         _provenance.write_result(args.out, result, prov)

@@ -46,10 +46,26 @@ try:
     import triton.language as tl
 
     @triton.jit
-    def _paged_decode(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr,
-                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                      stride_tb, sm_scale,
-                      HQ: tl.constexpr, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+    def _paged_decode(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        lens_ptr,
+        out_ptr,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_tb,
+        sm_scale,
+        HQ: tl.constexpr,
+        GROUP: tl.constexpr,
+        BS: tl.constexpr,
+        D: tl.constexpr,
+    ):
         b = tl.program_id(0)
         hq = tl.program_id(1)
         hk = hq // GROUP
@@ -62,15 +78,25 @@ try:
         acc = tl.zeros([D], dtype=tl.float32)
         for j in range(0, tl.cdiv(n, BS)):
             blk = tl.load(table_ptr + b * stride_tb + j).to(tl.int64)
-            k = tl.load(k_ptr + blk * stride_kb + offs_t[:, None] * stride_kt
-                        + hk * stride_kh + offs_d[None, :]).to(tl.float32)
+            k = tl.load(
+                k_ptr
+                + blk * stride_kb
+                + offs_t[:, None] * stride_kt
+                + hk * stride_kh
+                + offs_d[None, :]
+            ).to(tl.float32)
             s = tl.sum(k * q[None, :], axis=1) * sm_scale
             s = tl.where(j * BS + offs_t < n, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             p = tl.exp(s - m_new)
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + blk * stride_vb + offs_t[:, None] * stride_vt
-                        + hk * stride_vh + offs_d[None, :]).to(tl.float32)
+            v = tl.load(
+                v_ptr
+                + blk * stride_vb
+                + offs_t[:, None] * stride_vt
+                + hk * stride_vh
+                + offs_d[None, :]
+            ).to(tl.float32)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
@@ -87,11 +113,26 @@ def paged_decode(q, key, value, table, lens, group):
     out = torch.empty_like(q)
     assert key.stride(3) == 1 and value.stride(3) == 1
     _paged_decode[(B, HQ)](
-        q, key, value, table, lens, out,
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        table.stride(0), D ** -0.5,
-        HQ=HQ, GROUP=group, BS=key.shape[1], D=D, num_warps=4)
+        q,
+        key,
+        value,
+        table,
+        lens,
+        out,
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        table.stride(0),
+        D**-0.5,
+        HQ=HQ,
+        GROUP=group,
+        BS=key.shape[1],
+        D=D,
+        num_warps=4,
+    )
     return out
 
 
@@ -134,13 +175,24 @@ def build_views(kind: str, spec: KVCacheSpec, num_blocks: int, device, driver):
     plain-tensor baseline."""
     if kind == "native":
         shape = (num_blocks, spec.block_size, spec.num_heads, spec.head_dim)
-        views = [(torch.empty(shape, dtype=spec.dtype, device=device),
-                  torch.empty(shape, dtype=spec.dtype, device=device))
-                 for _ in range(spec.num_layers)]
+        views = [
+            (
+                torch.empty(shape, dtype=spec.dtype, device=device),
+                torch.empty(shape, dtype=spec.dtype, device=device),
+            )
+            for _ in range(spec.num_layers)
+        ]
         return views, list(range(1, num_blocks)), lambda: None
     layout = KVLayout(kind)
-    kv = KVCache(spec, driver=driver, layout=layout, num_blocks=num_blocks, background=False,
-                 min_reserved=0, max_reserved=0)
+    kv = KVCache(
+        spec,
+        driver=driver,
+        layout=layout,
+        num_blocks=num_blocks,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    )
     ids = kv.alloc(num_blocks - 1)
     assert ids is not None, "not enough device memory for this size; lower --batch/--context"
     views = [(kv.tensors.key_view(i), kv.tensors.value_view(i)) for i in range(spec.num_layers)]
@@ -179,20 +231,22 @@ def measure(views, ids, args, spec, device, timer, group, nblk, ref, result) -> 
             key[table] = torch.randn(shape, device=device, dtype=spec.dtype)
             value[table] = torch.randn(shape, device=device, dtype=spec.dtype)
         q = torch.randn(args.batch, args.q_heads, args.head_dim, device=device, dtype=spec.dtype)
-        new_k = torch.randn(args.batch, args.kv_heads, args.head_dim, device=device,
-                            dtype=spec.dtype)
+        new_k = torch.randn(
+            args.batch, args.kv_heads, args.head_dim, device=device, dtype=spec.dtype
+        )
         slot = (args.context - 1) % args.block_size
         timings = {
-            "gather_sdpa_s": timer(partial(_step_gather, views, q, table, args.context),
-                                   args.repeats),
-            "write_s": timer(partial(_step_write, views, table[:, -1], slot, new_k),
-                             args.repeats),
+            "gather_sdpa_s": timer(
+                partial(_step_gather, views, q, table, args.context), args.repeats
+            ),
+            "write_s": timer(partial(_step_write, views, table[:, -1], slot, new_k), args.repeats),
         }
         out = gather_sdpa(q, *views[0], table, args.context).float()
         if TRITON_ERROR is None and device.type == "cuda":
             try:
                 timings["triton_paged_s"] = timer(
-                    partial(_step_triton, views, q, table, lens, group), args.repeats)
+                    partial(_step_triton, views, q, table, lens, group), args.repeats
+                )
                 tri = paged_decode(q, *views[0], table, lens, group).float()
                 timings["triton_max_abs_err_vs_sdpa"] = (tri - out).abs().max().item()
             except Exception:  # noqa: BLE001 - record it, keep the other figures
@@ -215,20 +269,30 @@ def run(args) -> dict:
         from kvcached.driver.host import HostDriver
 
         driver = HostDriver(29, capacity=64 << 30)
-    spec = KVCacheSpec(num_layers=args.layers, block_size=args.block_size,
-                       num_heads=args.kv_heads, head_dim=args.head_dim, dtype=torch.bfloat16)
+    spec = KVCacheSpec(
+        num_layers=args.layers,
+        block_size=args.block_size,
+        num_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=torch.bfloat16,
+    )
     group = args.q_heads // args.kv_heads
     nblk = -(-args.context // args.block_size)
     num_blocks = args.batch * nblk + 1
     timer = Timer(device)
-    result: dict = {"config": vars(args), "kv_bytes_per_layout": num_blocks * spec.block_bytes,
-                    "triton": TRITON_ERROR or "ok", "layouts": {}}
+    result: dict = {
+        "config": vars(args),
+        "kv_bytes_per_layout": num_blocks * spec.block_bytes,
+        "triton": TRITON_ERROR or "ok",
+        "layouts": {},
+    }
     ref: list[torch.Tensor] = []
     for kind in ("native", "per_layer", "contiguous"):
         views, ids, close = build_views(kind, spec, num_blocks, device, driver)
         try:
-            result["layouts"][kind] = measure(views, ids, args, spec, device, timer, group,
-                                              nblk, ref, result)
+            result["layouts"][kind] = measure(
+                views, ids, args, spec, device, timer, group, nblk, ref, result
+            )
         finally:
             views.clear()
             close()
@@ -269,8 +333,13 @@ def main() -> None:
     args = ap.parse_args()
     prov = _provenance.start()
     result = run(args)
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        "kv-layout-h200.json" if args.device.startswith("cuda") else "kv-layout-cpu.json")
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).parent
+        / "results"
+        / ("kv-layout-h200.json" if args.device.startswith("cuda") else "kv-layout-cpu.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv])
     result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -278,8 +347,16 @@ def main() -> None:
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     _provenance.write_result(out, result, prov)
-    print(json.dumps({"summary": result["summary"], "faster_layout": result["faster_layout"],
-                      "triton": result["triton"][:200]}, indent=2))
+    print(
+        json.dumps(
+            {
+                "summary": result["summary"],
+                "faster_layout": result["faster_layout"],
+                "triton": result["triton"][:200],
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -171,14 +171,18 @@ class OfdLedger(LockObjectLedger):
 
 # Each variant's pools are made as their own class by register_pool (assigning
 # __class__ afterwards would de-optimise attribute access by ~25% in CPython 3.11).
-LEDGERS = {"ledger": Ledger, "ledger-no-recycle": NoRecycleLedger, "flock": SeedFlockLedger,
-           "ofd-no-recycle": OfdLedger}
+LEDGERS = {
+    "ledger": Ledger,
+    "ledger-no-recycle": NoRecycleLedger,
+    "flock": SeedFlockLedger,
+    "ofd-no-recycle": OfdLedger,
+}
 
 
-def worker(directory: str, variant: str, pattern: str, seconds: float, timed: bool,
-           barrier, queue) -> None:
-    ledger = LEDGERS[variant].open("bench-0", Device(), directory=directory,
-                                   gpu_utilization=0.9)
+def worker(
+    directory: str, variant: str, pattern: str, seconds: float, timed: bool, barrier, queue
+) -> None:
+    ledger = LEDGERS[variant].open("bench-0", Device(), directory=directory, gpu_utilization=0.9)
     pool = ledger.register_pool(f"bench-{os.getpid()}")
     grant, refund = pool.grant, pool.refund
     for _ in range(2000):  # warm up
@@ -235,9 +239,12 @@ def run(variant: str, pattern: str, procs: int, seconds: float) -> dict:
     barrier = ctx.Barrier(procs)
     queue = ctx.Queue()
     timed = procs == 1
-    ps = [ctx.Process(target=worker,
-                      args=(directory, variant, pattern, seconds, timed, barrier, queue))
-          for _ in range(procs)]
+    ps = [
+        ctx.Process(
+            target=worker, args=(directory, variant, pattern, seconds, timed, barrier, queue)
+        )
+        for _ in range(procs)
+    ]
     for p in ps:
         p.start()
     results = [queue.get(timeout=seconds * 10 + 60) for _ in ps]
@@ -247,9 +254,11 @@ def run(variant: str, pattern: str, procs: int, seconds: float) -> dict:
     shutil.rmtree(directory)
     # pairs_per_cpu_s: pairs per second of CPU the processes used (what a pair costs,
     # less sensitive than wall time to the other load of a shared machine)
-    out = {"pairs_per_s": sum(r[0] for r in results) / seconds,
-           "pairs_per_cpu_s": sum(r[0] for r in results) / max(1e-9, sum(r[2] for r in results)),
-           "misses": sum(r[3] for r in results)}
+    out = {
+        "pairs_per_s": sum(r[0] for r in results) / seconds,
+        "pairs_per_cpu_s": sum(r[0] for r in results) / max(1e-9, sum(r[2] for r in results)),
+        "misses": sum(r[3] for r in results),
+    }
     lat = sorted(x for r in results for x in r[1])
     if lat:
         out["p50_us"] = lat[len(lat) // 2] / 1e3
@@ -266,11 +275,11 @@ def profile(repeats: int = 9, n: int = 20000) -> dict:
 
     directory = tempfile.mkdtemp(prefix="kvcached-bench-", dir="/dev/shm")
     ledgers = {}
-    for name, cls in (("ledger", NoRecycleLedger), ("flock", SeedFlockLedger),
-                      ("ofd", OfdLedger)):
+    for name, cls in (("ledger", NoRecycleLedger), ("flock", SeedFlockLedger), ("ofd", OfdLedger)):
         os.makedirs(os.path.join(directory, name))
-        ledgers[name] = cls.open("bench-0", Device(), directory=os.path.join(directory, name),
-                                 gpu_utilization=0.9)
+        ledgers[name] = cls.open(
+            "bench-0", Device(), directory=os.path.join(directory, name), gpu_utilization=0.9
+        )
     pools = {name: led.register_pool("profile") for name, led in ledgers.items()}
     led = ledgers["ledger"]
     fd = led.file.fd
@@ -288,6 +297,7 @@ def profile(repeats: int = 9, n: int = 20000) -> dict:
             for _ in range(n):
                 body()
             return (time.thread_time_ns() - t0) / n
+
         return run_it
 
     def pair(p):
@@ -322,18 +332,29 @@ def profile(repeats: int = 9, n: int = 20000) -> dict:
         x.close()
     shutil.rmtree(directory)
     out = {k: round(statistics.median(v)) for k, v in times.items()}
-    out["note"] = ("CPU ns per operation (thread_time), one process; a *_pair is one lock "
-                   "and one unlock; the grant_refund figures include the refund batching")
+    out["note"] = (
+        "CPU ns per operation (thread_time), one process; a *_pair is one lock "
+        "and one unlock; the grant_refund figures include the refund batching"
+    )
     return out
 
 
 def _commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvcached", "benchmarks"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "kvcached", "benchmarks"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except OSError:
         return "unknown"
@@ -343,8 +364,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--out", default=os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", "ledger-host.json"))
+    parser.add_argument(
+        "--out",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "ledger-host.json"
+        ),
+    )
     args = parser.parse_args()
 
     prov = _provenance.start()
@@ -360,10 +385,16 @@ def main() -> None:
                 for variant in order:
                     r = run(variant, pattern, n, args.seconds)
                     samples[variant, pattern, n].append(r)
-                    extra = (f"  p50 {r['p50_us']:.2f} us  p99 {r['p99_us']:.2f} us"
-                             if "p50_us" in r else "")
-                    print(f"round {rnd} {pattern:10s} {variant:18s} procs={n}: "
-                          f"{r['pairs_per_s']:>11,.0f} pairs/s{extra}", flush=True)
+                    extra = (
+                        f"  p50 {r['p50_us']:.2f} us  p99 {r['p99_us']:.2f} us"
+                        if "p50_us" in r
+                        else ""
+                    )
+                    print(
+                        f"round {rnd} {pattern:10s} {variant:18s} procs={n}: "
+                        f"{r['pairs_per_s']:>11,.0f} pairs/s{extra}",
+                        flush=True,
+                    )
         loads.append(os.getloadavg()[0])
 
     def med(variant: str, pattern: str, n: int, key: str) -> float:
@@ -371,29 +402,36 @@ def main() -> None:
 
     def ratios(variant: str, pattern: str, n: int, key: str = "pairs_per_s") -> list[float]:
         """Per-round ratio against flock in the same round."""
-        return [a[key] / b[key]
-                for a, b in zip(samples[variant, pattern, n], samples["flock", pattern, n],
-                                strict=True)]
+        return [
+            a[key] / b[key]
+            for a, b in zip(samples[variant, pattern, n], samples["flock", pattern, n], strict=True)
+        ]
 
     def summary(pattern: str) -> dict:
         per = {}
         for v in VARIANTS:
             per[v] = {
                 "pairs_per_s": {str(n): round(med(v, pattern, n, "pairs_per_s")) for n in COUNTS},
-                "vs_flock": {str(n): round(statistics.median(ratios(v, pattern, n)), 3)
-                             for n in COUNTS},
-                "rounds_vs_flock": {str(n): [round(x, 3) for x in ratios(v, pattern, n)]
-                                    for n in COUNTS},
+                "vs_flock": {
+                    str(n): round(statistics.median(ratios(v, pattern, n)), 3) for n in COUNTS
+                },
+                "rounds_vs_flock": {
+                    str(n): [round(x, 3) for x in ratios(v, pattern, n)] for n in COUNTS
+                },
                 "cpu_vs_flock": {
                     str(n): round(statistics.median(ratios(v, pattern, n, "pairs_per_cpu_s")), 3)
-                    for n in COUNTS},
-                "pairs_per_cpu_s": {str(n): round(med(v, pattern, n, "pairs_per_cpu_s"))
-                                    for n in COUNTS},
-                "misses": {str(n): sum(s["misses"] for s in samples[v, pattern, n])
-                           for n in COUNTS},
+                    for n in COUNTS
+                },
+                "pairs_per_cpu_s": {
+                    str(n): round(med(v, pattern, n, "pairs_per_cpu_s")) for n in COUNTS
+                },
+                "misses": {
+                    str(n): sum(s["misses"] for s in samples[v, pattern, n]) for n in COUNTS
+                },
                 "rounds_pairs_per_s": {
                     str(n): [round(s["pairs_per_s"]) for s in samples[v, pattern, n]]
-                    for n in COUNTS},
+                    for n in COUNTS
+                },
             }
             if pattern == "pair":
                 per[v]["pair_p50_us"] = round(med(v, pattern, 1, "p50_us"), 2)
@@ -408,13 +446,18 @@ def main() -> None:
     growshrink_cpu = grow["variants"]["ledger"]["cpu_vs_flock"]
     result = {
         "benchmark": "ledger grant+refund pairs (2 MiB pages), one pool per process, one "
-                     "ledger file in /dev/shm; pairs/s summed over the processes",
+        "ledger file in /dev/shm; pairs/s summed over the processes",
         "command": "python benchmarks/ledger.py " + " ".join(sys.argv[1:]),
         "commit": _commit(),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "kernel": platform.release(), "node": platform.node(),
-                    "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                    "load_average_1min_per_round": [round(x, 2) for x in loads]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+            "node": platform.node(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "load_average_1min_per_round": [round(x, 2) for x in loads],
+        },
         "seconds_per_run": args.seconds,
         "rounds": args.rounds,
         "no_recycle_vs_flock": min(no_recycle.values()),
@@ -430,35 +473,49 @@ def main() -> None:
         "pairs_per_s": pair["variants"]["ledger"]["pairs_per_s"],
         "speedup_vs_flock": pair["variants"]["ledger"]["vs_flock"],
         "baseline": "flock: the seed PR's design on the same accounting code: a blocking "
-                    "whole-file fcntl.flock(LOCK_EX) behind the former lock-object wrapper, "
-                    "every grant to the ledger, refunds batched below 64 MiB as the seed does",
+        "whole-file fcntl.flock(LOCK_EX) behind the former lock-object wrapper, "
+        "every grant to the ledger, refunds batched below 64 MiB as the seed does",
         "variants": {
             "ledger": "as shipped: non-blocking whole-file flock data lock (bounded poll "
-                      "when busy, holder pid recorded), refunds batched below 64 MiB, grants "
-                      "within the batch re-use it without the lock",
+            "when busy, holder pid recorded), refunds batched below 64 MiB, grants "
+            "within the batch re-use it without the lock",
             "ledger-no-recycle": "as shipped, every grant to the ledger: the baseline's work",
             "flock": "the baseline",
             "ofd-no-recycle": "the former data lock (OFD byte-range lock on byte 0, "
-                              "blocking), every grant to the ledger",
+            "blocking), every grant to the ledger",
         },
         "patterns": {
             "pair": "grant(2 MiB) then refund(2 MiB), repeated",
             "growshrink": "32 grants of 2 MiB then 32 refunds: every grant needs the ledger",
         },
         "ratios": "median over rounds of (variant pairs/s) / (flock pairs/s) in the same "
-                  "round (wall clock: throughput); *_cpu_*: the same with pairs per CPU "
-                  "second of the processes (cost per pair); the targets take the worst of "
-                  "1, 2 and 4 processes",
+        "round (wall clock: throughput); *_cpu_*: the same with pairs per CPU "
+        "second of the processes (cost per pair); the targets take the worst of "
+        "1, 2 and 4 processes",
         "profile_cpu_ns": where,
         "pair": pair,
         "growshrink": grow,
     }
     _provenance.write_result(args.out, result, prov)
-    print(json.dumps({k: result[k] for k in (
-        "no_recycle_vs_flock", "no_recycle_vs_flock_by_procs", "growshrink_vs_flock",
-        "growshrink_vs_flock_by_procs", "ofd_no_recycle_vs_flock_by_procs",
-        "no_recycle_cpu_vs_flock_by_procs", "growshrink_cpu_vs_flock_by_procs", "pair_p50_us",
-        "speedup_vs_flock")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "no_recycle_vs_flock",
+                    "no_recycle_vs_flock_by_procs",
+                    "growshrink_vs_flock",
+                    "growshrink_vs_flock_by_procs",
+                    "ofd_no_recycle_vs_flock_by_procs",
+                    "no_recycle_cpu_vs_flock_by_procs",
+                    "growshrink_cpu_vs_flock_by_procs",
+                    "pair_p50_us",
+                    "speedup_vs_flock",
+                )
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -65,13 +65,24 @@ def worker(rank: int, args, directory: str, ready, go, queue) -> None:
     from kvcached.errors import DriverError, OutOfPhysicalMemoryError
     from kvcached.ledger import Calibrator, Ledger
 
-    stats = {"rank": rank, "pid": os.getpid(), "grants": 0, "denials": 0, "creates": 0,
-             "releases": 0, "oom": 0, "oom_calls": [], "driver_errors": [], "phases": 0,
-             "peak_held": 0}
+    stats = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "grants": 0,
+        "denials": 0,
+        "creates": 0,
+        "releases": 0,
+        "oom": 0,
+        "oom_calls": [],
+        "driver_errors": [],
+        "phases": 0,
+        "peak_held": 0,
+    }
     driver = make_driver(args)
     info = driver.info()
-    ledger = Ledger.open(info.pci_bus_id, driver, directory=directory,
-                         gpu_utilization=args.gpu_utilization)
+    ledger = Ledger.open(
+        info.pci_bus_id, driver, directory=directory, gpu_utilization=args.gpu_utilization
+    )
     pool = ledger.register_pool(f"gpu-bench-{rank % 2}")
     calibrator = Calibrator(ledger, driver, interval_s=args.calibration_interval)
     # Every handle takes a whole 64 MiB slot, so a worker of small handles needs far
@@ -156,13 +167,16 @@ def run(args, procs: int, log) -> dict:
     info = driver.info()
     ctx = mp.get_context("spawn")  # a CUDA context does not survive fork
     ready, go, queue = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
-    ps = [ctx.Process(target=worker, args=(r, args, directory, ready, go, queue))
-          for r in range(procs)]
+    ps = [
+        ctx.Process(target=worker, args=(r, args, directory, ready, go, queue))
+        for r in range(procs)
+    ]
     for p in ps:
         p.start()
     ready.wait(timeout=300)
-    ledger = Ledger.open(info.pci_bus_id, driver, directory=directory,
-                         gpu_utilization=args.gpu_utilization)
+    ledger = Ledger.open(
+        info.pci_bus_id, driver, directory=directory, gpu_utilization=args.gpu_utilization
+    )
     free0, total = driver.mem_info()
     used0 = total - free0  # every context exists, no KV memory yet
     ledger.calibrate(driver)
@@ -177,8 +191,14 @@ def run(args, procs: int, log) -> dict:
             used = total - free - used0
             # charged - released: what the ledger says is allocated now (released
             # memory whose refund is still batched is free on the device already)
-            samples.append((time.monotonic(), used, snap.header.charged - snap.header.released,
-                            snap.header.budget))
+            samples.append(
+                (
+                    time.monotonic(),
+                    used,
+                    snap.header.charged - snap.header.released,
+                    snap.header.budget,
+                )
+            )
 
     sampler = threading.Thread(target=sample, daemon=True)
     go.wait(timeout=300)
@@ -194,8 +214,10 @@ def run(args, procs: int, log) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     diffs = [used - charged for _, used, charged, _ in samples]
     for t, used, charged, budget in samples:
-        log.write(f"{procs} {t - t0:.3f} used={used} charged-released={charged} "
-                  f"budget={budget} diff={used - charged}\n")
+        log.write(
+            f"{procs} {t - t0:.3f} used={used} charged-released={charged} "
+            f"budget={budget} diff={used - charged}\n"
+        )
     report = {
         "procs": procs,
         "device": info.as_dict(),
@@ -222,9 +244,13 @@ def run(args, procs: int, log) -> dict:
         "exit_codes": [p.exitcode for p in ps],
         "workers": results,
     }
-    report["ok"] = (report["oom_errors"] == 0 and report["agree_within_margin"]
-                    and report["final_charged"] == 0 and report["final_pools"] == 0
-                    and all(c == 0 for c in report["exit_codes"]))
+    report["ok"] = (
+        report["oom_errors"] == 0
+        and report["agree_within_margin"]
+        and report["final_charged"] == 0
+        and report["final_pools"] == 0
+        and all(c == 0 for c in report["exit_codes"])
+    )
     return report
 
 
@@ -238,7 +264,8 @@ def main() -> int:
     parser.add_argument("--gpu-utilization", type=float, default=0.95)
     parser.add_argument("--calibration-interval", type=float, default=0.1)
     out_dir = os.environ.get("OUT") or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results")
+        os.path.dirname(os.path.abspath(__file__)), "results"
+    )
     parser.add_argument("--out", default=os.path.join(out_dir, "ledger-gpu.json"))
     args = parser.parse_args()
     prov = _provenance.start()
@@ -249,10 +276,15 @@ def main() -> int:
         for procs in args.procs:
             report = run(args, procs, log)
             reports.append(report)
-            print(json.dumps({k: v for k, v in report.items() if k not in ("workers", "device")}),
-                  flush=True)
-    result = {"command": "python benchmarks/ledger_gpu.py " + " ".join(sys.argv[1:]),
-              "ok": all(r["ok"] for r in reports), "runs": reports}
+            print(
+                json.dumps({k: v for k, v in report.items() if k not in ("workers", "device")}),
+                flush=True,
+            )
+    result = {
+        "command": "python benchmarks/ledger_gpu.py " + " ".join(sys.argv[1:]),
+        "ok": all(r["ok"] for r in reports),
+        "runs": reports,
+    }
     _provenance.write_result(args.out, result, prov)
     print(("PASS" if result["ok"] else "FAIL") + f": {args.out}, samples in {log_path}")
     return 0 if result["ok"] else 1

@@ -174,11 +174,19 @@ def replay(alloc, free, trace) -> tuple[float, int]:
 
 
 def premapped_cache(driver, num_blocks: int, thread_safe: bool) -> KVCache:
-    spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=1, head_dim=128,
-                       dtype=torch.float16)  # 4 KiB blocks: 512 per 2 MiB page
-    kv = KVCache(spec, driver=driver, budget=NoBudget(), num_blocks=num_blocks,
-                 background=False, min_reserved=0, max_reserved=1 << 20,
-                 thread_safe=thread_safe)
+    spec = KVCacheSpec(
+        num_layers=1, block_size=16, num_heads=1, head_dim=128, dtype=torch.float16
+    )  # 4 KiB blocks: 512 per 2 MiB page
+    kv = KVCache(
+        spec,
+        driver=driver,
+        budget=NoBudget(),
+        num_blocks=num_blocks,
+        background=False,
+        min_reserved=0,
+        max_reserved=1 << 20,
+        thread_safe=thread_safe,
+    )
     everything = kv.alloc(kv.available_size())  # map every page once, keep them mapped
     kv.free(everything)
     return kv
@@ -190,8 +198,12 @@ def bench_alloc_free(driver, repeats: int) -> dict:
     kv = premapped_cache(driver, num_blocks, thread_safe=False)
     # ... and with the lock, for engines that allocate from several threads.
     locked = premapped_cache(driver, num_blocks, thread_safe=True)
-    out: dict = {"num_blocks": kv.num_blocks, "blocks_per_page": kv.blocks_per_page,
-                 "request_sizes": list(REQUEST_SIZES), "clock": "thread CPU time"}
+    out: dict = {
+        "num_blocks": kv.num_blocks,
+        "blocks_per_page": kv.blocks_per_page,
+        "request_sizes": list(REQUEST_SIZES),
+        "clock": "thread CPU time",
+    }
     trace = request_trace(num_blocks, 20000, seed=1)
     try:
         from vllm.v1.core.block_pool import BlockPool  # the engine's own pool
@@ -224,15 +236,19 @@ def bench_alloc_free(driver, repeats: int) -> dict:
         record("kvcached_trace", *replay(kv.alloc, kv.free, trace))
         record("kvcached_locked_trace", *replay(locked.alloc, locked.free, trace))
         for caching, pool in pools.items():
-            record(f"vllm_trace_caching_{caching}",
-                   *replay(pool.get_new_blocks, pool.free_blocks, trace))
+            record(
+                f"vllm_trace_caching_{caching}",
+                *replay(pool.get_new_blocks, pool.free_blocks, trace),
+            )
         for n in REQUEST_SIZES:
             reps = max(200, 8000 // n)
             record(f"kvcached_pair_{n}", timed(kv_pair(kv, n), reps), reps * n)
             record(f"kvcached_locked_pair_{n}", timed(kv_pair(locked, n), reps), reps * n)
             for caching, pool in pools.items():
+
                 def pair(pool=pool, n=n):
                     pool.free_blocks(pool.get_new_blocks(n))
+
                 record(f"vllm_pair_{n}_caching_{caching}", timed(pair, reps), reps * n)
     out["us_per_block"] = {k: round(v, 4) for k, v in sorted(best.items())}
     if pools:
@@ -240,17 +256,22 @@ def bench_alloc_free(driver, repeats: int) -> dict:
         # is against vLLM's pool with caching off (its cheaper mode); the
         # default-config pool (caching on) is reported beside it.
         out["alloc_free_ratio"] = round(
-            best["kvcached_trace"] / best["vllm_trace_caching_False"], 3)
+            best["kvcached_trace"] / best["vllm_trace_caching_False"], 3
+        )
         out["alloc_free_ratio_vs_caching_pool"] = round(
-            best["kvcached_trace"] / best["vllm_trace_caching_True"], 3)
+            best["kvcached_trace"] / best["vllm_trace_caching_True"], 3
+        )
         out["alloc_free_ratio_thread_safe"] = round(
-            best["kvcached_locked_trace"] / best["vllm_trace_caching_False"], 3)
+            best["kvcached_locked_trace"] / best["vllm_trace_caching_False"], 3
+        )
         out["pair_ratio_by_size"] = {
             n: round(best[f"kvcached_pair_{n}"] / best[f"vllm_pair_{n}_caching_False"], 3)
-            for n in REQUEST_SIZES}
+            for n in REQUEST_SIZES
+        }
     n_calls = 20000
     times = timeit.Timer(kv.available_size, timer=cpu_clock).repeat(
-        number=n_calls, repeat=max(15, 3 * repeats))
+        number=n_calls, repeat=max(15, 3 * repeats)
+    )
     out["available_size_us"] = round(statistics.median(times) / n_calls * 1e6, 4)
     out["available_size_us_min"] = round(min(times) / n_calls * 1e6, 4)
     kv.close()
@@ -296,19 +317,20 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "raw": lambda: raw_growth(driver, total, clock),
         "paged": lambda: allocator_growth(driver, total, g, coalesce=False, clock=clock),
         "batched": lambda: allocator_growth(driver, total, 32 * g, coalesce=False, clock=clock),
-        "coalesced": lambda: allocator_growth(driver, total, 64 * MIB, coalesce=True,
-                                              clock=clock),
+        "coalesced": lambda: allocator_growth(driver, total, 64 * MIB, coalesce=True, clock=clock),
         # The engine's view: one-page takes with the reserved pool on (as
         # configured by default), refilled on its own thread; wall clock, since
         # two threads work. Beside it the baselines on the same clock: one raw
         # loop, and two raw loops at once (what two threads of calls can get).
-        "pooled": lambda: allocator_growth(driver, total, g, coalesce=False,
-                                           reserved=POOL_RESERVED),
+        "pooled": lambda: allocator_growth(
+            driver, total, g, coalesce=False, reserved=POOL_RESERVED
+        ),
         # The same without the grow lock (a no-op in its place): the take and
         # the refill call the driver at once. The lock stays only if "pooled"
         # beats this in the median round.
-        "pooled_unlocked": lambda: allocator_growth(driver, total, g, coalesce=False,
-                                                    reserved=POOL_RESERVED, grow_lock=False),
+        "pooled_unlocked": lambda: allocator_growth(
+            driver, total, g, coalesce=False, reserved=POOL_RESERVED, grow_lock=False
+        ),
         "raw_wall": lambda: raw_growth(driver, total),
         "raw_threads_2": lambda: raw_growth_threads(driver, total, 2),
         # A model's cache on the default layout: one page per take is 64 handles
@@ -316,16 +338,30 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         # its null block's page mapped first, as every KVCache has; "model_cold"
         # starts from nothing mapped, so each of its 64 ranges gets its first
         # mapping inside the clock.
-        "model": lambda: allocator_growth(driver, model_total, model_page, coalesce=False,
-                                          clock=clock, spec=LLAMA3_8B, null_page=True),
-        "model_cold": lambda: allocator_growth(driver, model_total, model_page,
-                                               coalesce=False, clock=clock, spec=LLAMA3_8B),
+        "model": lambda: allocator_growth(
+            driver,
+            model_total,
+            model_page,
+            coalesce=False,
+            clock=clock,
+            spec=LLAMA3_8B,
+            null_page=True,
+        ),
+        "model_cold": lambda: allocator_growth(
+            driver, model_total, model_page, coalesce=False, clock=clock, spec=LLAMA3_8B
+        ),
         "raw_model": lambda: raw_growth(driver, model_total, clock),
-        "raw_model_addresses": lambda: raw_growth_like_cache(driver, LLAMA3_8B, model_total,
-                                                             clock),
+        "raw_model_addresses": lambda: raw_growth_like_cache(driver, LLAMA3_8B, model_total, clock),
         "model_contiguous": lambda: allocator_growth(
-            driver, model_total, model_page, coalesce=False, clock=clock, spec=LLAMA3_8B,
-            null_page=True, layout=KVLayout.CONTIGUOUS),
+            driver,
+            model_total,
+            model_page,
+            coalesce=False,
+            clock=clock,
+            spec=LLAMA3_8B,
+            null_page=True,
+            layout=KVLayout.CONTIGUOUS,
+        ),
         # Shrinking: 32 one-handle pages given back at a time (one unmap per
         # run, a release per page, one device sync per batch) over the raw
         # per-page unmap + release loop; growth untimed in both.
@@ -356,20 +392,39 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
     }
     # Each round's ratio against its baseline from the same round (the loops of
     # one round run within a second, so slow drift of the host cancels), median.
-    baseline = {"paged": "raw", "batched": "raw", "coalesced": "raw", "pooled": "raw_wall",
-                "model": "raw_model", "model_cold": "raw_model",
-                "model_contiguous": "raw_model", "shrink_batched": "shrink_raw",
-                "pooled_unlocked": "raw_wall"}
+    baseline = {
+        "paged": "raw",
+        "batched": "raw",
+        "coalesced": "raw",
+        "pooled": "raw_wall",
+        "model": "raw_model",
+        "model_cold": "raw_model",
+        "model_contiguous": "raw_model",
+        "shrink_batched": "shrink_raw",
+        "pooled_unlocked": "raw_wall",
+    }
     # What the grow lock buys: each round's locked pool over the unlocked one.
-    lock_paired = round(statistics.median(
-        b / a for a, b in zip(times["pooled"], times["pooled_unlocked"], strict=True)), 3)
-    lock_median = round(statistics.median(times["pooled_unlocked"])
-                        / statistics.median(times["pooled"]), 3)
-    paired_addresses = round(statistics.median(
-        b / a for a, b in zip(times["model"], times["raw_model_addresses"], strict=True)), 3)
-    paired = {name: round(statistics.median(
-        b / a for a, b in zip(times[name], times[ref], strict=True)), 3)
-        for name, ref in baseline.items()}
+    lock_paired = round(
+        statistics.median(
+            b / a for a, b in zip(times["pooled"], times["pooled_unlocked"], strict=True)
+        ),
+        3,
+    )
+    lock_median = round(
+        statistics.median(times["pooled_unlocked"]) / statistics.median(times["pooled"]), 3
+    )
+    paired_addresses = round(
+        statistics.median(
+            b / a for a, b in zip(times["model"], times["raw_model_addresses"], strict=True)
+        ),
+        3,
+    )
+    paired = {
+        name: round(
+            statistics.median(b / a for a, b in zip(times[name], times[ref], strict=True)), 3
+        )
+        for name, ref in baseline.items()
+    }
     return {
         "paired_round_median": {
             "grow_ratio": paired["paged"],
@@ -382,17 +437,19 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
             "grow_ratio_llama3_8b_same_addresses": paired_addresses,
             "shrink_ratio_batched_32": paired["shrink_batched"],
         },
-        "shrink_ratio_batched_32": round(min(times["shrink_raw"]) / min(times["shrink_batched"]),
-                                         3),
+        "shrink_ratio_batched_32": round(
+            min(times["shrink_raw"]) / min(times["shrink_batched"]), 3
+        ),
         "grow_lock": {
             "locked_over_unlocked_paired_median": lock_paired,
             "locked_over_unlocked_median_round": lock_median,
-            "locked_over_unlocked_best": round(min(times["pooled_unlocked"])
-                                               / min(times["pooled"]), 3),
+            "locked_over_unlocked_best": round(
+                min(times["pooled_unlocked"]) / min(times["pooled"]), 3
+            ),
             "keep": lock_paired >= 1.0 and lock_median >= 1.0,
             "rule": "keep the grow lock only if one-page takes with the pool refilling beside "
-                    "them are at least as fast with it as without, in the median round (paired "
-                    "and ratio of medians)",
+            "them are at least as fast with it as without, in the median round (paired "
+            "and ratio of medians)",
         },
         "round_ms": {name: [round(t * 1e3, 3) for t in ts] for name, ts in times.items()},
         "grow_bytes_per_round": total,
@@ -407,12 +464,15 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
         "grow_ratio_coalesced_64mib": round(rate(times["coalesced"]) / rate(raw), 3),
         "grow_ratio_pooled": pooled_over["raw"],
         "grow_ratio_llama3_8b": round(
-            (model_total / min(times["model"])) / (model_total / min(times["raw_model"])), 3),
+            (model_total / min(times["model"])) / (model_total / min(times["raw_model"])), 3
+        ),
         "grow_ratio_llama3_8b_cold": round(min(times["raw_model"]) / min(times["model_cold"]), 3),
         "grow_ratio_llama3_8b_contiguous": round(
-            min(times["raw_model"]) / min(times["model_contiguous"]), 3),
+            min(times["raw_model"]) / min(times["model_contiguous"]), 3
+        ),
         "grow_ratio_llama3_8b_same_addresses": round(
-            min(times["raw_model_addresses"]) / min(times["model"]), 3),
+            min(times["raw_model_addresses"]) / min(times["model"]), 3
+        ),
         "llama3_8b": {
             "page_bytes": model_page,
             "handles_per_page": model_page // g,
@@ -434,16 +494,22 @@ def bench_growth(driver, total: int, repeats: int) -> dict:
             "grow_ratio": round(median_rate(paged) / median_rate(raw), 3),
             "grow_ratio_batched_32": round(median_rate(times["batched"]) / median_rate(raw), 3),
             "grow_ratio_coalesced_64mib": round(
-                median_rate(times["coalesced"]) / median_rate(raw), 3),
+                median_rate(times["coalesced"]) / median_rate(raw), 3
+            ),
             "grow_ratio_pooled": round(
-                median_rate(times["pooled"]) / median_rate(times["raw_wall"]), 3),
+                median_rate(times["pooled"]) / median_rate(times["raw_wall"]), 3
+            ),
             "grow_ratio_llama3_8b": round(
-                statistics.median(times["raw_model"]) / statistics.median(times["model"]), 3),
+                statistics.median(times["raw_model"]) / statistics.median(times["model"]), 3
+            ),
             "grow_ratio_llama3_8b_same_addresses": round(
-                statistics.median(times["raw_model_addresses"])
-                / statistics.median(times["model"]), 3),
-            "shrink_ratio_batched_32": round(statistics.median(times["shrink_raw"])
-                                             / statistics.median(times["shrink_batched"]), 3),
+                statistics.median(times["raw_model_addresses"]) / statistics.median(times["model"]),
+                3,
+            ),
+            "shrink_ratio_batched_32": round(
+                statistics.median(times["shrink_raw"]) / statistics.median(times["shrink_batched"]),
+                3,
+            ),
         },
     }
 
@@ -454,8 +520,10 @@ def explain_growth(result: dict) -> dict:
     raw, alloc = result["raw_us_per_2mib"], result["allocator_us_per_2mib"]
     python = result["grow_python_overhead"]["allocator_python_us_per_page"]
     split = result["grow_split_us_per_page"]
-    inside = {k: round(split["allocator"][k] - split["raw"][k], 3)
-              for k in ("create", "map", "set_access")}
+    inside = {
+        k: round(split["allocator"][k] - split["raw"][k], 3)
+        for k in ("create", "map", "set_access")
+    }
     return {
         "gap_us_per_page": round(alloc - raw, 2),
         "python_us_per_page_null_driver": python,
@@ -472,8 +540,16 @@ def _commit() -> str:
     if os.environ.get("KVCACHED_COMMIT"):
         return os.environ["KVCACHED_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or "?"
+        )
     except OSError:
         return "?"
 
@@ -483,10 +559,18 @@ def main() -> None:
     ap.add_argument("--backend", choices=("host", "cuda", "hip"), default="host")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--grow-mib", type=int, default=None,
-                    help="bytes grown per round (default: 64 on host, 1024 on a GPU)")
-    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/"
-                    "memory-host.json, or memory-h200.json on a GPU)")
+    ap.add_argument(
+        "--grow-mib",
+        type=int,
+        default=None,
+        help="bytes grown per round (default: 64 on host, 1024 on a GPU)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/"
+        "memory-host.json, or memory-h200.json on a GPU)",
+    )
     args = ap.parse_args()
     if args.backend == "host" and "KVCACHED_HOST_CAPACITY" not in os.environ:
         os.environ["KVCACHED_HOST_CAPACITY"] = "4G"
@@ -511,7 +595,8 @@ def main() -> None:
     if "alloc_free_ratio" not in result:
         result["notes"].append(
             "alloc_free_ratio omitted: vLLM is not importable here (the host run in "
-            "memory-host.json carries it); never a copy of vLLM's code")
+            "memory-host.json carries it); never a copy of vLLM's code"
+        )
     result.update(bench_growth(driver, grow_mib * MIB, args.repeats))
     result.update(grow_report(driver, grow_mib * MIB, args.repeats, grow_clock(driver)))
     result["grow_explained"] = explain_growth(result)
@@ -519,12 +604,26 @@ def main() -> None:
     if args.backend == "host":
         result["notes"].append(
             "host growth costs per byte (memfd + fallocate zeroes every page), so "
-            "coalescing cannot win there; the per-handle cost it removes is a GPU driver's")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        "memory-host.json" if args.backend == "host" else "memory-h200.json")
+            "coalescing cannot win there; the per-handle cost it removes is a GPU driver's"
+        )
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(__file__).parent
+        / "results"
+        / ("memory-host.json" if args.backend == "host" else "memory-h200.json")
+    )
     _provenance.write_result(out, result, prov)
-    print(json.dumps({k: v for k, v in result.items()
-                      if "ratio" in k or k.endswith("_us") or k.startswith("grow_")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: v
+                for k, v in result.items()
+                if "ratio" in k or k.endswith("_us") or k.startswith("grow_")
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     driver.close()
 

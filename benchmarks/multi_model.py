@@ -77,8 +77,13 @@ MIB = 1 << 20
 #: The tiny Llama with 8 KV heads of 64: 4 KiB of KV per token, so a 4 MiB
 #: kvcached page (2 layers x 2 MiB) holds 1024 tokens, and a budget of a few
 #: dozen MiB is a handful of requests per model, as on a GPU at its peaks.
-MODEL_CONFIG = {**TINY_LLAMA_CONFIG, "num_attention_heads": 8, "num_key_value_heads": 8,
-                "head_dim": 64, "max_position_embeddings": 2048}
+MODEL_CONFIG = {
+    **TINY_LLAMA_CONFIG,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+}
 
 
 @dataclass(frozen=True)
@@ -137,17 +142,22 @@ def server_options(config: str, setup: Setup, name: str, ledger_dir: Path) -> Se
             "KVCACHED_MAX_RESERVED_PAGES": str(setup.max_reserved),
         }
     return ServerOptions(
-        kvcached=kvcached, ipc_name=name if kvcached else None, load_format="dummy",
+        kvcached=kvcached,
+        ipc_name=name if kvcached else None,
+        load_format="dummy",
         # Every prompt is unique: a prefix cache would only hold idle blocks.
-        prefix_caching=False, max_num_seqs=setup.max_num_seqs,
-        max_model_len=setup.max_model_len, kv_cache_gib=None,
+        prefix_caching=False,
+        max_num_seqs=setup.max_num_seqs,
+        max_model_len=setup.max_model_len,
+        kv_cache_gib=None,
         extra_args=("--kv-cache-memory-bytes", str(kv_bytes), "--enable-per-request-metrics"),
         extra_env=env,
     )
 
 
-def launch(config: str, setup: Setup, model_dirs: list[Path], workdir: Path,
-           tag: str) -> list[VllmServer]:
+def launch(
+    config: str, setup: Setup, model_dirs: list[Path], workdir: Path, tag: str
+) -> list[VllmServer]:
     """Start one configuration's servers (one per model, all at once) and
     return them ready, in model order. The one place a configuration is
     started: ``kvcached serve`` can take its place. On failure nothing is left
@@ -155,8 +165,9 @@ def launch(config: str, setup: Setup, model_dirs: list[Path], workdir: Path,
     ledger_dir = workdir / "ledger"
     ledger_dir.mkdir(parents=True, exist_ok=True)
     servers = [
-        VllmServer(d, workdir / f"{tag}-{d.name}.log",
-                   server_options(config, setup, d.name, ledger_dir))
+        VllmServer(
+            d, workdir / f"{tag}-{d.name}.log", server_options(config, setup, d.name, ledger_dir)
+        )
         for d in model_dirs
     ]
     try:
@@ -176,22 +187,35 @@ def stop(servers: list[VllmServer]) -> None:
 
 
 # -- requests ---------------------------------------------------------------------------------
-def send(port: int, prompt: list[int], max_tokens: int, timeout_s: float = 600.0
-         ) -> dict[str, Any]:
+def send(port: int, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> dict[str, Any]:
     """One streamed greedy completion: TTFT, end-to-end, the engine's queue
     time, output tokens. Never raises for an HTTP or connection failure."""
-    body = json.dumps({
-        "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-        "stream": True, "stream_options": {"include_usage": True},
-    }).encode()
-    out: dict[str, Any] = {"ok": False, "ttft_s": None, "e2e_s": None, "queue_s": None,
-                           "tokens": 0, "error": None}
+    body = json.dumps(
+        {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    out: dict[str, Any] = {
+        "ok": False,
+        "ttft_s": None,
+        "e2e_s": None,
+        "queue_s": None,
+        "tokens": 0,
+        "error": None,
+    }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     start = time.monotonic()
     try:
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             out["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
@@ -227,8 +251,7 @@ def send(port: int, prompt: list[int], max_tokens: int, timeout_s: float = 600.0
 def engine_metrics(port: int) -> dict[str, float]:
     """``kv_cache_usage_perc``, ``num_requests_running`` and ``_waiting`` from
     the server's ``/metrics`` (empty if it does not answer)."""
-    wanted = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-              "vllm:num_requests_waiting")
+    wanted = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("GET", "/metrics")
@@ -242,7 +265,8 @@ def engine_metrics(port: int) -> dict[str, float]:
         for name in wanted:
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[name.split(":", 1)[1]] = out.get(name.split(":", 1)[1], 0.0) + float(
-                    line.rsplit(" ", 1)[1])
+                    line.rsplit(" ", 1)[1]
+                )
     return out
 
 
@@ -270,8 +294,10 @@ def kvctl_ledger(ledger_dir: Path, gpu: str) -> dict[str, int]:
     rows = _kvctl_json("gpus", "--ledger-dir", str(ledger_dir)) or []
     for g in rows:
         if g.get("gpu") == gpu:
-            return {k: int(g[k]) for k in ("budget_bytes", "charged_bytes", "released_bytes",
-                                          "headroom_bytes")}
+            return {
+                k: int(g[k])
+                for k in ("budget_bytes", "charged_bytes", "released_bytes", "headroom_bytes")
+            }
     return {}
 
 
@@ -280,16 +306,28 @@ def kvctl_used(ledger_dir: Path, gpu: str) -> dict[str, dict[str, int]]:
     misses}}`` for the instances on ``gpu`` (misses: allocations the budget
     refused, so far)."""
     rows = _kvctl_json("list", "--ledger-dir", str(ledger_dir)) or []
-    return {r["name"]: {"used_bytes": int(r["used_bytes"]),
-                        "reserved_bytes": int(r["reserved_bytes"]), "misses": int(r["misses"])}
-            for r in rows if r.get("gpu") == gpu and r.get("state") != "dead"}
+    return {
+        r["name"]: {
+            "used_bytes": int(r["used_bytes"]),
+            "reserved_bytes": int(r["reserved_bytes"]),
+            "misses": int(r["misses"]),
+        }
+        for r in rows
+        if r.get("gpu") == gpu and r.get("state") != "dead"
+    }
 
 
 class Sampler:
     """Every ``period_s``: per model its KV memory and running / waiting requests."""
 
-    def __init__(self, config: str, setup: Setup, servers: list[VllmServer],
-                 ledger_dir: Path, period_s: float) -> None:
+    def __init__(
+        self,
+        config: str,
+        setup: Setup,
+        servers: list[VllmServer],
+        ledger_dir: Path,
+        period_s: float,
+    ) -> None:
         self.config, self.setup, self.servers = config, setup, servers
         self.ledger_dir, self.period_s = ledger_dir, period_s
         self.samples: list[dict[str, Any]] = []
@@ -308,16 +346,22 @@ class Sampler:
 
     def sample(self) -> dict[str, Any]:
         t = time.monotonic() - self._t0
-        names = MODELS[:len(self.servers)]
-        kv = (kvctl_used(self.ledger_dir, f"host-{self.setup.host_device}")
-              if self.config == "kvcached" else {})
+        names = MODELS[: len(self.servers)]
+        kv = (
+            kvctl_used(self.ledger_dir, f"host-{self.setup.host_device}")
+            if self.config == "kvcached"
+            else {}
+        )
         row: dict[str, Any] = {"t": round(t, 2)}
         if self.config == "kvcached":
             row["ledger"] = kvctl_ledger(self.ledger_dir, f"host-{self.setup.host_device}")
         for name, server in zip(names, self.servers, strict=True):
             m = engine_metrics(server.port)
-            row[name] = {"kv_bytes": None, "running": m.get("num_requests_running"),
-                         "waiting": m.get("num_requests_waiting")}
+            row[name] = {
+                "kv_bytes": None,
+                "running": m.get("num_requests_running"),
+                "waiting": m.get("num_requests_waiting"),
+            }
             if self.config == "kvcached":
                 inst = kv.get(name, {})
                 row[name]["kv_bytes"] = inst.get("used_bytes")
@@ -350,12 +394,24 @@ class Run:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_trace(config: str, rnd: int, setup: Setup, servers: list[VllmServer],
-              trace: dict[str, Any], ledger_dir: Path, sample_s: float) -> Run:
+def run_trace(
+    config: str,
+    rnd: int,
+    setup: Setup,
+    servers: list[VllmServer],
+    trace: dict[str, Any],
+    ledger_dir: Path,
+    sample_s: float,
+) -> Run:
     """Replay one trace against ``servers`` (request ``model`` i goes to
     server i) at its times; return every request's record and the samples."""
-    run = Run(config, rnd, float(trace["spec"]["peak"]), int(trace["seed"]),
-              loadavg_start=os.getloadavg()[0])
+    run = Run(
+        config,
+        rnd,
+        float(trace["spec"]["peak"]),
+        int(trace["seed"]),
+        loadavg_start=os.getloadavg()[0],
+    )
     reqs = trace["requests"]
     prompts = [prompt_tokens(r["prompt_seed"], r["prompt_len"]) for r in reqs]
     results: list[dict[str, Any] | None] = [None] * len(reqs)
@@ -367,8 +423,10 @@ def run_trace(config: str, rnd: int, setup: Setup, servers: list[VllmServer],
         results[i] = send(servers[r["model"]].port, prompts[i], r["max_tokens"])
 
     cpu0 = [group_cpu_s(s) for s in servers]
-    with Sampler(config, setup, servers, ledger_dir, sample_s) as sampler, \
-            ThreadPoolExecutor(max_workers=max(8, len(reqs))) as pool:
+    with (
+        Sampler(config, setup, servers, ledger_dir, sample_s) as sampler,
+        ThreadPoolExecutor(max_workers=max(8, len(reqs))) as pool,
+    ):
         t0 = time.monotonic()
         for i, r in enumerate(reqs):
             delay = t0 + r["t"] - time.monotonic()
@@ -382,8 +440,9 @@ def run_trace(config: str, rnd: int, setup: Setup, servers: list[VllmServer],
     run.loadavg_end = os.getloadavg()[0]
     for i, r in enumerate(reqs):
         res = results[i] or {"ok": False, "error": "not run"}
-        run.requests.append({"i": i, "model": r["model"], "t": r["t"],
-                             "late_s": round(late[i], 4), **res})
+        run.requests.append(
+            {"i": i, "model": r["model"], "t": r["t"], "late_s": round(late[i], 4), **res}
+        )
     return run
 
 
@@ -404,8 +463,11 @@ def wait_idle(servers: list[VllmServer], timeout_s: float = 120.0) -> None:
 def warm_up(servers: list[VllmServer]) -> None:
     """A few requests per server, so no first-request cost lands in a run."""
     with ThreadPoolExecutor(max_workers=4 * len(servers)) as pool:
-        futures = [pool.submit(send, s.port, prompt_tokens(10_000 + i, 200), 16)
-                   for s in servers for i in range(4)]
+        futures = [
+            pool.submit(send, s.port, prompt_tokens(10_000 + i, 200), 16)
+            for s in servers
+            for i in range(4)
+        ]
         failed = [f.result()["error"] for f in futures if not f.result()["ok"]]
     if failed:
         raise ServerError(f"warm-up requests failed: {failed[0]}")
@@ -425,17 +487,25 @@ def quantile(values: list[float], q: float) -> float:
 
 def stats(values: list[float]) -> dict[str, float]:
     n = len(values)
-    return {"n": n, "mean": sum(values) / n if n else float("nan"),
-            "p50": quantile(values, 0.5), "p99": quantile(values, 0.99)}
+    return {
+        "n": n,
+        "mean": sum(values) / n if n else float("nan"),
+        "p50": quantile(values, 0.5),
+        "p99": quantile(values, 0.99),
+    }
 
 
 def run_summary(run: Run) -> dict[str, Any]:
     ok = [r for r in run.requests if r.get("ok")]
     return {
-        "config": run.config, "round": run.round, "peak": run.peak,
-        "trace_seed": run.trace_seed, "requests": len(run.requests),
+        "config": run.config,
+        "round": run.round,
+        "peak": run.peak,
+        "trace_seed": run.trace_seed,
+        "requests": len(run.requests),
         "failed": len(run.requests) - len(ok),
-        "loadavg_1m_start": run.loadavg_start, "loadavg_1m_end": run.loadavg_end,
+        "loadavg_1m_start": run.loadavg_start,
+        "loadavg_1m_end": run.loadavg_end,
         "wall_s": round(run.wall_s, 2),
         "cpu_s": run.cpu_s,
         "cpu_ms_per_token": 1e3 * sum(run.cpu_s) / max(1, sum(r["tokens"] for r in ok)),
@@ -456,16 +526,29 @@ def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
     pooled over rounds; the speed-ups (native over kvcached); the controls
     (round 0 over round 1 of one configuration); the servers' CPU time per
     output token (``cpu_per_token_ratio``: kvcached over native)."""
-    out: dict[str, Any] = {"ttft_s": {}, "e2e_s": {}, "queue_s": {},
-                           "mean_ttft_speedup": {}, "p99_ttft_speedup": {},
-                           "p50_ttft_speedup": {}, "mean_e2e_speedup": {}, "cpu_ms_per_token": {},
-                           "cpu_per_token_ratio": {}, "control": {}}
+    out: dict[str, Any] = {
+        "ttft_s": {},
+        "e2e_s": {},
+        "queue_s": {},
+        "mean_ttft_speedup": {},
+        "p99_ttft_speedup": {},
+        "p50_ttft_speedup": {},
+        "mean_e2e_speedup": {},
+        "cpu_ms_per_token": {},
+        "cpu_per_token_ratio": {},
+        "control": {},
+    }
     for metric in ("ttft_s", "e2e_s", "queue_s"):
         for config in CONFIGS:
             out[metric][config] = {}
             for peak in peaks:
-                vals = [r[metric] for run in runs if run.config == config and run.peak == peak
-                        for r in run.requests if r.get("ok") and r.get(metric) is not None]
+                vals = [
+                    r[metric]
+                    for run in runs
+                    if run.config == config and run.peak == peak
+                    for r in run.requests
+                    if r.get("ok") and r.get(metric) is not None
+                ]
                 out[metric][config][peak_key(peak)] = stats(vals)
     for peak in peaks:
         k = peak_key(peak)
@@ -473,8 +556,9 @@ def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
         out["mean_ttft_speedup"][k] = nat["mean"] / kv["mean"]
         out["p99_ttft_speedup"][k] = nat["p99"] / kv["p99"]
         out["p50_ttft_speedup"][k] = nat["p50"] / kv["p50"]
-        out["mean_e2e_speedup"][k] = (out["e2e_s"]["native"][k]["mean"]
-                                      / out["e2e_s"]["kvcached"][k]["mean"])
+        out["mean_e2e_speedup"][k] = (
+            out["e2e_s"]["native"][k]["mean"] / out["e2e_s"]["kvcached"][k]["mean"]
+        )
         cpu = {}
         for config in CONFIGS:
             sel = [run for run in runs if run.config == config and run.peak == peak]
@@ -485,8 +569,10 @@ def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
     for config in CONFIGS:
         ctrl: dict[str, dict[str, float]] = {"mean_ttft_ratio": {}, "p99_ttft_ratio": {}}
         for peak in peaks:
-            by_round = sorted((run for run in runs if run.config == config and run.peak == peak),
-                              key=lambda run: run.round)
+            by_round = sorted(
+                (run for run in runs if run.config == config and run.peak == peak),
+                key=lambda run: run.round,
+            )
             if len(by_round) < 2:
                 continue
             a = stats([r["ttft_s"] for r in by_round[0].requests if r.get("ok")])
@@ -500,12 +586,13 @@ def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
 # -- provenance -------------------------------------------------------------------------------
 def git_commit() -> dict[str, Any]:
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
         return done.stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD") or "unknown",
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        "commit": git("rev-parse", "HEAD") or "unknown",
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -515,38 +602,72 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {"host": platform.node(), "cpus": len(os.sched_getaffinity(0)), "cpu": cpu,
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "loadavg_1m_at_start": os.getloadavg()[0], "python": platform.python_version()}
+    return {
+        "host": platform.node(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "loadavg_1m_at_start": os.getloadavg()[0],
+        "python": platform.python_version(),
+    }
 
 
 def vllm_version() -> str:
-    done = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
-                          capture_output=True, text=True, check=False)
-    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout \
-        else "unknown"
+    done = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return (
+        done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout else "unknown"
+    )
 
 
 # -- main -------------------------------------------------------------------------------------
 def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
-    return [TraceSpec(peak=p, low=args.low, slope=args.slope, hold_s=args.hold_s,
-                      tail_s=args.tail_s, models=args.models, prompt_min=args.prompt_min,
-                      prompt_max=args.prompt_max, max_tokens=args.max_tokens)
-            for p in args.peaks]
+    return [
+        TraceSpec(
+            peak=p,
+            low=args.low,
+            slope=args.slope,
+            hold_s=args.hold_s,
+            tail_s=args.tail_s,
+            models=args.models,
+            prompt_min=args.prompt_min,
+            prompt_max=args.prompt_max,
+            max_tokens=args.max_tokens,
+        )
+        for p in args.peaks
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--short", action="store_true",
-                    help="CI mode: one small peak, one round, a short trace")
-    ap.add_argument("--peaks", type=float, nargs="+", default=None,
-                    help="peak rates in req/s per model (default 1 2 3 4; --short: 1)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="runs of each configuration (default 2: round 1 is the control)")
+    ap.add_argument(
+        "--short", action="store_true", help="CI mode: one small peak, one round, a short trace"
+    )
+    ap.add_argument(
+        "--peaks",
+        type=float,
+        nargs="+",
+        default=None,
+        help="peak rates in req/s per model (default 1 2 3 4; --short: 1)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="runs of each configuration (default 2: round 1 is the control)",
+    )
     ap.add_argument("--models", type=int, default=3, choices=(2, 3))
     ap.add_argument("--seed", type=int, default=13)
-    ap.add_argument("--trace", type=Path, default=None,
-                    help="replay this trace file instead of writing one from --seed")
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="replay this trace file instead of writing one from --seed",
+    )
     ap.add_argument("--low", type=float, default=0.25)
     ap.add_argument("--slope", type=float, default=None, help="req/s per second (0.5)")
     ap.add_argument("--hold-s", type=float, default=None, help="seconds at the peak (8)")
@@ -560,19 +681,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-reserved", type=int, default=Setup.max_reserved)
     ap.add_argument("--sample-s", type=float, default=0.5)
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    ap.add_argument("--out", type=Path, default=None,
-                    help="result JSON (default benchmarks/results/multi-model-cpu.json; "
-                         "--short: in the work directory)")
-    ap.add_argument("--workdir", type=Path, default=None,
-                    help="logs, ledger, model dirs (default: a temporary directory)")
-    ap.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
-                    help="write the PNGs beside --out (default: on unless --short)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON (default benchmarks/results/multi-model-cpu.json; "
+        "--short: in the work directory)",
+    )
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="logs, ledger, model dirs (default: a temporary directory)",
+    )
+    ap.add_argument(
+        "--plot",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write the PNGs beside --out (default: on unless --short)",
+    )
     args = ap.parse_args(argv)
     short = args.short
-    defaults = {"peaks": [1.0] if short else [1.0, 2.0, 3.0, 4.0],
-                "rounds": 1 if short else 2, "slope": 1.0 if short else 0.5,
-                "hold_s": 4.0 if short else 8.0, "tail_s": 2.0 if short else 6.0,
-                "max_tokens": 32 if short else 128, "plot": not short}
+    defaults = {
+        "peaks": [1.0] if short else [1.0, 2.0, 3.0, 4.0],
+        "rounds": 1 if short else 2,
+        "slope": 1.0 if short else 0.5,
+        "hold_s": 4.0 if short else 8.0,
+        "tail_s": 2.0 if short else 6.0,
+        "max_tokens": 32 if short else 128,
+        "plot": not short,
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -592,11 +730,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-multi-model-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    out = args.out or (workdir / "multi-model-cpu.json" if args.short
-                       else ROOT / "benchmarks" / "results" / "multi-model-cpu.json")
-    setup = Setup(capacity_mib=args.capacity_mib, utilization=args.utilization,
-                  models=args.models, min_reserved=args.min_reserved,
-                  max_reserved=args.max_reserved)
+    out = args.out or (
+        workdir / "multi-model-cpu.json"
+        if args.short
+        else ROOT / "benchmarks" / "results" / "multi-model-cpu.json"
+    )
+    setup = Setup(
+        capacity_mib=args.capacity_mib,
+        utilization=args.utilization,
+        models=args.models,
+        min_reserved=args.min_reserved,
+        max_reserved=args.max_reserved,
+    )
     if args.trace is not None:
         trace_path = args.trace
         doc = read_traces(trace_path)
@@ -608,8 +753,11 @@ def main(argv: list[str] | None = None) -> int:
     info = {"machine": machine(), "vllm": vllm_version(), **git_commit()}
     model_dirs = write_models(workdir / "models", setup.models)
     runs: list[Run] = []
-    print(f"budget {setup.budget_bytes / MIB:.1f} MiB, native {setup.static_bytes / MIB:.2f} "
-          f"MiB each; peaks {peaks}; {args.rounds} round(s); trace {trace_path}", flush=True)
+    print(
+        f"budget {setup.budget_bytes / MIB:.1f} MiB, native {setup.static_bytes / MIB:.2f} "
+        f"MiB each; peaks {peaks}; {args.rounds} round(s); trace {trace_path}",
+        flush=True,
+    )
     for rnd in range(args.rounds):
         order = args.configs if rnd % 2 == 0 else args.configs[::-1]
         for config in order:
@@ -620,32 +768,46 @@ def main(argv: list[str] | None = None) -> int:
                 warm_up(servers)
                 wait_idle(servers)
                 for trace in traces:
-                    run = run_trace(config, rnd, setup, servers, trace, workdir / "ledger",
-                                    args.sample_s)
+                    run = run_trace(
+                        config, rnd, setup, servers, trace, workdir / "ledger", args.sample_s
+                    )
                     wait_idle(servers)
                     runs.append(run)
                     s = run_summary(run)
-                    print(f"[{config} r{rnd}] peak {run.peak:g}: {s['requests']} requests "
-                          f"({s['failed']} failed), TTFT mean {s['ttft_s']['mean']:.3f} s "
-                          f"p99 {s['ttft_s']['p99']:.3f} s, e2e mean {s['e2e_s']['mean']:.2f} "
-                          f"s, load {run.loadavg_start:.1f}->{run.loadavg_end:.1f}", flush=True)
+                    print(
+                        f"[{config} r{rnd}] peak {run.peak:g}: {s['requests']} requests "
+                        f"({s['failed']} failed), TTFT mean {s['ttft_s']['mean']:.3f} s "
+                        f"p99 {s['ttft_s']['p99']:.3f} s, e2e mean {s['e2e_s']['mean']:.2f} "
+                        f"s, load {run.loadavg_start:.1f}->{run.loadavg_end:.1f}",
+                        flush=True,
+                    )
             finally:
                 stop(servers)
     summary = summarize(runs, peaks) if set(args.configs) == set(CONFIGS) else {}
     report: dict[str, Any] = {
         "benchmark": "multi_model",
-        "command": " ".join(["python", "benchmarks/multi_model.py",
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            ["python", "benchmarks/multi_model.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **info,
         "short": args.short,
-        "trace": {"file": str(trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT)
-                              else trace_path),
-                  "seed": int(doc["seed"]), "sha256": file_sha256(trace_path),
-                  "specs": [t["spec"] for t in traces]},
-        "setup": {**asdict(setup), "budget_bytes": setup.budget_bytes,
-                  "static_bytes": setup.static_bytes, "models": list(MODELS[:setup.models]),
-                  "model_config": MODEL_CONFIG, "kv_bytes_per_token": kv_bytes_per_token()},
+        "trace": {
+            "file": str(
+                trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT) else trace_path
+            ),
+            "seed": int(doc["seed"]),
+            "sha256": file_sha256(trace_path),
+            "specs": [t["spec"] for t in traces],
+        },
+        "setup": {
+            **asdict(setup),
+            "budget_bytes": setup.budget_bytes,
+            "static_bytes": setup.static_bytes,
+            "models": list(MODELS[: setup.models]),
+            "model_config": MODEL_CONFIG,
+            "kv_bytes_per_token": kv_bytes_per_token(),
+        },
         "configs": args.configs,
         "peaks": [peak_key(p) for p in peaks],
         "rounds": args.rounds,
@@ -655,14 +817,23 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     raw = out.with_name(out.stem + "-requests.json")
-    raw.write_text(json.dumps([{"config": r.config, "round": r.round, "peak": r.peak,
-                                "requests": r.requests} for r in runs],
-                              separators=(",", ":")) + "\n")
+    raw.write_text(
+        json.dumps(
+            [
+                {"config": r.config, "round": r.round, "peak": r.peak, "requests": r.requests}
+                for r in runs
+            ],
+            separators=(",", ":"),
+        )
+        + "\n"
+    )
     for peak in report["peaks"] if summary else []:
-        print(f"peak {peak}: mean TTFT speed-up {summary['mean_ttft_speedup'][peak]:.2f}x, "
-              f"p99 {summary['p99_ttft_speedup'][peak]:.2f}x "
-              f"(kvcached {summary['ttft_s']['kvcached'][peak]['mean']:.3f} s, "
-              f"native {summary['ttft_s']['native'][peak]['mean']:.3f} s)")
+        print(
+            f"peak {peak}: mean TTFT speed-up {summary['mean_ttft_speedup'][peak]:.2f}x, "
+            f"p99 {summary['p99_ttft_speedup'][peak]:.2f}x "
+            f"(kvcached {summary['ttft_s']['kvcached'][peak]['mean']:.3f} s, "
+            f"native {summary['ttft_s']['native'][peak]['mean']:.3f} s)"
+        )
     print(f"-> {out}")
     if args.plot and summary:
         from multi_model_plot import plot_all
@@ -674,8 +845,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def kv_bytes_per_token() -> int:
     c = MODEL_CONFIG
-    return 2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) \
-        * int(c["head_dim"]) * 2  # K and V, bf16
+    return (
+        2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * int(c["head_dim"]) * 2
+    )  # K and V, bf16
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ def plot_all(report: dict[str, Any], directory: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    return [plot_speedup(report, directory / "multi-model-speedup.png"),
-            plot_memory(report, directory / "multi-model-memory.png")]
+    return [
+        plot_speedup(report, directory / "multi-model-speedup.png"),
+        plot_memory(report, directory / "multi-model-memory.png"),
+    ]
 
 
 def plot_speedup(report: dict[str, Any], path: Path) -> Path:
@@ -40,15 +42,22 @@ def plot_speedup(report: dict[str, Any], path: Path) -> Path:
     for config, style in (("kvcached", ":"), ("native", "--")):
         ctrl = report.get("control", {}).get(config, {}).get("mean_ttft_ratio", {})
         if ctrl:
-            ax.plot([float(p) for p in ctrl], list(ctrl.values()), style, color="grey",
-                    label=f"control: {config} vs itself (mean)")
+            ax.plot(
+                [float(p) for p in ctrl],
+                list(ctrl.values()),
+                style,
+                color="grey",
+                label=f"control: {config} vs itself (mean)",
+            )
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xlabel("peak arrival rate per model (req/s)")
     ax.set_ylabel("speed-up (native / kvcached)")
     ax.set_yscale("log", base=2)
     from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
-    ax.yaxis.set_major_locator(FixedLocator([0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.25, 1.5, 2, 3, 4, 8]))
+    ax.yaxis.set_major_locator(
+        FixedLocator([0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.25, 1.5, 2, 3, 4, 8])
+    )
     ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set_xticks(xs)
@@ -70,8 +79,9 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path:
     static = report["setup"]["static_bytes"] / MIB
     fig, axes = plt.subplots(2, 1, figsize=(7.0, 5.6), dpi=120, sharex=True)
     for ax, config in zip(axes, ("kvcached", "native"), strict=True):
-        run = next((r for r in report["runs"]
-                    if r["config"] == config and r["peak"] == float(peak)), None)
+        run = next(
+            (r for r in report["runs"] if r["config"] == config and r["peak"] == float(peak)), None
+        )
         if run is None:
             ax.set_title(f"{config}: no run at peak {peak}")
             continue
@@ -82,8 +92,10 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path:
         if config == "native":
             for k in range(1, len(models)):
                 ax.axhline(static * k, color="grey", lw=0.8, ls="--")
-            ax.set_title(f"native: KV in use per model (each holds a static {static:.1f} "
-                         f"MiB, dashed)", fontsize=9)
+            ax.set_title(
+                f"native: KV in use per model (each holds a static {static:.1f} MiB, dashed)",
+                fontsize=9,
+            )
         else:
             ax.set_title("kvcached: KV memory mapped per model (kvctl used)", fontsize=9)
         ax.set_ylabel("MiB")
@@ -98,8 +110,11 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    src = Path(argv[0]) if argv else (Path(__file__).resolve().parent / "results"
-                                      / "multi-model-cpu.json")
+    src = (
+        Path(argv[0])
+        if argv
+        else (Path(__file__).resolve().parent / "results" / "multi-model-cpu.json")
+    )
     report = json.loads(src.read_text())
     for p in plot_all(report, src.parent):
         print(f"-> {p}")

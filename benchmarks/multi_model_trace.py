@@ -49,8 +49,9 @@ class TraceSpec:
         if self.hold_s < 0 or self.tail_s < 0 or not 0 <= self.overlap <= 1:
             raise ValueError("TraceSpec: hold_s and tail_s must be >= 0 and overlap in 0..1")
         if self.models < 1 or not 1 <= self.prompt_min <= self.prompt_max or self.max_tokens < 1:
-            raise ValueError("TraceSpec: models >= 1, 1 <= prompt_min <= prompt_max, "
-                             "max_tokens >= 1")
+            raise ValueError(
+                "TraceSpec: models >= 1, 1 <= prompt_min <= prompt_max, max_tokens >= 1"
+            )
 
     @property
     def up_s(self) -> float:
@@ -66,8 +67,9 @@ class TraceSpec:
 
     @property
     def duration_s(self) -> float:
-        return (self.models - 1) * self.stagger_s + self.up_s + self.hold_s + self.down_s \
-            + self.tail_s
+        return (
+            (self.models - 1) * self.stagger_s + self.up_s + self.hold_s + self.down_s + self.tail_s
+        )
 
     def rate(self, model: int, t: float) -> float:
         """Arrival rate (req/s) of ``model`` at ``t`` seconds into the trace."""
@@ -97,12 +99,15 @@ def make_trace(spec: TraceSpec, seed: int) -> list[dict[str, Any]]:
             if t >= spec.duration_s:
                 break
             if rng.random() * spec.peak < spec.rate(model, t):
-                requests.append({
-                    "t": round(t, 4), "model": model,
-                    "prompt_seed": rng.randrange(1 << 31),
-                    "prompt_len": rng.randint(spec.prompt_min, spec.prompt_max),
-                    "max_tokens": spec.max_tokens,
-                })
+                requests.append(
+                    {
+                        "t": round(t, 4),
+                        "model": model,
+                        "prompt_seed": rng.randrange(1 << 31),
+                        "prompt_len": rng.randint(spec.prompt_min, spec.prompt_max),
+                        "max_tokens": spec.max_tokens,
+                    }
+                )
     requests.sort(key=lambda r: (r["t"], r["model"]))
     return requests
 
@@ -119,8 +124,12 @@ def write_traces(path: Path, specs: list[TraceSpec], seed: int) -> dict[str, Any
     doc = {
         "seed": seed,
         "traces": [
-            {"spec": asdict(spec), "seed": seed + i, "duration_s": spec.duration_s,
-             "requests": make_trace(spec, seed + i)}
+            {
+                "spec": asdict(spec),
+                "seed": seed + i,
+                "duration_s": spec.duration_s,
+                "requests": make_trace(spec, seed + i),
+            }
             for i, spec in enumerate(specs)
         ],
     }
@@ -133,8 +142,10 @@ def read_traces(path: Path) -> dict[str, Any]:
     """A trace file written by :func:`write_traces`, checked for its keys."""
     doc = json.loads(Path(path).read_text())
     if not isinstance(doc, dict) or "traces" not in doc or "seed" not in doc:
-        raise ValueError(f"trace file {path}: expected an object with 'seed' and 'traces' "
-                         "(written by multi_model.py)")
+        raise ValueError(
+            f"trace file {path}: expected an object with 'seed' and 'traces' "
+            "(written by multi_model.py)"
+        )
     for i, trace in enumerate(doc["traces"]):
         missing = {"spec", "seed", "requests"} - set(trace)
         if missing:

@@ -66,15 +66,23 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "host": platform.node(),
-            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
@@ -89,12 +97,20 @@ def provenance_start(result: dict[str, Any]) -> dict[str, Any]:
     ``benchmarks/_provenance.py``: commit, tree_dirty, command, machine, load averages)."""
     sha = result["commit"]
     m = result["machine"]
-    return {"commit": sha.removesuffix("-dirty"), "tree_dirty": sha.endswith("-dirty"),
-            "command": result["command"],
-            "machine": {"host": m["host"], "platform": platform.platform(), "cpu": m["cpu"],
-                        "cpus": m["cpus"], "python": m["python"]},
-            "load_average_start": [round(x, 2) for x in m["loadavg_at_start"]],
-            "started_utc": utc_now()}
+    return {
+        "commit": sha.removesuffix("-dirty"),
+        "tree_dirty": sha.endswith("-dirty"),
+        "command": result["command"],
+        "machine": {
+            "host": m["host"],
+            "platform": platform.platform(),
+            "cpu": m["cpu"],
+            "cpus": m["cpus"],
+            "python": m["python"],
+        },
+        "load_average_start": [round(x, 2) for x in m["loadavg_at_start"]],
+        "started_utc": utc_now(),
+    }
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -104,15 +120,24 @@ def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
     """One streamed greedy completion: (TTFT seconds, output tokens)."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0.0, "ignore_eos": True, "stream": True,
-                       "return_token_ids": True}).encode()
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+    ).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.monotonic()
     ttft, tokens = -1.0, 0
     try:
-        conn.request("POST", "/v1/completions", body=body,
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"port {port}: status {resp.status}: {resp.read()[:300]!r}")
@@ -130,15 +155,20 @@ def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     return ttft, tokens
 
 
-def load(port: int, model: str, batch: list[list[int]], concurrency: int,
-         max_tokens: int) -> dict[str, float]:
+def load(
+    port: int, model: str, batch: list[list[int]], concurrency: int, max_tokens: int
+) -> dict[str, float]:
     start = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: stream(port, model, p, max_tokens), batch))
     wall = time.monotonic() - start
     tokens = sum(t for _, t in results)
-    return {"throughput_tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
-            "ttft_p50_ms": 1000 * statistics.median(t for t, _ in results)}
+    return {
+        "throughput_tok_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "ttft_p50_ms": 1000 * statistics.median(t for t, _ in results),
+    }
 
 
 def http_json(port: int, method: str, path: str, timeout: float = 600) -> tuple[int, Any]:
@@ -182,70 +212,114 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcached-serve-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     model_dir = write_tiny_llama(work / "tiny-llama", weights_seed=0)
-    vargs = ["--load-format", "safetensors", "--skip-tokenizer-init", "--enforce-eager",
-             "--block-size", "32", "--max-model-len", "4096", "--max-num-seqs", "32",
-             "--seed", "0", "--enable-prefix-caching"]
+    vargs = [
+        "--load-format",
+        "safetensors",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "32",
+        "--seed",
+        "0",
+        "--enable-prefix-caching",
+    ]
     port = free_port()
-    models = [{"name": "bench", "model": str(model_dir), "args": vargs,
-               "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "sleep": {"level": "kv",
-                                                                  "idle_after": 86400},
-               "startup_timeout": 1800, "wake_timeout": 600}]
+    models = [
+        {
+            "name": "bench",
+            "model": str(model_dir),
+            "args": vargs,
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "sleep": {"level": "kv", "idle_after": 86400},
+            "startup_timeout": 1800,
+            "wake_timeout": 600,
+        }
+    ]
     if args.cold_starts:
-        models.append({"name": "cold", "model": str(model_dir), "args": vargs,
-                       "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "start": "lazy",
-                       "sleep": {"level": "stop", "idle_after": 1, "stop_after": 1},
-                       "startup_timeout": 1800, "wake_timeout": 1800})
-    cfg = {"port": port, "state_dir": str(work / "state"), "idle_check_s": 0.1,
-           "models": models}
+        models.append(
+            {
+                "name": "cold",
+                "model": str(model_dir),
+                "args": vargs,
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                "start": "lazy",
+                "sleep": {"level": "stop", "idle_after": 1, "stop_after": 1},
+                "startup_timeout": 1800,
+                "wake_timeout": 1800,
+            }
+        )
+    cfg = {"port": port, "state_dir": str(work / "state"), "idle_check_s": 0.1, "models": models}
     (work / "serve.yaml").write_text(json.dumps(cfg))
-    env = dict(os.environ, KVCACHED_LEDGER_DIR=str(work), VLLM_NO_USAGE_STATS="1",
-               HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep +
-               os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        KVCACHED_LEDGER_DIR=str(work),
+        VLLM_NO_USAGE_STATS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     env.pop("KVCACHED_IPC_NAME", None)
     result: dict[str, Any] = {
-        "benchmark": "serve", "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "benchmark": "serve",
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
-        "machine": machine(), "settings": vars(args)}
+        "machine": machine(),
+        "settings": vars(args),
+    }
     provenance = provenance_start(result)
     with open(work / "serve.log", "ab") as log:
-        serve = subprocess.Popen([sys.executable, "-m", "kvcached", "serve",
-                                  str(work / "serve.yaml")], stdout=log,
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "kvcached", "serve", str(work / "serve.yaml")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: http_json(port, "GET", "/ready")[0] == 200, 1800, "serve /ready")
         engine = http_json(port, "GET", "/v1/models/bench/state")[1]["port"]
         rng = random.Random(1)
         targets = {"router": port, "direct": engine}
-        warm = prompts(99, [rng.randint(args.min_prompt, args.max_prompt)
-                            for _ in range(args.requests)])
+        warm = prompts(
+            99, [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests)]
+        )
         for side in targets.values():
             load(side, "bench", warm, args.concurrency, args.max_tokens)
         rounds = []
         for r in range(args.rounds):
-            lengths = [rng.randint(args.min_prompt, args.max_prompt)
-                       for _ in range(args.requests)]
+            lengths = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests)]
             sets = [prompts(1000 + 2 * r, lengths), prompts(1001 + 2 * r, lengths)]
             order = ["router", "direct"] if r % 2 == 0 else ["direct", "router"]
             entry: dict[str, Any] = {"order": order, "loadavg_1m": os.getloadavg()[0]}
             for i, side in enumerate(order):
-                entry[side] = load(targets[side], "bench", sets[(i + r) % 2], args.concurrency,
-                                   args.max_tokens)
-            probe_lens = [rng.randint(args.min_prompt, args.max_prompt)
-                          for _ in range(args.ttft_probes)]
+                entry[side] = load(
+                    targets[side], "bench", sets[(i + r) % 2], args.concurrency, args.max_tokens
+                )
+            probe_lens = [
+                rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.ttft_probes)
+            ]
             probes: dict[str, list[float]] = {"router": [], "direct": []}
             for k, n in enumerate(probe_lens):
                 pair = prompts(5000 + 100 * r + k, [n, n])
                 for j, side in enumerate(order if k % 2 == 0 else order[::-1]):
                     probes[side].append(1000 * stream(targets[side], "bench", pair[j], 1)[0])
             entry["probe_ttft_ms"] = probes
-            entry["throughput_ratio"] = (entry["router"]["throughput_tok_s"]
-                                         / entry["direct"]["throughput_tok_s"])
-            entry["ttft_added_ms"] = (statistics.median(probes["router"])
-                                      - statistics.median(probes["direct"]))
+            entry["throughput_ratio"] = (
+                entry["router"]["throughput_tok_s"] / entry["direct"]["throughput_tok_s"]
+            )
+            entry["ttft_added_ms"] = statistics.median(probes["router"]) - statistics.median(
+                probes["direct"]
+            )
             rounds.append(entry)
-            print(f"round {r}: throughput ratio {entry['throughput_ratio']:.3f}, TTFT added "
-                  f"{entry['ttft_added_ms']:+.2f} ms (load {entry['loadavg_1m']:.1f})",
-                  flush=True)
+            print(
+                f"round {r}: throughput ratio {entry['throughput_ratio']:.3f}, TTFT added "
+                f"{entry['ttft_added_ms']:+.2f} ms (load {entry['loadavg_1m']:.1f})",
+                flush=True,
+            )
         result["rounds"] = rounds
         ratios = [e["throughput_ratio"] for e in rounds]
         added = [e["ttft_added_ms"] for e in rounds]
@@ -263,14 +337,21 @@ def main() -> int:
             a, b = prompts(8000 + w, [128, 128])
             sleeping_ttft = stream(port, "bench", a, 1)[0]
             ready_ttft = stream(port, "bench", b, 1)[0]
-            wakes.append({"released_fraction": doc["kv_released_fraction"],
-                          "released_bytes": doc["kv_released_bytes"],
-                          "sleeping_ttft_ms": 1000 * sleeping_ttft,
-                          "ready_ttft_ms": 1000 * ready_ttft,
-                          "wake_ms": 1000 * (sleeping_ttft - ready_ttft),
-                          "loadavg_1m": os.getloadavg()[0]})
-            print(f"wake {w}: released {doc['kv_released_fraction']}, wake "
-                  f"{wakes[-1]['wake_ms']:.1f} ms", flush=True)
+            wakes.append(
+                {
+                    "released_fraction": doc["kv_released_fraction"],
+                    "released_bytes": doc["kv_released_bytes"],
+                    "sleeping_ttft_ms": 1000 * sleeping_ttft,
+                    "ready_ttft_ms": 1000 * ready_ttft,
+                    "wake_ms": 1000 * (sleeping_ttft - ready_ttft),
+                    "loadavg_1m": os.getloadavg()[0],
+                }
+            )
+            print(
+                f"wake {w}: released {doc['kv_released_fraction']}, wake "
+                f"{wakes[-1]['wake_ms']:.1f} ms",
+                flush=True,
+            )
         result["kv_wakes"] = wakes
         result["kv_wake_ms_p50"] = statistics.median(x["wake_ms"] for x in wakes)
         result["kv_sleep_released_fraction"] = min(x["released_fraction"] or 0 for x in wakes)
@@ -278,12 +359,22 @@ def main() -> int:
         colds = []
         for c in range(args.cold_starts):
             if c:
-                wait_for(lambda: http_json(port, "GET", "/v1/models/cold/state")[1]["state"]
-                         == "stopped", 600, "the cold model to stop")
+                wait_for(
+                    lambda: (
+                        http_json(port, "GET", "/v1/models/cold/state")[1]["state"] == "stopped"
+                    ),
+                    600,
+                    "the cold model to stop",
+                )
             began = time.monotonic()
             ttft = stream(port, "cold", prompts(9000 + c, [64])[0], 1)[0]
-            colds.append({"ttft_s": ttft, "wall_s": time.monotonic() - began,
-                          "loadavg_1m": os.getloadavg()[0]})
+            colds.append(
+                {
+                    "ttft_s": ttft,
+                    "wall_s": time.monotonic() - began,
+                    "loadavg_1m": os.getloadavg()[0],
+                }
+            )
             print(f"cold start {c}: {ttft:.1f} s", flush=True)
         if colds:
             result["stop_cold_starts"] = colds
@@ -295,13 +386,20 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             serve.kill()
     result["machine"]["loadavg_at_end"] = os.getloadavg()
-    result["provenance"] = {**provenance, "load_average_end": [round(x, 2) for x in
-                                                                os.getloadavg()],
-                            "finished_utc": utc_now()}
+    result["provenance"] = {
+        **provenance,
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        "finished_utc": utc_now(),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    keys = ("proxy_throughput_ratio", "proxy_ttft_p50_added_ms", "kv_wake_ms_p50",
-            "kv_sleep_released_fraction", "stop_cold_start_s")
+    keys = (
+        "proxy_throughput_ratio",
+        "proxy_ttft_p50_added_ms",
+        "kv_wake_ms_p50",
+        "kv_sleep_released_fraction",
+        "stop_cold_start_s",
+    )
     print(json.dumps({k: result.get(k) for k in keys}, indent=1))
     return 0
 

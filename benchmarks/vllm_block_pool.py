@@ -92,20 +92,27 @@ def make_manager(kvcached: bool) -> tuple[Any, StepPlanner | None]:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
     vc = SimpleNamespace(
         attention_config=SimpleNamespace(hisparse_config=None),
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC,
-                                     num_gpu_blocks_override=NUM_BLOCKS,
-                                     prefix_cache_retention_interval=None))
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC,
+            num_gpu_blocks_override=NUM_BLOCKS,
+            prefix_cache_retention_interval=None,
+        ),
+    )
     config = get_kv_cache_config_from_groups(vc, [KVCacheGroupSpec(["a", "b"], spec)], 0)
     planner = None
     if kvcached:
-        planner = StepPlanner(planner_geometry(NUM_BLOCKS // 256, 256, 4 * MIB, 2 * MIB),
-                              FreeBudget(), min_reserved=5, max_reserved=10)
+        planner = StepPlanner(
+            planner_geometry(NUM_BLOCKS // 256, 256, 4 * MIB, 2 * MIB),
+            FreeBudget(),
+            min_reserved=5,
+            max_reserved=10,
+        )
         engine.ENGINE.pending = Context(planner)
         engine.ENGINE.block_size = BLOCK
     try:
-        manager = kv_cache_manager.KVCacheManager(config, max_model_len=8192,
-                                                  scheduler_block_size=BLOCK,
-                                                  hash_block_size=BLOCK)
+        manager = kv_cache_manager.KVCacheManager(
+            config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
     finally:
         engine.ENGINE.pending = None
     return manager, planner
@@ -117,7 +124,7 @@ def workload(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
     out = []
     for i in range(n):
         length = rng.randint(lo, hi)
-        head = shared[:length // 2] if i % 2 else []
+        head = shared[: length // 2] if i % 2 else []
         out.append(head + [rng.randrange(3, 500) for _ in range(length - len(head))])
     return out
 
@@ -125,8 +132,13 @@ def workload(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
 _hasher = None
 
 
-def run(manager: Any, planner: StepPlanner | None, prompts: list[list[int]], concurrency: int,
-        decode: int) -> tuple[float, int]:
+def run(
+    manager: Any,
+    planner: StepPlanner | None,
+    prompts: list[list[int]],
+    concurrency: int,
+    decode: int,
+) -> tuple[float, int]:
     """Wall seconds of the workload and the number of allocate_slots calls."""
     global _hasher
     if _hasher is None:
@@ -135,11 +147,12 @@ def run(manager: Any, planner: StepPlanner | None, prompts: list[list[int]], con
         _hasher = get_request_block_hasher(BLOCK, fn)
     params = SamplingParams(max_tokens=decode)
     calls = 0
-    requests = [Request(f"r{i}", p, params, None, block_hasher=_hasher)
-                for i, p in enumerate(prompts)]
+    requests = [
+        Request(f"r{i}", p, params, None, block_hasher=_hasher) for i, p in enumerate(prompts)
+    ]
     start = time.perf_counter()
     for first in range(0, len(requests), concurrency):
-        live = requests[first:first + concurrency]
+        live = requests[first : first + concurrency]
         for req in live:
             computed, hit = manager.get_computed_blocks(req)[:2]
             assert manager.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
@@ -166,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompt", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=768)
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--out", type=Path,
-                    default=ROOT / "benchmarks" / "results" / "vllm-block-pool.json")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm-block-pool.json"
+    )
     args = ap.parse_args(argv)
     prov = _provenance.start(argv)
 
@@ -176,10 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvcached").setLevel(logging.WARNING)  # one engine line per manager
     STATE.active, STATE.version = True, VLLM_VERSION
     for name, module, check, install in (
-        ("kv_cache_coordinator", kv_cache_coordinator, engine.check_coordinator,
-         engine.install_coordinator),
-        ("kv_cache_manager", kv_cache_manager, engine.check_kv_cache_manager,
-         engine.install_kv_cache_manager),
+        (
+            "kv_cache_coordinator",
+            kv_cache_coordinator,
+            engine.check_coordinator,
+            engine.install_coordinator,
+        ),
+        (
+            "kv_cache_manager",
+            kv_cache_manager,
+            engine.check_kv_cache_manager,
+            engine.install_kv_cache_manager,
+        ),
     ):
         assert STATE.install(PatchGroup(name, module.__name__, install, check), module)
     rounds = []
@@ -192,38 +214,55 @@ def main(argv: list[str] | None = None) -> int:
                 manager, planner = make_manager(name == "kvcached")
                 seconds, calls = run(manager, planner, prompts, args.concurrency, args.decode)
                 times[name] = times.get(name, 0.0) + seconds
-        rounds.append({
-            "native_s": times["native"], "kvcached_s": times["kvcached"],
-            "allocate_slots_calls": 2 * calls,
-            "native_us_per_call": 1e6 * times["native"] / (2 * calls),
-            "kvcached_us_per_call": 1e6 * times["kvcached"] / (2 * calls),
-            "time_ratio": times["kvcached"] / times["native"],
-        })
-        print(f"round {r}: native {rounds[-1]['native_us_per_call']:.1f} us/call, kvcached "
-              f"{rounds[-1]['kvcached_us_per_call']:.1f} us/call, ratio "
-              f"{rounds[-1]['time_ratio']:.3f}", flush=True)
+        rounds.append(
+            {
+                "native_s": times["native"],
+                "kvcached_s": times["kvcached"],
+                "allocate_slots_calls": 2 * calls,
+                "native_us_per_call": 1e6 * times["native"] / (2 * calls),
+                "kvcached_us_per_call": 1e6 * times["kvcached"] / (2 * calls),
+                "time_ratio": times["kvcached"] / times["native"],
+            }
+        )
+        print(
+            f"round {r}: native {rounds[-1]['native_us_per_call']:.1f} us/call, kvcached "
+            f"{rounds[-1]['kvcached_us_per_call']:.1f} us/call, ratio "
+            f"{rounds[-1]['time_ratio']:.3f}",
+            flush=True,
+        )
     ratios = [x["time_ratio"] for x in rounds]
     extra = [x["kvcached_us_per_call"] - x["native_us_per_call"] for x in rounds]
     report = {
         "benchmark": "vllm_block_pool",
-        "command": " ".join(["python", "benchmarks/vllm_block_pool.py",
-                             *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            [
+                "python",
+                "benchmarks/vllm_block_pool.py",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "baseline": "native BlockPool", "candidate": "KvcachedBlockPool",
+        "baseline": "native BlockPool",
+        "candidate": "KvcachedBlockPool",
         "time_ratio": statistics.median(ratios),
         "time_ratio_range": [min(ratios), max(ratios)],
         "extra_us_per_allocate_slots": statistics.median(extra),
         # What a scheduler step with `concurrency` running requests pays.
         "extra_us_per_decode_step": statistics.median(extra) * args.concurrency,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                    "loadavg_1m_at_end": os.getloadavg()[0]},
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "loadavg_1m_at_end": os.getloadavg()[0],
+        },
         "vllm": VLLM_VERSION,
         "rounds": rounds,
     }
     _provenance.write_result(args.out, report, prov, indent=1)
-    print(f"time_ratio {report['time_ratio']:.3f} {report['time_ratio_range']}, "
-          f"+{report['extra_us_per_allocate_slots']:.2f} us per allocate_slots -> {args.out}")
+    print(
+        f"time_ratio {report['time_ratio']:.3f} {report['time_ratio_range']}, "
+        f"+{report['extra_us_per_allocate_slots']:.2f} us per allocate_slots -> {args.out}"
+    )
     return 0
 
 

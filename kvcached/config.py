@@ -170,51 +170,131 @@ class Variable:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("ENABLE_KVCACHED", "enabled", "false", _bool,
-             "Master switch. Engine integrations do nothing unless it is true."),
-    Variable("KVCACHED_AUTOPATCH", "autopatch", "true", _bool,
-             "Patch vLLM/SGLang automatically when `ENABLE_KVCACHED` is true. Upstream "
-             "required `1` explicitly; here it defaults on, and `0` leaves the engine to "
-             "call `kvcached.integrations.*.apply()` itself."),
-    Variable("KVCACHED_IPC_NAME", "ipc_name", "", _ipc_name,
-             "Instance name shared by every worker of one server; `kvctl` addresses "
-             "instances by it. Unset: a distinct readable name per server "
-             "(`<engine>-<pid>`)."),
-    Variable("KVCACHED_CONTIGUOUS_LAYOUT", "contiguous_layout", "auto", _optional_bool,
-             "KV layout: true = one VA range for all layers, false = one per layer. "
-             "`auto` picks the measured faster layout for the backend (see Layouts)."),
-    Variable("KVCACHED_GPU_UTILIZATION", "gpu_utilization", "0.95", _fraction,
-             "Share of device memory kvcached may fill; the ledger's safety margin is "
-             "total x (1 - this)."),
-    Variable("KVCACHED_PAGE_SIZE_MB", "page_size", "2", _page_size_mb,
-             "Page size in MiB, the unit of mapping and reclaim (a multiple of 2)."),
-    Variable("KVCACHED_MIN_RESERVED_PAGES", "min_reserved_pages", "5", _count,
-             "Pre-mapped idle pages the background refill keeps ready."),
-    Variable("KVCACHED_MAX_RESERVED_PAGES", "max_reserved_pages", "10", _count,
-             "Most idle pre-mapped pages kept before the rest are unmapped."),
-    Variable("KVCACHED_MAX_CACHED_TOKENS", "max_cached_tokens", "16000", _signed_int,
-             "Cap on prefix-cached tokens held in idle blocks; below 0 unlimited, 0 "
-             "turns prefix-cache retention off."),
-    Variable("KVCACHED_LOG_LEVEL", "log_level", "INFO", _log_level,
-             "Level of kvcached's `[kvcached]` log lines."),
-    Variable("KVCACHED_DRIVER", "driver", "auto", _driver,
-             "New. Backend: `cuda`, `hip`, `host` (CPU memory), or `auto` (CUDA if a "
-             "CUDA device is present, HIP on a ROCm torch, else host)."),
-    Variable("KVCACHED_HOST_CAPACITY", "host_capacity", "", _host_capacity,
-             "New. Capacity of the `host` backend's device (`8G`, `512M`, bytes): at "
-             "least 2M, at most the machine's memory (see `KVCACHED_HOST_OVERCOMMIT`). "
-             "Unset: half of physical RAM."),
-    Variable("KVCACHED_HOST_OVERCOMMIT", "host_overcommit", "false", _bool,
-             "New. Allow a `KVCACHED_HOST_CAPACITY` above the machine's memory (the "
-             "kernel's overcommit then decides)."),
-    Variable("KVCACHED_HOST_DEVICE", "host_device", "0", _count,
-             "New. Which device (`host-N`) the `host` backend is: processes on one host "
-             "device share its capacity and its ledger; another N is a separate budget."),
-    Variable("KVCACHED_LEDGER_DIR", "ledger_dir", "/dev/shm", _directory,
-             "New. Directory of the per-GPU ledger files; every process sharing a GPU "
-             "must use the same one."),
-    Variable("KVCACHED_CALIBRATION_INTERVAL_S", "calibration_interval_s", "1", _seconds,
-             "New. Seconds between ledger calibrations against the driver's free memory."),
+    Variable(
+        "ENABLE_KVCACHED",
+        "enabled",
+        "false",
+        _bool,
+        "Master switch. Engine integrations do nothing unless it is true.",
+    ),
+    Variable(
+        "KVCACHED_AUTOPATCH",
+        "autopatch",
+        "true",
+        _bool,
+        "Patch vLLM/SGLang automatically when `ENABLE_KVCACHED` is true. Upstream "
+        "required `1` explicitly; here it defaults on, and `0` leaves the engine to "
+        "call `kvcached.integrations.*.apply()` itself.",
+    ),
+    Variable(
+        "KVCACHED_IPC_NAME",
+        "ipc_name",
+        "",
+        _ipc_name,
+        "Instance name shared by every worker of one server; `kvctl` addresses "
+        "instances by it. Unset: a distinct readable name per server "
+        "(`<engine>-<pid>`).",
+    ),
+    Variable(
+        "KVCACHED_CONTIGUOUS_LAYOUT",
+        "contiguous_layout",
+        "auto",
+        _optional_bool,
+        "KV layout: true = one VA range for all layers, false = one per layer. "
+        "`auto` picks the measured faster layout for the backend (see Layouts).",
+    ),
+    Variable(
+        "KVCACHED_GPU_UTILIZATION",
+        "gpu_utilization",
+        "0.95",
+        _fraction,
+        "Share of device memory kvcached may fill; the ledger's safety margin is "
+        "total x (1 - this).",
+    ),
+    Variable(
+        "KVCACHED_PAGE_SIZE_MB",
+        "page_size",
+        "2",
+        _page_size_mb,
+        "Page size in MiB, the unit of mapping and reclaim (a multiple of 2).",
+    ),
+    Variable(
+        "KVCACHED_MIN_RESERVED_PAGES",
+        "min_reserved_pages",
+        "5",
+        _count,
+        "Pre-mapped idle pages the background refill keeps ready.",
+    ),
+    Variable(
+        "KVCACHED_MAX_RESERVED_PAGES",
+        "max_reserved_pages",
+        "10",
+        _count,
+        "Most idle pre-mapped pages kept before the rest are unmapped.",
+    ),
+    Variable(
+        "KVCACHED_MAX_CACHED_TOKENS",
+        "max_cached_tokens",
+        "16000",
+        _signed_int,
+        "Cap on prefix-cached tokens held in idle blocks; below 0 unlimited, 0 "
+        "turns prefix-cache retention off.",
+    ),
+    Variable(
+        "KVCACHED_LOG_LEVEL",
+        "log_level",
+        "INFO",
+        _log_level,
+        "Level of kvcached's `[kvcached]` log lines.",
+    ),
+    Variable(
+        "KVCACHED_DRIVER",
+        "driver",
+        "auto",
+        _driver,
+        "New. Backend: `cuda`, `hip`, `host` (CPU memory), or `auto` (CUDA if a "
+        "CUDA device is present, HIP on a ROCm torch, else host).",
+    ),
+    Variable(
+        "KVCACHED_HOST_CAPACITY",
+        "host_capacity",
+        "",
+        _host_capacity,
+        "New. Capacity of the `host` backend's device (`8G`, `512M`, bytes): at "
+        "least 2M, at most the machine's memory (see `KVCACHED_HOST_OVERCOMMIT`). "
+        "Unset: half of physical RAM.",
+    ),
+    Variable(
+        "KVCACHED_HOST_OVERCOMMIT",
+        "host_overcommit",
+        "false",
+        _bool,
+        "New. Allow a `KVCACHED_HOST_CAPACITY` above the machine's memory (the "
+        "kernel's overcommit then decides).",
+    ),
+    Variable(
+        "KVCACHED_HOST_DEVICE",
+        "host_device",
+        "0",
+        _count,
+        "New. Which device (`host-N`) the `host` backend is: processes on one host "
+        "device share its capacity and its ledger; another N is a separate budget.",
+    ),
+    Variable(
+        "KVCACHED_LEDGER_DIR",
+        "ledger_dir",
+        "/dev/shm",
+        _directory,
+        "New. Directory of the per-GPU ledger files; every process sharing a GPU "
+        "must use the same one.",
+    ),
+    Variable(
+        "KVCACHED_CALIBRATION_INTERVAL_S",
+        "calibration_interval_s",
+        "1",
+        _seconds,
+        "New. Seconds between ledger calibrations against the driver's free memory.",
+    ),
 )
 
 
@@ -267,7 +347,8 @@ class Config:
             ram = physical_memory()
             if self.host_capacity > ram:
                 raise ConfigError(
-                    "KVCACHED_HOST_CAPACITY", str(self.host_capacity),
+                    "KVCACHED_HOST_CAPACITY",
+                    str(self.host_capacity),
                     f"at most this machine's memory ({ram} bytes); set "
                     "KVCACHED_HOST_OVERCOMMIT=true to allow more",
                 )

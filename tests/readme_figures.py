@@ -38,8 +38,34 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 Key = str | Callable[[dict], float | None]
 
-WORDS = {w: i for i, w in enumerate(
-    ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"])}
+WORDS = {
+    w: i
+    for i, w in enumerate(
+        [
+            "zero",
+            "one",
+            "two",
+            "three",
+            "four",
+            "five",
+            "six",
+            "seven",
+            "eight",
+            "nine",
+            "ten",
+            "eleven",
+            "twelve",
+            "thirteen",
+            "fourteen",
+            "fifteen",
+            "sixteen",
+            "seventeen",
+            "eighteen",
+            "nineteen",
+            "twenty",
+        ]
+    )
+}
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 NUMBER = r"\d+(?:\.\d+)?"
 RANGE = re.compile(rf"^({NUMBER})\s*[–-]\s*({NUMBER})$")
@@ -128,18 +154,27 @@ def provenance_problems(path: Path, data: dict | list) -> list[str]:
     name = path.relative_to(ROOT)
     for suffix in COMPANION_SUFFIXES:
         # X-requests.json / X-trace.json are the raw data of X.json, which records them.
-        if path.stem.endswith(suffix) and path.with_name(
-                path.stem[: -len(suffix)] + ".json").exists():
+        if (
+            path.stem.endswith(suffix)
+            and path.with_name(path.stem[: -len(suffix)] + ".json").exists()
+        ):
             return []
     if isinstance(data, list):
         # A table of rows (compat.json): each row records where it came from.
-        return [f"{name}: row {i} has no {field}" for i, row in enumerate(data)
-                for field in ("commit", "command", "date") if not row.get(field)]
+        return [
+            f"{name}: row {i} has no {field}"
+            for i, row in enumerate(data)
+            for field in ("commit", "command", "date")
+            if not row.get(field)
+        ]
     prov = data.get("provenance")
     if not isinstance(prov, dict):
         return [f"{name}: no provenance block (write it through benchmarks/_provenance.py)"]
-    problems = [f"{name}: provenance has no {field}" for field in ("commit", "command", "machine")
-                if not prov.get(field)]
+    problems = [
+        f"{name}: provenance has no {field}"
+        for field in ("commit", "command", "machine")
+        if not prov.get(field)
+    ]
     if str(prov.get("commit", "")).startswith("unknown"):
         problems.append(f"{name}: provenance commit is {prov['commit']!r}")
     if "load_average_start" not in prov:
@@ -163,8 +198,10 @@ def check(figure: Figure, readme: str) -> list[str]:
     stale = [p for p, d in data.items() if (d.get("provenance") or {}).get("stale")]
     says_stale = "stale" in plain.lower()
     if stale and not says_stale:
-        problems.append(f"{where} quotes {', '.join(str(p.relative_to(ROOT)) for p in stale)} "
-                        f"as current, but it is marked stale: re-measure it or say 'stale'")
+        problems.append(
+            f"{where} quotes {', '.join(str(p.relative_to(ROOT)) for p in stale)} "
+            f"as current, but it is marked stale: re-measure it or say 'stale'"
+        )
     if says_stale and not stale:
         problems.append(f"{where} says stale, but its files are not: drop the word")
     keys = figure.key if isinstance(figure.key, tuple) else (figure.key,)
@@ -182,8 +219,10 @@ def check(figure: Figure, readme: str) -> list[str]:
             if want is None:
                 problems.append(f"{where}: count {shown!r} is not a number word")
             elif want != len(values):
-                problems.append(f"{where}: says {word} runs, {len(values)} files have "
-                                f"{last_key!r} ({figure.source})")
+                problems.append(
+                    f"{where}: says {word} runs, {len(values)} files have "
+                    f"{last_key!r} ({figure.source})"
+                )
             continue
         key = keys[index] if len(keys) > 1 else keys[0]
         last_key, index = key, index + 1
@@ -195,16 +234,21 @@ def check(figure: Figure, readme: str) -> list[str]:
         if got:
             lo, hi = got.groups()
             if not (rounds_to(min(values), lo) and rounds_to(max(values), hi)):
-                problems.append(f"{where}: {shown} is not the range of {key!r} over "
-                                f"{figure.source}: {min(values):g}..{max(values):g} "
-                                f"({len(values)} values)")
+                problems.append(
+                    f"{where}: {shown} is not the range of {key!r} over "
+                    f"{figure.source}: {min(values):g}..{max(values):g} "
+                    f"({len(values)} values)"
+                )
         elif re.fullmatch(NUMBER, shown):
             if len(values) != 1:
-                problems.append(f"{where}: {shown} is one value, {len(values)} files have "
-                                f"{key!r}: show their range")
+                problems.append(
+                    f"{where}: {shown} is one value, {len(values)} files have "
+                    f"{key!r}: show their range"
+                )
             elif not rounds_to(values[0], shown):
-                problems.append(f"{where}: {shown}, but {figure.source} has {key!r} = "
-                                f"{values[0]:g}")
+                problems.append(
+                    f"{where}: {shown}, but {figure.source} has {key!r} = {values[0]:g}"
+                )
         else:
             problems.append(f"{where}: {{{shown}}} is neither a number nor a range")
     return problems
@@ -217,16 +261,17 @@ def unclaimed(readme: str, claims: Iterable[str]) -> list[str]:
     for text in claims:
         plain = normalize(PLACEHOLDER.sub(lambda m: m.group(1).lstrip("#"), text))
         for m in re.finditer(re.escape(plain), prose):
-            covered[m.start():m.end()] = [True] * (m.end() - m.start())
+            covered[m.start() : m.end()] = [True] * (m.end() - m.start())
     # Bold markers were removed by normalize(); find bold numbers in the raw prose instead.
     raw = re.sub(r"\s+", " ", readme_prose(readme))
-    tokens = [m.group(0) for m in FIGURE_TOKEN.finditer(prose)
-              if not all(covered[m.start():m.end()])]
+    tokens = [
+        m.group(0) for m in FIGURE_TOKEN.finditer(prose) if not all(covered[m.start() : m.end()])
+    ]
     for m in re.finditer(r"\*\*(.+?)\*\*", raw):
         inner = normalize(m.group(1))
         if not re.search(r"\d", inner):
             continue
         spans = [k.start() for k in re.finditer(re.escape(inner), prose)]
-        if spans and not any(all(covered[s:s + len(inner)]) for s in spans):
+        if spans and not any(all(covered[s : s + len(inner)]) for s in spans):
             tokens.append(f"**{inner}**")
     return sorted(set(tokens))

@@ -8,8 +8,13 @@ def run(*args, env=None):
 
     full_env = dict(os.environ, KVCACHED_DRIVER="host", KVCACHED_HOST_CAPACITY="256M")
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvcached", *args], capture_output=True,
-                          text=True, timeout=120, env=full_env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcached", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full_env,
+    )
 
 
 def test_info_runs_on_host_backend():
@@ -29,7 +34,13 @@ def test_info_json():
     assert report["device"]["backend"] == "host"
     assert report["total_bytes"] == 256 << 20
     assert report["check"]["pages"] == 3 and report["check"]["data_ok"]
-    assert set(report["check"]["call_us_p50"]) >= {"create", "map", "set_access", "unmap", "release"}
+    assert set(report["check"]["call_us_p50"]) >= {
+        "create",
+        "map",
+        "set_access",
+        "unmap",
+        "release",
+    }
 
 
 def test_info_bad_config_exits_2_with_variable_named():

@@ -12,23 +12,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIS = {"kvcached": [sys.executable, "-m", "kvcached"],
-        "kvctl": [sys.executable, "-m", "kvcached.cli.kvctl"]}
+CLIS = {
+    "kvcached": [sys.executable, "-m", "kvcached"],
+    "kvctl": [sys.executable, "-m", "kvcached.cli.kvctl"],
+}
 
 
 def run(cli: str, *argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([*CLIS[cli], *argv], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=ROOT)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    return subprocess.run(
+        [*CLIS[cli], *argv], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
 
 
-@pytest.mark.parametrize("cli, argv, prog", [
-    ("kvcached", ["frobnicate"], "kvcached"),
-    ("kvctl", ["frobnicate"], "kvctl"),
-    ("kvcached", ["demo", "--instances", "many"], "kvcached demo"),
-    ("kvctl", ["watch", "-n", "soon"], "kvctl watch"),
-    ("kvcached", ["info", "--pages", "0"], "kvcached info"),
-])
+@pytest.mark.parametrize(
+    "cli, argv, prog",
+    [
+        ("kvcached", ["frobnicate"], "kvcached"),
+        ("kvctl", ["frobnicate"], "kvctl"),
+        ("kvcached", ["demo", "--instances", "many"], "kvcached demo"),
+        ("kvctl", ["watch", "-n", "soon"], "kvctl watch"),
+        ("kvcached", ["info", "--pages", "0"], "kvcached info"),
+    ],
+)
 def test_a_usage_error_is_one_line_in_one_style(cli, argv, prog):
     done = run(cli, *argv)
     assert done.returncode == 2 and done.stdout == "", done

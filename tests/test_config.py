@@ -87,7 +87,9 @@ def test_bad_values_name_variable_value_and_allowed(name, value, hint):
 
 
 def test_max_reserved_below_min_is_refused():
-    with pytest.raises(ConfigError, match="KVCACHED_MAX_RESERVED_PAGES.*KVCACHED_MIN_RESERVED_PAGES"):
+    with pytest.raises(
+        ConfigError, match="KVCACHED_MAX_RESERVED_PAGES.*KVCACHED_MIN_RESERVED_PAGES"
+    ):
         Config.from_env({"KVCACHED_MIN_RESERVED_PAGES": "8", "KVCACHED_MAX_RESERVED_PAGES": "4"})
 
 
@@ -115,8 +117,15 @@ def test_readme_table_matches_code():
 
 @pytest.mark.parametrize(
     "text,value",
-    [("512M", 512 * MIB), ("2G", 2 * GIB), ("1.5g", int(1.5 * GIB)), ("1048576", MIB),
-     ("4GiB", 4 * GIB), ("64mb", 64 * MIB), (" 3 k ", 3 * 1024)],
+    [
+        ("512M", 512 * MIB),
+        ("2G", 2 * GIB),
+        ("1.5g", int(1.5 * GIB)),
+        ("1048576", MIB),
+        ("4GiB", 4 * GIB),
+        ("64mb", 64 * MIB),
+        (" 3 k ", 3 * 1024),
+    ],
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value

@@ -34,8 +34,9 @@ def _real_libcuda_present() -> bool:
     return True
 
 
-no_libcuda = pytest.mark.skipif(_real_libcuda_present(),
-                                reason="an NVIDIA driver is installed here")
+no_libcuda = pytest.mark.skipif(
+    _real_libcuda_present(), reason="an NVIDIA driver is installed here"
+)
 
 
 @no_libcuda
@@ -64,8 +65,13 @@ def test_importing_the_gpu_backends_needs_no_posix_ipc():
         "'kvcached.memory'))]\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +81,39 @@ def fake_libcuda(tmp_path_factory) -> Path:
         pytest.skip("no C compiler to build the fake libcuda")
     out = tmp_path_factory.mktemp("fake-cuda")
     subprocess.run(
-        [cc, "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-Wl,-soname,libcuda.so.1",
-         "-o", str(out / "libcuda.so.1"), str(FAKES / "fake_libcuda.c"), "-lpthread"],
-        check=True, timeout=120,
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Werror",
+            "-Wl,-soname,libcuda.so.1",
+            "-o",
+            str(out / "libcuda.so.1"),
+            str(FAKES / "fake_libcuda.c"),
+            "-lpthread",
+        ],
+        check=True,
+        timeout=120,
     )
     return out
 
 
 def _run_with_fake(fake_libcuda: Path, args: list[str], **env: str):
     return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "LD_LIBRARY_PATH": str(fake_libcuda),
-             "KVCACHED_LOG_LEVEL": "WARNING", **env},
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "LD_LIBRARY_PATH": str(fake_libcuda),
+            "KVCACHED_LOG_LEVEL": "WARNING",
+            **env,
+        },
     )
 
 
@@ -94,19 +121,36 @@ def test_the_backend_against_the_fake_driver(fake_libcuda):
     result = _run_with_fake(fake_libcuda, [str(FAKES / "cuda_checks.py")])
     assert result.returncode == 0, result.stdout + result.stderr
     done = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
-    assert done == {"identity", "pages_keep_their_data", "runs_of_mappings",
-                    "mem_info_follows_handles",
-                    "misuse_is_refused", "threads_get_a_context_once",
-                    "current_context_is_left_as_found", "faulty_wrapper_speaks_cuda", "close"}
+    assert done == {
+        "identity",
+        "pages_keep_their_data",
+        "runs_of_mappings",
+        "mem_info_follows_handles",
+        "misuse_is_refused",
+        "threads_get_a_context_once",
+        "current_context_is_left_as_found",
+        "faulty_wrapper_speaks_cuda",
+        "close",
+    }
 
 
 def test_driver_benchmark_runs_both_loops_on_the_fake_driver(fake_libcuda, tmp_path):
     out = tmp_path / "driver.json"
     result = _run_with_fake(
         fake_libcuda,
-        ["benchmarks/driver.py", "--backend", "cuda", "--iters", "16", "--rounds", "2",
-         "--out", str(out)],
-        FAKE_CUDA_NOOP="1", FAKE_CUDA_TOTAL=str(1 << 30),
+        [
+            "benchmarks/driver.py",
+            "--backend",
+            "cuda",
+            "--iters",
+            "16",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ],
+        FAKE_CUDA_NOOP="1",
+        FAKE_CUDA_TOTAL=str(1 << 30),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     data = json.loads(out.read_text())

@@ -68,7 +68,11 @@ def test_cuda_names_for_cuda_backends(host):
     d.inner = FakeCuda()  # only the naming path is exercised
     with pytest.raises(OutOfPhysicalMemoryError) as err:
         d._before("map")
-    assert (err.value.call, err.value.name, err.value.code) == ("cuMemMap", "CUDA_ERROR_OUT_OF_MEMORY", 2)
+    assert (err.value.call, err.value.name, err.value.code) == (
+        "cuMemMap",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        2,
+    )
 
 
 def test_probability_is_seeded_and_repeatable(host):

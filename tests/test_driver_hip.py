@@ -30,11 +30,21 @@ from kvcached.errors import (
 MIB = 1 << 20
 GRANULARITY = 2 * MIB
 VA_BASE = 0x7F00_0000_0000
-ERROR_NAMES = {0: b"hipSuccess", 1: b"hipErrorInvalidValue", 2: b"hipErrorOutOfMemory",
-               100: b"hipErrorNoDevice", 101: b"hipErrorInvalidDevice"}
+ERROR_NAMES = {
+    0: b"hipSuccess",
+    1: b"hipErrorInvalidValue",
+    2: b"hipErrorOutOfMemory",
+    100: b"hipErrorNoDevice",
+    101: b"hipErrorInvalidDevice",
+}
 
-c_int, c_uint, size_t, u64, vp = (ctypes.c_int, ctypes.c_uint, ctypes.c_size_t,
-                                  ctypes.c_ulonglong, ctypes.c_void_p)
+c_int, c_uint, size_t, u64, vp = (
+    ctypes.c_int,
+    ctypes.c_uint,
+    ctypes.c_size_t,
+    ctypes.c_ulonglong,
+    ctypes.c_void_p,
+)
 
 
 def read_prop(address: int) -> dict:
@@ -42,9 +52,15 @@ def read_prop(address: int) -> dict:
     {int type; int id} location; void* win32HandleMetaData; {u8, u8, u16} allocFlags}."""
     raw = ctypes.string_at(address, 28)
     type_, handle_type, loc_type, loc_id, win32, compression, rdma, usage = struct.unpack(
-        "<iiiiQBBH", raw)
-    return {"type": type_, "requestedHandleType": handle_type, "location": (loc_type, loc_id),
-            "win32HandleMetaData": win32, "allocFlags": (compression, rdma, usage)}
+        "<iiiiQBBH", raw
+    )
+    return {
+        "type": type_,
+        "requestedHandleType": handle_type,
+        "location": (loc_type, loc_id),
+        "win32HandleMetaData": win32,
+        "allocFlags": (compression, rdma, usage),
+    }
 
 
 def read_access(address: int) -> dict:
@@ -82,8 +98,9 @@ class FakeHip:
         self._define("hipDeviceSynchronize", c_int, [], lambda: self._rc("hipDeviceSynchronize"))
         self._define("hipGetErrorName", vp, [c_int], self._error_name, record=False)
         self._define("hipMemGetInfo", c_int, [p(size_t), p(size_t)], self._mem_info)
-        self._define("hipMemGetAllocationGranularity", c_int, [p(size_t), vp, c_int],
-                     self._granularity)
+        self._define(
+            "hipMemGetAllocationGranularity", c_int, [p(size_t), vp, c_int], self._granularity
+        )
         self._define("hipMemAddressReserve", c_int, [p(vp), size_t, size_t, vp, u64], self._reserve)
         self._define("hipMemAddressFree", c_int, [vp, size_t], self._plain("hipMemAddressFree"))
         self._define("hipMemCreate", c_int, [p(vp), size_t, vp, u64], self._create)
@@ -138,7 +155,7 @@ class FakeHip:
         return 0
 
     def _bus(self, buf, length, device):
-        text = f"0000:{0x0c + device:02x}:00.0\0".encode()
+        text = f"0000:{0x0C + device:02x}:00.0\0".encode()
         ctypes.memmove(buf, text, min(length, len(text)))
         return 0
 
@@ -204,9 +221,14 @@ def test_init_asks_granularity_with_a_pinned_device_prop(fake):
     driver = HipDriver(1, lib=fake)
     assert driver.granularity == GRANULARITY
     assert fake.named("hipInit") == [(0,)]
-    (prop, option), = fake.named("hipMemGetAllocationGranularity")
-    assert prop == {"type": 1, "requestedHandleType": 0, "location": (1, 1),
-                    "win32HandleMetaData": 0, "allocFlags": (0, 0, 0)}
+    ((prop, option),) = fake.named("hipMemGetAllocationGranularity")
+    assert prop == {
+        "type": 1,
+        "requestedHandleType": 0,
+        "location": (1, 1),
+        "win32HandleMetaData": 0,
+        "allocFlags": (0, 0, 0),
+    }
     assert option == 0  # hipMemAllocationGranularityMinimum
 
 
@@ -215,12 +237,12 @@ def test_page_life_marshals_every_argument(fake):
     size = 8 << 30  # above 4 GiB: a size_t declared as int would be cut
     va = driver.reserve(size)
     assert va == VA_BASE
-    (_, got_size, alignment, addr, flags), = fake.named("hipMemAddressReserve")
+    ((_, got_size, alignment, addr, flags),) = fake.named("hipMemAddressReserve")
     assert (got_size, alignment, addr, flags) == (size, GRANULARITY, None, 0)
 
     handle = driver.create(64 * MIB)
     assert handle in fake.handles and handle > 1 << 32  # the whole pointer came back
-    (_, got_size, prop, flags), = fake.named("hipMemCreate")
+    ((_, got_size, prop, flags),) = fake.named("hipMemCreate")
     assert got_size == 64 * MIB and flags == 0
     assert prop["type"] == 1 and prop["location"] == (1, 1) and prop["requestedHandleType"] == 0
 
@@ -229,7 +251,8 @@ def test_page_life_marshals_every_argument(fake):
 
     driver.set_access(va + 2 * GRANULARITY, 64 * MIB)
     assert fake.named("hipMemSetAccess") == [
-        (va + 2 * GRANULARITY, 64 * MIB, {"location": (1, 1), "flags": 3}, 1)]
+        (va + 2 * GRANULARITY, 64 * MIB, {"location": (1, 1), "flags": 3}, 1)
+    ]
 
     driver.unmap(va + 2 * GRANULARITY, 64 * MIB)
     assert fake.named("hipMemUnmap") == [(va + 2 * GRANULARITY, 64 * MIB)]
@@ -246,7 +269,10 @@ def test_out_of_memory_is_its_own_error_with_hips_name(fake):
     with pytest.raises(OutOfPhysicalMemoryError) as info:
         driver.create(GRANULARITY)
     assert (info.value.call, info.value.code, info.value.name) == (
-        "hipMemCreate", 2, "hipErrorOutOfMemory")
+        "hipMemCreate",
+        2,
+        "hipErrorOutOfMemory",
+    )
 
 
 def test_a_failed_map_raises_and_records_nothing(fake):
@@ -310,8 +336,12 @@ def test_mem_info_and_synchronize_run_on_this_device_and_switch_back(fake):
     fake.current = 0
     fake.calls.clear()
     assert driver.mem_info() == (100 << 30, 192 << 30)
-    assert [c for c, _ in fake.calls] == ["hipGetDevice", "hipSetDevice", "hipMemGetInfo",
-                                          "hipSetDevice"]
+    assert [c for c, _ in fake.calls] == [
+        "hipGetDevice",
+        "hipSetDevice",
+        "hipMemGetInfo",
+        "hipSetDevice",
+    ]
     assert fake.named("hipSetDevice") == [(1,), (0,)]
     fake.calls.clear()
     fake.current = 1  # already current: no switch
@@ -367,7 +397,8 @@ def test_a_run_of_mappings_takes_one_set_access_and_one_unmap(fake):
     va, handles = _run_of_three(driver)
     driver.set_access(va, 3 * GRANULARITY)
     assert fake.named("hipMemSetAccess") == [
-        (va, 3 * GRANULARITY, {"location": (1, 0), "flags": 3}, 1)]
+        (va, 3 * GRANULARITY, {"location": (1, 0), "flags": 3}, 1)
+    ]
     with pytest.raises(MappingError, match="starts at"):
         driver.unmap_range(va, GRANULARITY, 4)  # page 3 is not mapped
     assert fake.named("hipMemUnmap") == []
@@ -384,8 +415,9 @@ def test_if_rocm_refuses_a_run_the_driver_goes_on_per_mapping(fake, caplog):
     fake.fail["hipMemSetAccess"] = 1  # the run call fails, each mapping's then succeeds
     driver.set_access(va, 3 * GRANULARITY)
     sizes = [(args[0], args[1]) for args in fake.named("hipMemSetAccess")]
-    assert sizes == [(va, 3 * GRANULARITY)] + [(va + i * GRANULARITY, GRANULARITY)
-                                               for i in range(3)]
+    assert sizes == [(va, 3 * GRANULARITY)] + [
+        (va + i * GRANULARITY, GRANULARITY) for i in range(3)
+    ]
     assert "one call per mapping" in caplog.text
     driver.unmap_range(va, GRANULARITY, 3)  # no run is tried any more
     assert fake.named("hipMemUnmap") == [(va + i * GRANULARITY, GRANULARITY) for i in range(3)]

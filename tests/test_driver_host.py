@@ -68,7 +68,9 @@ def test_random_remaps_keep_every_other_page_intact(driver):
             mapped[page] = (handle, step + 1)
         for other, (_, stamp) in mapped.items():
             row = words[other]
-            assert int(row[0]) == stamp and int(row[-1]) == stamp and int(row[len(row) // 2]) == stamp
+            assert (
+                int(row[0]) == stamp and int(row[-1]) == stamp and int(row[len(row) // 2]) == stamp
+            )
     for page, (handle, _) in mapped.items():
         driver.unmap(va + page * G, G)
         driver.release(handle)
@@ -177,8 +179,9 @@ def test_free_memory_is_shared_across_processes(driver):
         print("ready", flush=True)
         sys.stdin.readline()
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         free, total = driver.mem_info()

@@ -43,5 +43,6 @@ def test_every_runtime_dependency_is_imported_by_kvcached(project):
         name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
         module = IMPORT_NAME.get(name)
         assert module is not None, f"{name}: say in IMPORT_NAME which module kvcached imports"
-        assert re.search(rf"^\s*(import|from) {module}\b", source, re.M), \
+        assert re.search(rf"^\s*(import|from) {module}\b", source, re.M), (
             f"{name} is a dependency, but nothing in kvcached imports {module}"
+        )

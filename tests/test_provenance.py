@@ -26,8 +26,9 @@ def test_a_written_result_records_commit_command_machine_and_load(tmp_path, monk
     prov = data["provenance"]
     assert data["ratio"] == 1.0
     assert prov["command"] == "python benchmarks/memory.py --backend host"
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     if head:  # a checkout: the commit is git's
         assert prov["commit"] == head and isinstance(prov["tree_dirty"], bool)
     assert prov["machine"]["cpus"] >= 1 and prov["machine"]["python"]
@@ -55,9 +56,25 @@ def test_the_demo_benchmark_writes_the_summary_with_its_provenance(tmp_path):
     out = tmp_path / "demo.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KVCACHED_IPC_NAME", None)
-    done = subprocess.run([sys.executable, "benchmarks/demo.py", "--duration", "5",
-                           "--instances", "2", "--budget", "64M", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/demo.py",
+            "--duration",
+            "5",
+            "--instances",
+            "2",
+            "--budget",
+            "64M",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(out.read_text())
     assert data["summary"]["instances"] == 2 and data["summary"]["kvcached"]["requests"] > 0
@@ -84,13 +101,27 @@ def test_retrofit_leaves_a_file_with_provenance_alone():
 
 def test_retrofit_records_the_commit_that_added_the_file(tmp_path, monkeypatch):
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+
     git("init", "-q")
     result = tmp_path / "r.json"
-    result.write_text(json.dumps({"command": "python benchmarks/x.py", "ratio": 1.0,
-                                  "machine": {"cpus": 2, "load_average_before": [1, 1, 1]}},
-                                 indent=2) + "\n")
+    result.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/x.py",
+                "ratio": 1.0,
+                "machine": {"cpus": 2, "load_average_before": [1, 1, 1]},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     git("add", "r.json")
     git("commit", "-q", "-m", "a result")
     monkeypatch.setattr(_provenance, "ROOT", tmp_path)

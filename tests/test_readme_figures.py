@@ -27,99 +27,183 @@ RUNS_NOW = "h200/run1[23]/memory-h200.json"
 
 FIGURES: list[Figure] = [
     # vLLM
-    Figure("throughput {1.012}x native (median of {11} rounds; TTFT p50 {0.97}x), while the "
-           "native control measured {0.971}x, so differences of a few percent are noise at "
-           "this scale (`benchmarks/results/vllm-cpu.json`; stale:",
-           "vllm-cpu.json",
-           ("throughput_ratio", "settings.rounds", "ttft_p50_ratio", "control.throughput_ratio")),
-    Figure("(`benchmarks/vllm_block_pool.py`, {96} requests, {32} running at once), kvcached "
-           "adds {0.8} µs per `allocate_slots` call, {25.5} µs per decode step, and the "
-           "manager's work takes {1.116}x native's time (median of {9} rounds, {0.98–1.29}x; "
-           "`vllm-block-pool.json`, stale likewise)",
-           "vllm-block-pool.json",
-           ("settings.requests", "settings.concurrency", "extra_us_per_allocate_slots",
-            "extra_us_per_decode_step", "time_ratio", "settings.rounds", "time_ratio_range")),
+    Figure(
+        "throughput {1.012}x native (median of {11} rounds; TTFT p50 {0.97}x), while the "
+        "native control measured {0.971}x, so differences of a few percent are noise at "
+        "this scale (`benchmarks/results/vllm-cpu.json`; stale:",
+        "vllm-cpu.json",
+        ("throughput_ratio", "settings.rounds", "ttft_p50_ratio", "control.throughput_ratio"),
+    ),
+    Figure(
+        "(`benchmarks/vllm_block_pool.py`, {96} requests, {32} running at once), kvcached "
+        "adds {0.8} µs per `allocate_slots` call, {25.5} µs per decode step, and the "
+        "manager's work takes {1.116}x native's time (median of {9} rounds, {0.98–1.29}x; "
+        "`vllm-block-pool.json`, stale likewise)",
+        "vllm-block-pool.json",
+        (
+            "settings.requests",
+            "settings.concurrency",
+            "extra_us_per_allocate_slots",
+            "extra_us_per_decode_step",
+            "time_ratio",
+            "settings.rounds",
+            "time_ratio_range",
+        ),
+    ),
     # driver
-    Figure("costs {0.96}x the raw ctypes loop (p50 {74.9} µs against {78.0} µs;",
-           "driver-h200.json",
-           ("overhead_ratio", "kvcached_us.2MiB.total.p50", "raw_us.2MiB.total.p50")),
-    Figure("64 MiB handles {0.98}x (`benchmarks/results/driver-h200.json`)",
-           "driver-h200.json", "overhead_ratio_64MiB"),
-    Figure("On the host backend, {1.03}x (`driver-host.json`)", "driver-host.json",
-           "overhead_ratio"),
+    Figure(
+        "costs {0.96}x the raw ctypes loop (p50 {74.9} µs against {78.0} µs;",
+        "driver-h200.json",
+        ("overhead_ratio", "kvcached_us.2MiB.total.p50", "raw_us.2MiB.total.p50"),
+    ),
+    Figure(
+        "64 MiB handles {0.98}x (`benchmarks/results/driver-h200.json`)",
+        "driver-h200.json",
+        "overhead_ratio_64MiB",
+    ),
+    Figure(
+        "On the host backend, {1.03}x (`driver-host.json`)", "driver-host.json", "overhead_ratio"
+    ),
     # memory
-    Figure("in O(1) ({0.17–0.39} µs on the H200 machine over {#ten} runs;", MEMORY_RUNS,
-           "available_size_us"),
+    Figure(
+        "in O(1) ({0.17–0.39} µs on the H200 machine over {#ten} runs;",
+        MEMORY_RUNS,
+        "available_size_us",
+    ),
     Figure("{0.31–0.33} µs in runs 12–13, on the current code", RUNS_NOW, "available_size_us"),
-    Figure("growing 64 MiB at a time is {19.1–19.3}x faster than a raw loop of 2 MiB handles "
-           "on the H200 in runs 12–13", RUNS_NOW, "grow_ratio_coalesced_64mib"),
-    Figure("({19.1–21.0}x over all {#ten} runs; `grow_ratio_coalesced_64mib`)", MEMORY_RUNS,
-           "grow_ratio_coalesced_64mib"),
-    Figure("a raw loop with one set-access per 32 mappings grows {1.037}x the per-page loop, "
-           "one unmap per 32 shrinks {1.070}x", "h200/run13/driver-runs-h200.json",
-           ("paired_over_per_page.grow_k32", "paired_over_per_page.shrink_k32")),
-    Figure("So 32 pages per take grow at {0.977–1.018}x the raw per-page loop in runs 12–13 "
-           "(paired {0.959–0.971};", RUNS_NOW,
-           ("grow_ratio_batched_32", "paired_round_median.grow_ratio_batched_32")),
-    Figure("{0.898–1.018}x over all {#ten} runs; `grow_ratio_batched_32`; target 1.15, not met)",
-           MEMORY_RUNS, "grow_ratio_batched_32"),
-    Figure("and 32 pages given back shrink at {1.009–1.021}x the raw unmap + release loop "
-           "(paired {0.958–0.960};", RUNS_NOW,
-           ("shrink_ratio_batched_32", "paired_round_median.shrink_ratio_batched_32")),
-    Figure("one page per take, runs at {0.903–0.969}x a raw driver loop on the H200 in runs "
-           "12–13 (paired-round median {0.880–0.890}; target 0.85, met;", RUNS_NOW,
-           ("grow_ratio", "paired_round_median.grow_ratio")),
-    Figure("{0.870–0.969}x over all {#ten} runs, `grow_ratio`): kvcached adds {1.97–4.16} µs of "
-           "Python per page (null driver, all runs) to {32.8–36.6} µs of driver calls",
-           MEMORY_RUNS, ("grow_ratio", "grow_explained.python_us_per_page_null_driver",
-                         "raw_us_per_2mib")),
-    Figure("grows at {0.963–1.008}x a raw loop making the same calls at the same addresses "
-           "(runs 10, 12 and 13; paired {0.994–1.008};", MEMORY_RUNS,
-           ("grow_ratio_llama3_8b_same_addresses",
-            "paired_round_median.grow_ratio_llama3_8b_same_addresses")),
+    Figure(
+        "growing 64 MiB at a time is {19.1–19.3}x faster than a raw loop of 2 MiB handles "
+        "on the H200 in runs 12–13",
+        RUNS_NOW,
+        "grow_ratio_coalesced_64mib",
+    ),
+    Figure(
+        "({19.1–21.0}x over all {#ten} runs; `grow_ratio_coalesced_64mib`)",
+        MEMORY_RUNS,
+        "grow_ratio_coalesced_64mib",
+    ),
+    Figure(
+        "a raw loop with one set-access per 32 mappings grows {1.037}x the per-page loop, "
+        "one unmap per 32 shrinks {1.070}x",
+        "h200/run13/driver-runs-h200.json",
+        ("paired_over_per_page.grow_k32", "paired_over_per_page.shrink_k32"),
+    ),
+    Figure(
+        "So 32 pages per take grow at {0.977–1.018}x the raw per-page loop in runs 12–13 "
+        "(paired {0.959–0.971};",
+        RUNS_NOW,
+        ("grow_ratio_batched_32", "paired_round_median.grow_ratio_batched_32"),
+    ),
+    Figure(
+        "{0.898–1.018}x over all {#ten} runs; `grow_ratio_batched_32`; target 1.15, not met)",
+        MEMORY_RUNS,
+        "grow_ratio_batched_32",
+    ),
+    Figure(
+        "and 32 pages given back shrink at {1.009–1.021}x the raw unmap + release loop "
+        "(paired {0.958–0.960};",
+        RUNS_NOW,
+        ("shrink_ratio_batched_32", "paired_round_median.shrink_ratio_batched_32"),
+    ),
+    Figure(
+        "one page per take, runs at {0.903–0.969}x a raw driver loop on the H200 in runs "
+        "12–13 (paired-round median {0.880–0.890}; target 0.85, met;",
+        RUNS_NOW,
+        ("grow_ratio", "paired_round_median.grow_ratio"),
+    ),
+    Figure(
+        "{0.870–0.969}x over all {#ten} runs, `grow_ratio`): kvcached adds {1.97–4.16} µs of "
+        "Python per page (null driver, all runs) to {32.8–36.6} µs of driver calls",
+        MEMORY_RUNS,
+        ("grow_ratio", "grow_explained.python_us_per_page_null_driver", "raw_us_per_2mib"),
+    ),
+    Figure(
+        "grows at {0.963–1.008}x a raw loop making the same calls at the same addresses "
+        "(runs 10, 12 and 13; paired {0.994–1.008};",
+        MEMORY_RUNS,
+        (
+            "grow_ratio_llama3_8b_same_addresses",
+            "paired_round_median.grow_ratio_llama3_8b_same_addresses",
+        ),
+    ),
     Figure("and at {0.920–0.995}x the sequential raw loop", MEMORY_RUNS, "grow_ratio_llama3_8b"),
-    Figure("grows {48.8–53.2}x the raw loop (`grow_ratio_llama3_8b_contiguous`)", MEMORY_RUNS,
-           "grow_ratio_llama3_8b_contiguous"),
-    Figure("alloc + free costs {0.91}x vLLM's own `BlockPool` ({0.84}x without the lock) on the "
-           "CPU machine (`benchmarks/results/memory-host.json`; stale:", "memory-host.json",
-           ("alloc_free_ratio_thread_safe", "alloc_free_ratio")),
-    Figure("Two threads creating and mapping at once run at {0.911}x one thread in the median "
-           "round on the H200 ({0.782} in the best;", "h200/run12/driver-threads-h200.json",
-           ("ratio_over_serial_median.threads_2", "ratio_over_serial_best.threads_2")),
-    Figure("run {1.36–1.40}x faster with the grow lock than with a no-op in its place "
-           "(`grow_lock`, median rounds, runs 12–13)", RUNS_NOW,
-           "grow_lock.locked_over_unlocked_median_round"),
-    Figure("run at {0.80–0.84}x the raw loop in runs 12–13 (`grow_ratio_pooled`;", RUNS_NOW,
-           "grow_ratio_pooled"),
+    Figure(
+        "grows {48.8–53.2}x the raw loop (`grow_ratio_llama3_8b_contiguous`)",
+        MEMORY_RUNS,
+        "grow_ratio_llama3_8b_contiguous",
+    ),
+    Figure(
+        "alloc + free costs {0.91}x vLLM's own `BlockPool` ({0.84}x without the lock) on the "
+        "CPU machine (`benchmarks/results/memory-host.json`; stale:",
+        "memory-host.json",
+        ("alloc_free_ratio_thread_safe", "alloc_free_ratio"),
+    ),
+    Figure(
+        "Two threads creating and mapping at once run at {0.911}x one thread in the median "
+        "round on the H200 ({0.782} in the best;",
+        "h200/run12/driver-threads-h200.json",
+        ("ratio_over_serial_median.threads_2", "ratio_over_serial_best.threads_2"),
+    ),
+    Figure(
+        "run {1.36–1.40}x faster with the grow lock than with a no-op in its place "
+        "(`grow_lock`, median rounds, runs 12–13)",
+        RUNS_NOW,
+        "grow_lock.locked_over_unlocked_median_round",
+    ),
+    Figure(
+        "run at {0.80–0.84}x the raw loop in runs 12–13 (`grow_ratio_pooled`;",
+        RUNS_NOW,
+        "grow_ratio_pooled",
+    ),
     Figure("{0.80–0.91}x since the lock came,", MEMORY_RUNS_LOCKED, "grow_ratio_pooled"),
     Figure("run 4 before it: {0.53}x)", "h200/run4/memory-h200.json", "grow_ratio_pooled"),
     # layouts
-    Figure("contiguous over per-layer {1.003} with shuffled blocks, {1.001} with sequential "
-           "ones; against plain torch tensors, per-layer {1.000} and {1.003}, contiguous "
-           "{1.003} and {1.005}; a gather + SDPA read of sequential blocks {1.02} on contiguous",
-           "kv-layout-h200.json",
-           ("summary.triton_paged_shuffled.contiguous_over_per_layer",
+    Figure(
+        "contiguous over per-layer {1.003} with shuffled blocks, {1.001} with sequential "
+        "ones; against plain torch tensors, per-layer {1.000} and {1.003}, contiguous "
+        "{1.003} and {1.005}; a gather + SDPA read of sequential blocks {1.02} on contiguous",
+        "kv-layout-h200.json",
+        (
+            "summary.triton_paged_shuffled.contiguous_over_per_layer",
             "summary.triton_paged_sequential.contiguous_over_per_layer",
             "summary.triton_paged_shuffled.per_layer_over_native",
             "summary.triton_paged_sequential.per_layer_over_native",
             "summary.triton_paged_shuffled.contiguous_over_native",
             "summary.triton_paged_sequential.contiguous_over_native",
-            "summary.gather_sdpa_sequential.contiguous_over_per_layer")),
-    Figure("a contiguous page is one handle ({48.8–53.2}x the raw 2 MiB loop for a Llama-3-8B "
-           "page)", MEMORY_RUNS, "grow_ratio_llama3_8b_contiguous"),
-    Figure("where a per-layer page is one handle per layer and buffer ({0.934}x in run 13, the "
-           "latest)", "h200/run13/memory-h200.json", "grow_ratio_llama3_8b"),
-    Figure("KV writes up to {1.58}x slower on contiguous", "kv-layout-h200.json",
-           "summary.write_sequential.contiguous_over_per_layer"),
+            "summary.gather_sdpa_sequential.contiguous_over_per_layer",
+        ),
+    ),
+    Figure(
+        "a contiguous page is one handle ({48.8–53.2}x the raw 2 MiB loop for a Llama-3-8B page)",
+        MEMORY_RUNS,
+        "grow_ratio_llama3_8b_contiguous",
+    ),
+    Figure(
+        "where a per-layer page is one handle per layer and buffer ({0.934}x in run 13, the "
+        "latest)",
+        "h200/run13/memory-h200.json",
+        "grow_ratio_llama3_8b",
+    ),
+    Figure(
+        "KV writes up to {1.58}x slower on contiguous",
+        "kv-layout-h200.json",
+        "summary.write_sequential.contiguous_over_per_layer",
+    ),
     # ledger
-    Figure("One grant+refund pair costs {1.06} µs (p50) on the CPU machine; at 4 processes the "
-           "ledger runs {3.5}x the throughput", "ledger-host.json",
-           ("pair_p50_us", "speedup_vs_flock.4")),
+    Figure(
+        "One grant+refund pair costs {1.06} µs (p50) on the CPU machine; at 4 processes the "
+        "ledger runs {3.5}x the throughput",
+        "ledger-host.json",
+        ("pair_p50_us", "speedup_vs_flock.4"),
+    ),
 ]
 
 UNMEASURED: list[Unmeasured] = [
-    Unmeasured("Upstream made contiguous the CUDA default yet measured it 31% slower in "
-               "attention on one GPU", "upstream's own figure, quoted as theirs"),
+    Unmeasured(
+        "Upstream made contiguous the CUDA default yet measured it 31% slower in "
+        "attention on one GPU",
+        "upstream's own figure, quoted as theirs",
+    ),
 ]
 
 
@@ -132,8 +216,10 @@ def test_each_quoted_figure_is_what_its_file_says(figure):
 def test_no_figure_goes_unchecked():
     claims = [f.text for f in FIGURES] + [u.text for u in UNMEASURED]
     left = rf.unclaimed(README, claims)
-    assert not left, ("README figures no Figure in tests/test_readme_figures.py checks "
-                      f"(add one, or an Unmeasured entry saying why): {left}")
+    assert not left, (
+        "README figures no Figure in tests/test_readme_figures.py checks "
+        f"(add one, or an Unmeasured entry saying why): {left}"
+    )
 
 
 def test_the_readme_demo_output_is_the_committed_run():
@@ -146,12 +232,25 @@ def test_the_readme_demo_output_is_the_committed_run():
     assert not rf.provenance_problems(path, data)
     assert not data["provenance"].get("stale"), "re-run python benchmarks/demo.py"
     s = data["summary"]
-    summary = Summary(**{k: s[k] for k in (
-        "instances", "budget_bytes", "usable_bytes", "duration_s", "per_instance",
-        "peak_total_bytes", "sum_of_peaks_bytes", "static_capacity_bytes")})
+    summary = Summary(
+        **{
+            k: s[k]
+            for k in (
+                "instances",
+                "budget_bytes",
+                "usable_bytes",
+                "duration_s",
+                "per_instance",
+                "peak_total_bytes",
+                "sum_of_peaks_bytes",
+                "static_capacity_bytes",
+            )
+        }
+    )
     shown = render_summary(summary).strip("\n")
     assert f"```text\n{shown}\n```" in README, (
-        "the README's demo output is not demo-host.json's; paste this:\n" + shown)
+        "the README's demo output is not demo-host.json's; paste this:\n" + shown
+    )
 
 
 def test_every_result_file_records_where_it_came_from():
@@ -166,8 +265,12 @@ def test_every_result_file_records_where_it_came_from():
 def results(tmp_path, monkeypatch):
     monkeypatch.setattr(rf, "RESULTS", tmp_path)
     monkeypatch.setattr(rf, "ROOT", tmp_path)
-    prov = {"commit": "abc", "command": "python benchmarks/x.py", "machine": {"cpus": 2},
-            "load_average_start": [1, 1, 1]}
+    prov = {
+        "commit": "abc",
+        "command": "python benchmarks/x.py",
+        "machine": {"cpus": 2},
+        "load_average_start": [1, 1, 1],
+    }
 
     def write(name: str, stale: bool = False, **values) -> Path:
         path = tmp_path / name
@@ -175,6 +278,7 @@ def results(tmp_path, monkeypatch):
         block = dict(prov, **({"stale": "code changed"} if stale else {}))
         path.write_text(json.dumps({**values, "provenance": block}))
         return path
+
     return write
 
 
@@ -190,12 +294,13 @@ def test_a_range_must_reach_every_run_outliers_included(results):
     for i, v in enumerate((0.914, 0.87, 0.951)):
         results(f"run{i}/m.json", grow=v)
     readme = "at 0.87–0.95x over three runs, or 0.88–0.95x"
-    assert not rf.check(Figure("at {0.87–0.95}x over {#three} runs", "run*/m.json", "grow"),
-                        readme)
+    assert not rf.check(Figure("at {0.87–0.95}x over {#three} runs", "run*/m.json", "grow"), readme)
     dropped = rf.check(Figure("or {0.88–0.95}x", "run*/m.json", "grow"), readme)
     assert dropped and "0.87..0.951" in dropped[0]
-    miscount = rf.check(Figure("at {0.87–0.95}x over {#four} runs", "run*/m.json", "grow"),
-                        "at 0.87–0.95x over four runs")
+    miscount = rf.check(
+        Figure("at {0.87–0.95}x over {#four} runs", "run*/m.json", "grow"),
+        "at 0.87–0.95x over four runs",
+    )
     assert miscount and "3 files" in miscount[0]
 
 
@@ -211,11 +316,14 @@ def test_text_missing_from_the_readme_and_files_without_provenance_fail(results,
     results("a.json", ratio=2.0)
     assert "not in the README" in rf.check(Figure("is {2.0}x", "a.json", "ratio"), "is 3x")[0]
     (tmp_path / "bare.json").write_text(json.dumps({"ratio": 2.0}))
-    assert any("no provenance" in p
-               for p in rf.check(Figure("is {2.0}x", "bare.json", "ratio"), "is 2.0x"))
+    assert any(
+        "no provenance" in p for p in rf.check(Figure("is {2.0}x", "bare.json", "ratio"), "is 2.0x")
+    )
 
 
 def test_unclaimed_finds_ratios_microseconds_and_bold_numbers_outside_code():
-    readme = ("Fast: **1.5x** and 3 µs, 40% of it.\n\n```\n9.9x in code\n```\n"
-              "<!-- 7x hidden -->\nChecked: 2.0x here.\n")
+    readme = (
+        "Fast: **1.5x** and 3 µs, 40% of it.\n\n```\n9.9x in code\n```\n"
+        "<!-- 7x hidden -->\nChecked: 2.0x here.\n"
+    )
     assert rf.unclaimed(readme, ["Checked: {2.0}x here."]) == ["**1.5x**", "1.5x", "3 µs", "40%"]

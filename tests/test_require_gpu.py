@@ -22,9 +22,14 @@ def run_pytest(require: str | None) -> subprocess.CompletedProcess:
     if require is not None:
         env[cuda_marks.REQUIRE_VARIABLE] = require
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider",
-                           *GPU_MODULES], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", *GPU_MODULES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.skipif(cuda_marks.has_torch_gpu(), reason="a GPU is here: nothing would skip")

@@ -21,8 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def kvcached(*args: str, **env: str) -> subprocess.CompletedProcess:
     full = dict(os.environ, KVCACHED_DRIVER="host", PYTHONPATH=ROOT, **env)
-    return subprocess.run([sys.executable, "-m", "kvcached", *args], capture_output=True,
-                          text=True, timeout=120, env=full)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcached", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+    )
 
 
 @pytest.mark.parametrize("value", ["1K", "1M", "99999999999999999999999999", "9000T"])
@@ -47,8 +52,9 @@ def test_kvcached_info_with_a_tiny_capacity_is_a_clear_usage_error():
 
 
 def test_kvcached_info_uses_the_host_device_variable():
-    out = kvcached("info", "--json", "--pages", "1", KVCACHED_HOST_CAPACITY="64M",
-                   KVCACHED_HOST_DEVICE="7")
+    out = kvcached(
+        "info", "--json", "--pages", "1", KVCACHED_HOST_CAPACITY="64M", KVCACHED_HOST_DEVICE="7"
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["device"]["pci_bus_id"] == "host-7"
 
@@ -64,11 +70,18 @@ def test_open_kv_cache_uses_the_host_device_variable(tmp_path):
         "print(cache.budget.ledger_path)\n"
         "close_kv_cache(cache)\n"
     )
-    env = dict(os.environ, KVCACHED_DRIVER="host", KVCACHED_HOST_DEVICE="9",
-               KVCACHED_HOST_CAPACITY="64M", KVCACHED_LEDGER_DIR=str(tmp_path),
-               KVCACHED_IPC_NAME="hostdev-test", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=env)
+    env = dict(
+        os.environ,
+        KVCACHED_DRIVER="host",
+        KVCACHED_HOST_DEVICE="9",
+        KVCACHED_HOST_CAPACITY="64M",
+        KVCACHED_LEDGER_DIR=str(tmp_path),
+        KVCACHED_IPC_NAME="hostdev-test",
+        PYTHONPATH=ROOT,
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("kvcached-ledger-host-9")
 
@@ -91,15 +104,17 @@ def test_no_ledger_is_created_for_an_absurd_device(tmp_path, free, total):
 def test_a_total_that_differs_names_the_variable_that_differs(tmp_path, caplog):
     first = Ledger.open("host-4", Device(GIB, GIB), directory=str(tmp_path), gpu_utilization=0.9)
     with caplog.at_level(logging.WARNING, logger="kvcached.ledger"):
-        second = Ledger.open("host-4", Device(2 * GIB, 2 * GIB), directory=str(tmp_path),
-                             gpu_utilization=0.9)
+        second = Ledger.open(
+            "host-4", Device(2 * GIB, 2 * GIB), directory=str(tmp_path), gpu_utilization=0.9
+        )
     text = " ".join(r.message for r in caplog.records)
     assert "KVCACHED_HOST_CAPACITY" in text and "KVCACHED_GPU_UTILIZATION" not in text
     assert second.total_bytes == GIB  # the ledger's own total is kept
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvcached.ledger"):
-        third = Ledger.open("host-4", Device(GIB, GIB), directory=str(tmp_path),
-                            gpu_utilization=0.5)
+        third = Ledger.open(
+            "host-4", Device(GIB, GIB), directory=str(tmp_path), gpu_utilization=0.5
+        )
     assert "KVCACHED_GPU_UTILIZATION" in " ".join(r.message for r in caplog.records)
     for led in (first, second, third):
         led.close()

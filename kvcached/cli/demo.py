@@ -81,25 +81,37 @@ class Summary:
         return sum(int(p[key]) for p in self.per_instance)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"instances": self.instances, "budget_bytes": self.budget_bytes,
-                "usable_bytes": self.usable_bytes, "duration_s": self.duration_s, "per_instance": self.per_instance,
-                "peak_total_bytes": self.peak_total_bytes,
-                "sum_of_peaks_bytes": self.sum_of_peaks_bytes,
-                "reused_bytes": self.reused_bytes,
-                "static_capacity_bytes": self.static_capacity_bytes,
-                "kvcached": {"misses": self.total("misses"), "delayed": self.total("delayed"),
-                             "requests": self.total("requests")},
-                "static_split": {"misses": self.total("static_misses"),
-                                 "delayed": self.total("static_delayed"),
-                                 "requests": self.total("requests")}}
+        return {
+            "instances": self.instances,
+            "budget_bytes": self.budget_bytes,
+            "usable_bytes": self.usable_bytes,
+            "duration_s": self.duration_s,
+            "per_instance": self.per_instance,
+            "peak_total_bytes": self.peak_total_bytes,
+            "sum_of_peaks_bytes": self.sum_of_peaks_bytes,
+            "reused_bytes": self.reused_bytes,
+            "static_capacity_bytes": self.static_capacity_bytes,
+            "kvcached": {
+                "misses": self.total("misses"),
+                "delayed": self.total("delayed"),
+                "requests": self.total("requests"),
+            },
+            "static_split": {
+                "misses": self.total("static_misses"),
+                "delayed": self.total("static_delayed"),
+                "requests": self.total("requests"),
+            },
+        }
 
 
 # ``python -m`` (or ``-c``) puts the working directory first on sys.path, so a
 # ``kvcached/`` folder there (the clone, seen from its parent) would shadow the
 # package. The worker's first path entry is the directory this very kvcached was
 # imported from instead: it runs the parent's code, wherever the demo is started.
-_WORKER_BOOT = ("import sys; sys.path[0] = sys.argv.pop(1); "
-                "from kvcached.cli.demo_worker import main; sys.exit(main())")
+_WORKER_BOOT = (
+    "import sys; sys.path[0] = sys.argv.pop(1); "
+    "from kvcached.cli.demo_worker import main; sys.exit(main())"
+)
 
 
 def _package_root() -> str:
@@ -115,21 +127,30 @@ def _host_index() -> int:
     return 1000 + os.getpid() % 1_000_000
 
 
-def _start_worker(name: str, index: int, budget: int, ledger_dir: str,
-                  window: tuple[float, float]) -> Worker:
+def _start_worker(
+    name: str, index: int, budget: int, ledger_dir: str, window: tuple[float, float]
+) -> Worker:
     env = dict(os.environ)
-    env.update({
-        "KVCACHED_DRIVER": "host",
-        "KVCACHED_LEDGER_DIR": ledger_dir,
-        "KVCACHED_IPC_NAME": name,
-        "KVCACHED_LOG_LEVEL": "ERROR",
-    })
+    env.update(
+        {
+            "KVCACHED_DRIVER": "host",
+            "KVCACHED_LEDGER_DIR": ledger_dir,
+            "KVCACHED_IPC_NAME": name,
+            "KVCACHED_LOG_LEVEL": "ERROR",
+        }
+    )
     fd, stderr_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=ledger_dir)
-    cmd = [sys.executable, "-c", _WORKER_BOOT, _package_root(),
-           json.dumps({"index": index, "capacity": budget})]
+    cmd = [
+        sys.executable,
+        "-c",
+        _WORKER_BOOT,
+        _package_root(),
+        json.dumps({"index": index, "capacity": budget}),
+    ]
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd,
-                                env=env, text=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd, env=env, text=True
+        )
     finally:
         os.close(fd)
     return Worker(name, proc, stderr_path, window)
@@ -211,17 +232,26 @@ def _validate(duration_s: float, instances: int, budget: int) -> None:
             f"holds {format_bytes(at_rest)} at rest (its first page and "
             f"KVCACHED_MIN_RESERVED_PAGES={config.min_reserved_pages} reserved pages of "
             f"{format_bytes(demo_page_bytes())}) within what the ledger's safety margin "
-            f"leaves; raise --budget to {-(-need // MIB)}M or more, or use fewer --instances")
+            f"leaves; raise --budget to {-(-need // MIB)}M or more, or use fewer --instances"
+        )
     from kvcached.driver.host import available_ram
 
     if budget > available_ram() // 2:
-        raise DemoError(f"--budget {format_bytes(budget)}: more than half of this machine's "
-                        f"available memory ({format_bytes(available_ram())}); pick a smaller one")
+        raise DemoError(
+            f"--budget {format_bytes(budget)}: more than half of this machine's "
+            f"available memory ({format_bytes(available_ram())}); pick a smaller one"
+        )
 
 
-def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_INSTANCES,
-             budget: int = DEFAULT_BUDGET, seed: int = 1, as_json: bool = False,
-             out: TextIO | None = None, full_screen: bool | None = None) -> int:
+def run_demo(
+    duration_s: float = DEFAULT_DURATION_S,
+    instances: int = DEFAULT_INSTANCES,
+    budget: int = DEFAULT_BUDGET,
+    seed: int = 1,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    full_screen: bool | None = None,
+) -> int:
     """Run the demo; returns the exit code (0 done or stopped with q, 1 an
     instance failed, 2 bad options, 130 interrupted by Ctrl-C)."""
     from kvcached.cli.screen import Screen
@@ -247,9 +277,13 @@ def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_IN
             w = _start_worker(name, index, budget, ledger_dir, window)
             workers.append(w)
             threading.Thread(target=_reader, args=(w, inbox), daemon=True).start()
-        print(f"kvcached demo: starting {instances} instances that share a "
-              f"{format_bytes(budget)} budget on device host-{index} "
-              f"(host backend, no GPU)...", file=log, flush=True)
+        print(
+            f"kvcached demo: starting {instances} instances that share a "
+            f"{format_bytes(budget)} budget on device host-{index} "
+            f"(host backend, no GPU)...",
+            file=log,
+            flush=True,
+        )
         failed = _await(workers, inbox, "ready", time.monotonic() + READY_TIMEOUT_S)
         if failed:
             print(f"kvcached demo: {failed}", file=sys.stderr)
@@ -261,13 +295,18 @@ def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_IN
         t0 = time.time() + 0.3
         for i, w in enumerate(workers):
             w.trace = bursty_trace(seed * 1000 + i, ticks, TICK_S, w.window, budget_blocks)
-            plan = {"t0": t0, "tick_s": TICK_S, "ticks": ticks,
-                    "trace": [[r.arrival, r.prompt, r.steps, r.grow_every] for r in w.trace]}
+            plan = {
+                "t0": t0,
+                "tick_s": TICK_S,
+                "ticks": ticks,
+                "trace": [[r.arrival, r.prompt, r.steps, r.grow_every] for r in w.trace],
+            }
             assert w.proc.stdin is not None
             w.proc.stdin.write(json.dumps(plan) + "\n")
             w.proc.stdin.flush()
-        peak_total, usable, stopped = _watch(workers, inbox, sampler, screen, t0, duration_s,
-                                             budget, index, as_json)
+        peak_total, usable, stopped = _watch(
+            workers, inbox, sampler, screen, t0, duration_s, budget, index, as_json
+        )
         if stopped:  # q pressed
             print("kvcached demo: stopped before the end; no summary", file=sys.stderr)
             return 0
@@ -275,8 +314,9 @@ def run_demo(duration_s: float = DEFAULT_DURATION_S, instances: int = DEFAULT_IN
         if failed:
             print(f"kvcached demo: {failed}", file=sys.stderr)
             return 1
-        summary = _summarize(workers, budget, usable or budget, duration_s, ticks, page_bytes,
-                             bpp, peak_total)
+        summary = _summarize(
+            workers, budget, usable or budget, duration_s, ticks, page_bytes, bpp, peak_total
+        )
         if as_json:
             out.write(json.dumps(summary.as_dict(), indent=2) + "\n")
         else:
@@ -335,8 +375,17 @@ def _await(workers: list[Worker], inbox: queue.Queue, key: str, deadline: float)
     return None
 
 
-def _watch(workers: list[Worker], inbox: queue.Queue, sampler: _Sampler, screen, t0: float,
-           duration_s: float, budget: int, index: int, as_json: bool) -> tuple[int, int, bool]:
+def _watch(
+    workers: list[Worker],
+    inbox: queue.Queue,
+    sampler: _Sampler,
+    screen,
+    t0: float,
+    duration_s: float,
+    budget: int,
+    index: int,
+    as_json: bool,
+) -> tuple[int, int, bool]:
     """Sample the ledger and draw the view until every worker is done.
     Returns ``(peak of the total charge, the device's memory less the
     ledger's safety margin, stopped by the user)``."""
@@ -374,17 +423,32 @@ def _watch(workers: list[Worker], inbox: queue.Queue, sampler: _Sampler, screen,
                 t = max(0.0, time.time() - t0)
                 if screen.full:
                     order = {w.name: i for i, w in enumerate(workers)}
-                    rows = sorted((r for r in instance_rows(
-                        [s for s in read_snapshots() if s.pid in pids],
-                        [snap] if snap else []) if r.name in order),
-                        key=lambda r: order[r.name])
+                    rows = sorted(
+                        (
+                            r
+                            for r in instance_rows(
+                                [s for s in read_snapshots() if s.pid in pids],
+                                [snap] if snap else [],
+                            )
+                            if r.name in order
+                        ),
+                        key=lambda r: order[r.name],
+                    )
                     cols, lines = screen.size()
-                    screen.draw(render_top(
-                        rows, gpu_rows([snap] if snap else []), width=cols, height=lines,
-                        title=(f"kvcached demo   {len(workers)} instances share "
-                               f"{format_bytes(budget)} on host-{index}   "
-                               f"{min(t, duration_s):4.1f} s of {duration_s:g} s   q stops"),
-                        footer=_footer(workers, t)))
+                    screen.draw(
+                        render_top(
+                            rows,
+                            gpu_rows([snap] if snap else []),
+                            width=cols,
+                            height=lines,
+                            title=(
+                                f"kvcached demo   {len(workers)} instances share "
+                                f"{format_bytes(budget)} on host-{index}   "
+                                f"{min(t, duration_s):4.1f} s of {duration_s:g} s   q stops"
+                            ),
+                            footer=_footer(workers, t),
+                        )
+                    )
                 else:
                     screen.draw(_progress_line(workers, snap, t, budget))
             if now > deadline:
@@ -400,22 +464,36 @@ def _load_now(w: Worker, t: float) -> str:
 
 def _footer(workers: list[Worker], t: float) -> list[str]:
     load = "   ".join(f"{w.name} {_load_now(w, t)}" for w in workers)
-    return [f"load now: {load}",
-            f"peaks so far: {'   '.join(f'{w.name} {format_bytes(w.peak_bytes)}' for w in workers)}",
-            "try, in another terminal: kvctl list   kvctl limit demo-chat 128M"]
+    return [
+        f"load now: {load}",
+        f"peaks so far: {'   '.join(f'{w.name} {format_bytes(w.peak_bytes)}' for w in workers)}",
+        "try, in another terminal: kvctl list   kvctl limit demo-chat 128M",
+    ]
 
 
 def _progress_line(workers: list[Worker], snap, t: float, budget: int) -> str:
     charged = {i.name: i.charged for i in snap.instances} if snap else {}
-    parts = [f"{w.name} {format_bytes(charged.get(w.name, 0)):>10} ({_load_now(w, t)})"
-             for w in workers]
+    parts = [
+        f"{w.name} {format_bytes(charged.get(w.name, 0)):>10} ({_load_now(w, t)})" for w in workers
+    ]
     total = sum(charged.get(w.name, 0) for w in workers)
-    return (f"t={t:5.1f}s  " + "  ".join(parts) +
-            f"  total {format_bytes(total)} of {format_bytes(budget)}")
+    return (
+        f"t={t:5.1f}s  "
+        + "  ".join(parts)
+        + f"  total {format_bytes(total)} of {format_bytes(budget)}"
+    )
 
 
-def _summarize(workers: list[Worker], budget: int, usable: int, duration_s: float,
-               ticks: int, page_bytes: int, bpp: int, peak_total: int) -> Summary:
+def _summarize(
+    workers: list[Worker],
+    budget: int,
+    usable: int,
+    duration_s: float,
+    ticks: int,
+    page_bytes: int,
+    bpp: int,
+    peak_total: int,
+) -> Summary:
     n = len(workers)
     static_bytes = usable // n  # the same usable memory, split evenly
     static_blocks = max(0, static_bytes // page_bytes * bpp - 1)  # less the null block
@@ -423,13 +501,30 @@ def _summarize(workers: list[Worker], budget: int, usable: int, duration_s: floa
     for w in workers:
         assert w.result is not None
         static = replay(w.trace, static_blocks, ticks)
-        rows.append({"name": w.name, "burst_s": [round(x, 1) for x in w.window],
-                     "peak_bytes": w.peak_bytes, "requests": w.result["requests"],
-                     "delayed": w.result["delayed"], "misses": w.result["misses"],
-                     "preempted": w.result["preempted"], "static_delayed": static.delayed,
-                     "static_misses": static.misses, "static_preempted": static.preempted})
-    return Summary(n, budget, usable, duration_s, rows, peak_total, sum(w.peak_bytes for w in workers),
-                   static_bytes)
+        rows.append(
+            {
+                "name": w.name,
+                "burst_s": [round(x, 1) for x in w.window],
+                "peak_bytes": w.peak_bytes,
+                "requests": w.result["requests"],
+                "delayed": w.result["delayed"],
+                "misses": w.result["misses"],
+                "preempted": w.result["preempted"],
+                "static_delayed": static.delayed,
+                "static_misses": static.misses,
+                "static_preempted": static.preempted,
+            }
+        )
+    return Summary(
+        n,
+        budget,
+        usable,
+        duration_s,
+        rows,
+        peak_total,
+        sum(w.peak_bytes for w in workers),
+        static_bytes,
+    )
 
 
 def render_summary(s: Summary) -> str:
@@ -438,8 +533,16 @@ def render_summary(s: Summary) -> str:
     table = [head]
     for p in s.per_instance:
         a, b = p["burst_s"]
-        table.append((p["name"], f"{a:.1f}-{b:.1f} s", format_bytes(p["peak_bytes"]),
-                      str(p["requests"]), str(p["delayed"]), str(p["misses"])))
+        table.append(
+            (
+                p["name"],
+                f"{a:.1f}-{b:.1f} s",
+                format_bytes(p["peak_bytes"]),
+                str(p["requests"]),
+                str(p["delayed"]),
+                str(p["misses"]),
+            )
+        )
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines = [
         "",
@@ -449,10 +552,16 @@ def render_summary(s: Summary) -> str:
         f"{s.duration_s:g} s. Each had a burst of requests",
         "at its own time; every block came from the real block manager, charged to the real "
         "ledger.",
-        ""]
+        "",
+    ]
     for r in table:
-        lines.append("  " + "  ".join(c.rjust(w) if i >= 2 else c.ljust(w)
-                                      for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        lines.append(
+            "  "
+            + "  ".join(
+                c.rjust(w) if i >= 2 else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
     req = s.total("requests")
     pct = s.peak_total_bytes / s.usable_bytes * 100 if s.usable_bytes else 0.0
     lines += [

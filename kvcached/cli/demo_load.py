@@ -59,9 +59,15 @@ def _poisson(rng: random.Random, lam: float) -> int:
         k += 1
 
 
-def bursty_trace(seed: int, ticks: int, tick_s: float, burst: tuple[float, float],
-                 budget_blocks: int, burst_share: float = BURST_SHARE,
-                 base_share: float = BASE_SHARE) -> list[Request]:
+def bursty_trace(
+    seed: int,
+    ticks: int,
+    tick_s: float,
+    burst: tuple[float, float],
+    budget_blocks: int,
+    burst_share: float = BURST_SHARE,
+    base_share: float = BASE_SHARE,
+) -> list[Request]:
     """Requests for one instance: a low base load throughout and a burst in
     ``burst`` (seconds) that asks for about ``burst_share`` of the budget."""
     rng = random.Random(seed)
@@ -101,8 +107,12 @@ class Served:
     of the queue to start over), as vLLM does, so a full cache never
     deadlocks with every request waiting for a block."""
 
-    def __init__(self, trace: Sequence[Request], alloc: Callable[[int], list[int] | None],
-                 free: Callable[[list[int]], None]) -> None:
+    def __init__(
+        self,
+        trace: Sequence[Request],
+        alloc: Callable[[int], list[int] | None],
+        free: Callable[[list[int]], None],
+    ) -> None:
         self._pending = deque(sorted(trace, key=lambda r: r.arrival))
         self._waiting: deque[Request] = deque()
         self._running: list[_Active] = []  # in order of admission

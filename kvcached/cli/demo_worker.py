@@ -56,12 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     driver = HostDriver(index=config["index"], capacity=config["capacity"])
     # Every instance reserves address space for the whole budget: any of them
     # may grow into all of it while the others are quiet.
-    cache = open_kv_cache(spec, engine="kvcached-demo", driver=driver,
-                          capacity_bytes=config["capacity"], layout=True)
+    cache = open_kv_cache(
+        spec, engine="kvcached-demo", driver=driver, capacity_bytes=config["capacity"], layout=True
+    )
     instance = get_instance()
     try:
-        _say({"ready": True, "name": instance.name, "page_bytes": cache.geometry.page_bytes,
-              "blocks_per_page": cache.blocks_per_page, "num_blocks": cache.num_blocks})
+        _say(
+            {
+                "ready": True,
+                "name": instance.name,
+                "page_bytes": cache.geometry.page_bytes,
+                "blocks_per_page": cache.blocks_per_page,
+                "num_blocks": cache.num_blocks,
+            }
+        )
         line = sys.stdin.readline()
         if not line:
             return 0  # the demo went away before it started
@@ -79,11 +87,20 @@ def main(argv: list[str] | None = None) -> int:
             source.misses = served.misses  # published in the snapshot
             peak_mapped = max(peak_mapped, cache.usage().bytes_mapped)
         served.finish()
-        _say({"done": True, "name": instance.name, "requests": served.requests,
-              "admitted": served.admitted, "finished": served.finished,
-              "delayed": served.delayed, "misses": served.misses,
-              "preempted": served.preempted, "peak_blocks": served.peak_blocks,
-              "peak_mapped_bytes": peak_mapped})
+        _say(
+            {
+                "done": True,
+                "name": instance.name,
+                "requests": served.requests,
+                "admitted": served.admitted,
+                "finished": served.finished,
+                "delayed": served.delayed,
+                "misses": served.misses,
+                "preempted": served.preempted,
+                "peak_blocks": served.peak_blocks,
+                "peak_mapped_bytes": peak_mapped,
+            }
+        )
         return 0
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the demo reports
         return 130

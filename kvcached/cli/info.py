@@ -116,14 +116,19 @@ def info(as_json: bool = False, pages: int = 8, backend: str | None = None) -> i
         print(f"bus id       {device.pci_bus_id}")
         print(f"granularity  {format_bytes(device.granularity)}")
         print(f"memory       {format_bytes(free)} free of {format_bytes(total)}")
-        print(f"check        {check.pages} pages mapped, written and read back: "
-              f"{'ok' if check.data_ok else 'DATA MISMATCH'}")
+        print(
+            f"check        {check.pages} pages mapped, written and read back: "
+            f"{'ok' if check.data_ok else 'DATA MISMATCH'}"
+        )
         print("driver calls (p50 per call):")
         for call, us in check.call_us.items():
             print(f"  {call:<17}{us:>10.2f} µs")
     if not ok:
-        print("kvcached info: the data read back differs from what was written, or an "
-              "unmapped range did not read zeros", file=sys.stderr)
+        print(
+            "kvcached info: the data read back differs from what was written, or an "
+            "unmapped range did not read zeros",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 

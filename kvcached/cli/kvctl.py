@@ -39,75 +39,127 @@ _Parser = OneLineParser
 def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print JSON instead of text")
-    common.add_argument("--ledger-dir", metavar="DIR",
-                        help="read the ledgers in DIR only (default: KVCACHED_LEDGER_DIR and "
-                             "the directories live instances publish)")
-    common.add_argument("--timeout", type=float, default=2.0, metavar="SEC",
-                        help="seconds to wait for ledgers whose lock another process holds, "
-                             "before reading them without it (default 2)")
+    common.add_argument(
+        "--ledger-dir",
+        metavar="DIR",
+        help="read the ledgers in DIR only (default: KVCACHED_LEDGER_DIR and "
+        "the directories live instances publish)",
+    )
+    common.add_argument(
+        "--timeout",
+        type=float,
+        default=2.0,
+        metavar="SEC",
+        help="seconds to wait for ledgers whose lock another process holds, "
+        "before reading them without it (default 2)",
+    )
     return common
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
-    parser = _Parser(prog=PROG, description="See and limit the kvcached instances on this "
-                     "machine (no GPU or engine needed).")
+    parser = _Parser(
+        prog=PROG,
+        description="See and limit the kvcached instances on this "
+        "machine (no GPU or engine needed).",
+    )
     from kvcached import __version__
 
     parser.add_argument("--version", action="version", version=f"kvctl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    p = sub.add_parser("list", parents=[common], help="a table of instances (alias: ls)",
-                       aliases=["ls"])
+    p = sub.add_parser(
+        "list", parents=[common], help="a table of instances (alias: ls)", aliases=["ls"]
+    )
     p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
 
     p = sub.add_parser("status", parents=[common], help="everything about one instance")
     p.add_argument("name", metavar="NAME")
 
-    p = sub.add_parser("limit", parents=[common],
-                       help="set an instance's limit on each GPU it uses: SIZE (512M, 2G, "
-                            "1.5g, bytes), none to remove it, or --percent P")
+    p = sub.add_parser(
+        "limit",
+        parents=[common],
+        help="set an instance's limit on each GPU it uses: SIZE (512M, 2G, "
+        "1.5g, bytes), none to remove it, or --percent P",
+    )
     p.add_argument("name", metavar="NAME")
-    p.add_argument("size", metavar="SIZE", nargs="?",
-                   help="512M, 2G, 1.5g or bytes; none removes the limit")
-    p.add_argument("--percent", type=float, metavar="P",
-                   help="P percent of each GPU's memory instead of SIZE")
+    p.add_argument(
+        "size", metavar="SIZE", nargs="?", help="512M, 2G, 1.5g or bytes; none removes the limit"
+    )
+    p.add_argument(
+        "--percent", type=float, metavar="P", help="P percent of each GPU's memory instead of SIZE"
+    )
     _limit_options(p)
 
-    p = sub.add_parser("limit-percent", parents=[common],
-                       help="set an instance's limit to P percent of each GPU's memory")
+    p = sub.add_parser(
+        "limit-percent",
+        parents=[common],
+        help="set an instance's limit to P percent of each GPU's memory",
+    )
     p.add_argument("name", metavar="NAME")
     p.add_argument("percent", type=float, metavar="P")
     _limit_options(p)
 
     p = sub.add_parser("watch", parents=[common], help="the list table, refreshed")
-    p.add_argument("-n", "--interval", type=float, default=1.0, metavar="SEC",
-                   help="seconds between refreshes (default 1)")
+    p.add_argument(
+        "-n",
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SEC",
+        help="seconds between refreshes (default 1)",
+    )
     p.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
 
     for name in ("top", "kvtop"):
-        p = sub.add_parser(name, parents=[common],
-                           help="full-screen live view: a usage bar per GPU and instance"
-                           if name == "top" else "same as top (upstream's name)")
-        p.add_argument("-r", "--refresh", "-n", "--interval", dest="interval", type=float,
-                       default=1.0, metavar="SEC", help="seconds between refreshes (default 1)")
+        p = sub.add_parser(
+            name,
+            parents=[common],
+            help="full-screen live view: a usage bar per GPU and instance"
+            if name == "top"
+            else "same as top (upstream's name)",
+        )
+        p.add_argument(
+            "-r",
+            "--refresh",
+            "-n",
+            "--interval",
+            dest="interval",
+            type=float,
+            default=1.0,
+            metavar="SEC",
+            help="seconds between refreshes (default 1)",
+        )
         p.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
         p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
 
-    sub.add_parser("gpus", parents=[common],
-                   help="each GPU's ledger: budget, margin, charges, last calibration")
-    sub.add_parser("metrics", parents=[common],
-                   help="instances and GPUs in the Prometheus text format")
+    sub.add_parser(
+        "gpus",
+        parents=[common],
+        help="each GPU's ledger: budget, margin, charges, last calibration",
+    )
+    sub.add_parser(
+        "metrics", parents=[common], help="instances and GPUs in the Prometheus text format"
+    )
     return parser
 
 
 def _limit_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--revision", type=int, metavar="N",
-                   help="write at revision N (default: the stored one + 1); an older N is "
-                        "'stale', the same N with another value a 'conflict'")
-    p.add_argument("--wait", type=float, default=3.0, metavar="SEC",
-                   help="seconds to wait for usage to come within the limit (default 3)")
+    p.add_argument(
+        "--revision",
+        type=int,
+        metavar="N",
+        help="write at revision N (default: the stored one + 1); an older N is "
+        "'stale', the same N with another value a 'conflict'",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=3.0,
+        metavar="SEC",
+        help="seconds to wait for usage to come within the limit (default 3)",
+    )
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -148,8 +200,9 @@ def _not_running(names: list[str] | tuple[str, ...]) -> UsageError:
     if not running:
         return UsageError("no kvcached instance is running on this machine")
     wanted = ", ".join(repr(n) for n in names)
-    return UsageError(f"no kvcached instance named {wanted} is running; running: "
-                      f"{', '.join(running)}")
+    return UsageError(
+        f"no kvcached instance named {wanted} is running; running: {', '.join(running)}"
+    )
 
 
 def parse_limit(text: str | None) -> int | None:
@@ -165,8 +218,10 @@ def parse_limit(text: str | None) -> int | None:
     from kvcached.control.limits import MAX_LIMIT_BYTES
 
     if not 0 < value <= MAX_LIMIT_BYTES:
-        raise UsageError(f"limit: SIZE {text!r} is out of range: give 1 byte to "
-                         f"{MAX_LIMIT_BYTES} bytes (8 EiB), or none to remove the limit")
+        raise UsageError(
+            f"limit: SIZE {text!r} is out of range: give 1 byte to "
+            f"{MAX_LIMIT_BYTES} bytes (8 EiB), or none to remove the limit"
+        )
     return value
 
 
@@ -178,8 +233,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     _warn(problems)
     missing = [n for n in dict.fromkeys(args.names) if n not in {r.name for r in rows}]
     if not rows and (missing or not args.json):
-        raise _not_running(missing) if missing else UsageError(
-            "no kvcached instance is running on this machine")
+        raise (
+            _not_running(missing)
+            if missing
+            else UsageError("no kvcached instance is running on this machine")
+        )
     if args.json:
         _print_json([r.as_dict() for r in rows])  # nothing running: [] (an answer, not an error)
     else:
@@ -225,8 +283,15 @@ def cmd_limit(args: argparse.Namespace) -> int:
     try:
         if not args.timeout > 0:
             raise UsageError(f"limit: --timeout {args.timeout:g} must be above 0 seconds")
-        result = set_limit(args.name, limit, percent=percent, revision=args.revision,
-                           directory=args.ledger_dir, wait_s=args.wait, timeout=args.timeout)
+        result = set_limit(
+            args.name,
+            limit,
+            percent=percent,
+            revision=args.revision,
+            directory=args.ledger_dir,
+            wait_s=args.wait,
+            timeout=args.timeout,
+        )
     except InstanceNotFoundError:
         raise _not_running([args.name]) from None
     if args.json:
@@ -238,8 +303,10 @@ def cmd_limit(args: argparse.Namespace) -> int:
             if d.status == LimitStatus.APPLIED:
                 line += f"applied, {format_bytes(d.charged_bytes)} in use"
             elif d.status == LimitStatus.DEFERRED:
-                line += (f"deferred, {format_bytes(d.charged_bytes)} still in use: growth is "
-                         "blocked and memory is released as its blocks are freed")
+                line += (
+                    f"deferred, {format_bytes(d.charged_bytes)} still in use: growth is "
+                    "blocked and memory is released as its blocks are freed"
+                )
             elif d.status == LimitStatus.STALE:
                 line += "stale, a newer revision is stored; nothing written"
             else:
@@ -260,8 +327,16 @@ def _live(args: argparse.Namespace, render_text) -> int:
         with ctrl_c_sets() as stop:
             while not stop.is_set():
                 rows, gpus, _ = _gather(args, args.names)
-                print(json.dumps({"time": time.time(), "instances": [r.as_dict() for r in rows],
-                                  "gpus": [g.as_dict() for g in gpus]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "time": time.time(),
+                            "instances": [r.as_dict() for r in rows],
+                            "gpus": [g.as_dict() for g in gpus],
+                        }
+                    ),
+                    flush=True,
+                )
                 n += 1
                 if args.count is not None and n >= args.count:
                     return 0
@@ -288,8 +363,9 @@ def cmd_top(args: argparse.Namespace) -> int:
 
     def render(cols: int, lines: int) -> str:
         rows, gpus, problems = _gather(args, args.names)
-        return render_top(rows, gpus, width=cols, height=lines,
-                          footer=[f"warning: {p}" for p in problems])
+        return render_top(
+            rows, gpus, width=cols, height=lines, footer=[f"warning: {p}" for p in problems]
+        )
 
     return _live(args, render)
 
@@ -303,8 +379,10 @@ def cmd_gpus(args: argparse.Namespace) -> int:
         where = ", ".join(ledger_dirs(args.ledger_dir))
         if problems:
             raise UsageError(problems[0])
-        raise UsageError(f"no kvcached ledger in {where} (no kvcached instance has used a GPU "
-                         "here; KVCACHED_LEDGER_DIR or --ledger-dir names the directory)")
+        raise UsageError(
+            f"no kvcached ledger in {where} (no kvcached instance has used a GPU "
+            "here; KVCACHED_LEDGER_DIR or --ledger-dir names the directory)"
+        )
     if args.json:
         _print_json([g.as_dict() for g in gpus])
     else:
@@ -329,9 +407,16 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "list": cmd_list, "ls": cmd_list, "status": cmd_status, "limit": cmd_limit,
-    "limit-percent": cmd_limit, "watch": cmd_watch, "top": cmd_top, "kvtop": cmd_top,
-    "gpus": cmd_gpus, "metrics": cmd_metrics,
+    "list": cmd_list,
+    "ls": cmd_list,
+    "status": cmd_status,
+    "limit": cmd_limit,
+    "limit-percent": cmd_limit,
+    "watch": cmd_watch,
+    "top": cmd_top,
+    "kvtop": cmd_top,
+    "gpus": cmd_gpus,
+    "metrics": cmd_metrics,
 }
 
 

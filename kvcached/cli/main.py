@@ -18,34 +18,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcached {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     p_demo = sub.add_parser(
-        "demo", help="watch several instances share one memory budget (no GPU needed)",
+        "demo",
+        help="watch several instances share one memory budget (no GPU needed)",
         description="Run instances in separate processes, each with its burst of requests at "
-                    "its own time, sharing one budget through the real block manager and "
-                    "ledger on the host backend; show them live, then a summary against a "
-                    "static split of the budget.")
-    p_demo.add_argument("--duration", type=float, default=20.0, metavar="SEC",
-                        help="seconds of load (default 20; 5 to 600)")
-    p_demo.add_argument("--instances", type=int, default=3, metavar="N",
-                        help="instances sharing the budget (default 3; 2 to 8)")
-    p_demo.add_argument("--budget", default="1G", metavar="SIZE",
-                        help="memory they share (default 1G; 512M, 2G, ...)")
+        "its own time, sharing one budget through the real block manager and "
+        "ledger on the host backend; show them live, then a summary against a "
+        "static split of the budget.",
+    )
+    p_demo.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        metavar="SEC",
+        help="seconds of load (default 20; 5 to 600)",
+    )
+    p_demo.add_argument(
+        "--instances",
+        type=int,
+        default=3,
+        metavar="N",
+        help="instances sharing the budget (default 3; 2 to 8)",
+    )
+    p_demo.add_argument(
+        "--budget",
+        default="1G",
+        metavar="SIZE",
+        help="memory they share (default 1G; 512M, 2G, ...)",
+    )
     p_demo.add_argument("--seed", type=int, default=1, help="seed of the request traces")
-    p_demo.add_argument("--json", action="store_true",
-                        help="no live view; print the summary as one JSON object")
+    p_demo.add_argument(
+        "--json", action="store_true", help="no live view; print the summary as one JSON object"
+    )
     p_info = sub.add_parser("info", help="name the backend and device and prove the driver works")
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
-    p_info.add_argument("--pages", type=positive_int, default=8,
-                        help="pages to map in the check (default 8)")
-    p_info.add_argument("--backend", choices=("auto", "cuda", "hip", "host"),
-                        help="override KVCACHED_DRIVER for this run")
+    p_info.add_argument(
+        "--pages", type=positive_int, default=8, help="pages to map in the check (default 8)"
+    )
+    p_info.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "hip", "host"),
+        help="override KVCACHED_DRIVER for this run",
+    )
     p_serve = sub.add_parser(
-        "serve", help="one OpenAI-compatible router in front of several engines",
+        "serve",
+        help="one OpenAI-compatible router in front of several engines",
         description="Start every model of CONFIG.yaml as a supervised engine with kvcached, "
-                    "route OpenAI requests to them by model name, put idle models to sleep "
-                    "and wake them on request (docs/serve.md). Needs kvcached[serve].")
+        "route OpenAI requests to them by model name, put idle models to sleep "
+        "and wake them on request (docs/serve.md). Needs kvcached[serve].",
+    )
     p_serve.add_argument("config", metavar="CONFIG.yaml", help="the serve configuration")
-    p_serve.add_argument("--check", action="store_true",
-                         help="validate the configuration, print the plan, start nothing")
+    p_serve.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the configuration, print the plan, start nothing",
+    )
     p_serve.add_argument("--host", help="override the config's host (the router's address)")
     p_serve.add_argument("--port", type=int, help="override the config's port")
     return parser
@@ -58,8 +84,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         from kvcached.serve.config import ServeConfigError, describe, load_config
     except ImportError as exc:
-        print(f"kvcached serve: needs the serve extra ({exc.name} is missing): "
-              'pip install "kvcached[serve]"', file=sys.stderr)
+        print(
+            f"kvcached serve: needs the serve extra ({exc.name} is missing): "
+            'pip install "kvcached[serve]"',
+            file=sys.stderr,
+        )
         return 2
     import dataclasses
 
@@ -93,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             from kvcached.cli.info import info
 
-            return info(as_json=args.json, pages=args.pages,
-                        backend=None if args.backend in (None, "auto") else args.backend)
+            return info(
+                as_json=args.json,
+                pages=args.pages,
+                backend=None if args.backend in (None, "auto") else args.backend,
+            )
         if args.command == "serve":
             return _serve(args)
         if args.command == "demo":
@@ -106,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"kvcached demo: --budget {exc}", file=sys.stderr)
                 return 2
-            return run_demo(duration_s=args.duration, instances=args.instances, budget=budget,
-                            seed=args.seed, as_json=args.json)
+            return run_demo(
+                duration_s=args.duration,
+                instances=args.instances,
+                budget=budget,
+                seed=args.seed,
+                as_json=args.json,
+            )
     except ConfigError as exc:
         print(f"kvcached: {exc}", file=sys.stderr)
         return 2

@@ -34,8 +34,9 @@ _POLL_S = 0.1  # how often a wait looks at the stop event
 class Screen:
     """See the module docstring. Use as a context manager."""
 
-    def __init__(self, out: TextIO | None = None, inp: TextIO | None = None,
-                 full_screen: bool | None = None) -> None:
+    def __init__(
+        self, out: TextIO | None = None, inp: TextIO | None = None, full_screen: bool | None = None
+    ) -> None:
         self.out = out or sys.stdout
         self.inp = inp or sys.stdin
         self.full = self.out.isatty() if full_screen is None else full_screen
@@ -103,8 +104,13 @@ class Screen:
                     return True
 
 
-def run_live(render: Callable[[int, int], str], interval_s: float, *,
-             count: int | None = None, screen: Screen | None = None) -> int:
+def run_live(
+    render: Callable[[int, int], str],
+    interval_s: float,
+    *,
+    count: int | None = None,
+    screen: Screen | None = None,
+) -> int:
     """Draw ``render(columns, lines)`` every ``interval_s`` until ``q``,
     Ctrl-C, ``count`` frames or SIGTERM. Returns 0, or 143 after SIGTERM (the
     terminal is restored either way)."""

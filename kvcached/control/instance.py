@@ -70,18 +70,32 @@ class PoolUsage:
         return asdict(self)
 
     @classmethod
-    def of_cache(cls, name: str, gpu: str, backend: str, u: Any, *,
-                 prefix_cache_bytes: int = 0, misses: int = 0) -> PoolUsage:
+    def of_cache(
+        cls,
+        name: str,
+        gpu: str,
+        backend: str,
+        u: Any,
+        *,
+        prefix_cache_bytes: int = 0,
+        misses: int = 0,
+    ) -> PoolUsage:
         """The reading of a pool backed by one :class:`~kvcached.memory.KVCache`,
         from its ``usage()`` ``u``."""
         return cls(
-            name=name, gpu=gpu, backend=backend,
-            blocks_used=u.blocks_used, blocks_total=u.blocks_total,
+            name=name,
+            gpu=gpu,
+            backend=backend,
+            blocks_used=u.blocks_used,
+            blocks_total=u.blocks_total,
             block_bytes=u.page_bytes // max(1, u.blocks_per_page),
-            pages_mapped=u.pages_mapped, pages_reserved=u.pages_reserved,
-            bytes_mapped=u.bytes_mapped, bytes_reserved=u.pages_reserved * u.page_bytes,
+            pages_mapped=u.pages_mapped,
+            pages_reserved=u.pages_reserved,
+            bytes_mapped=u.bytes_mapped,
+            bytes_reserved=u.pages_reserved * u.page_bytes,
             prefix_cache_bytes=prefix_cache_bytes,
-            virtual_bytes=u.pages_total * u.page_bytes, misses=misses,
+            virtual_bytes=u.pages_total * u.page_bytes,
+            misses=misses,
         )
 
 
@@ -128,9 +142,14 @@ class KVCachePool:
     allocation the cache refused (``alloc`` returned ``None``).
     """
 
-    def __init__(self, cache: Any, name: str = "kv", *,
-                 evict_cached: Callable[[int], int] | None = None,
-                 prefix_cache_bytes: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        name: str = "kv",
+        *,
+        evict_cached: Callable[[int], int] | None = None,
+        prefix_cache_bytes: Callable[[], int] | None = None,
+    ) -> None:
         self.cache = cache
         self.name = name
         self._evict_cached = evict_cached
@@ -141,9 +160,13 @@ class KVCachePool:
 
     def pool_usage(self) -> PoolUsage:
         return PoolUsage.of_cache(
-            self.name, self.gpu, self.backend, self.cache.usage(),
+            self.name,
+            self.gpu,
+            self.backend,
+            self.cache.usage(),
             prefix_cache_bytes=self._prefix_cache_bytes() if self._prefix_cache_bytes else 0,
-            misses=self.misses)
+            misses=self.misses,
+        )
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.cache.set_limit(limit_bytes or None)
@@ -171,8 +194,14 @@ class _Member:
 class Instance:
     """This process' part of a kvcached instance. Use :func:`get_instance`."""
 
-    def __init__(self, name: str, engine: str = "kvcached", engine_version: str = "",
-                 tick_s: float = TICK_S, start: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine: str = "kvcached",
+        engine_version: str = "",
+        tick_s: float = TICK_S,
+        start: bool = True,
+    ) -> None:
         from kvcached import __version__
 
         self.name = name
@@ -189,8 +218,7 @@ class Instance:
         self.reclaimed_bytes = 0
         self.publish()
         if start:
-            self._thread = threading.Thread(target=self._run, name="kvcached-control",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="kvcached-control", daemon=True)
             self._thread.start()
 
     # -- pools ------------------------------------------------------------------------------
@@ -227,10 +255,15 @@ class Instance:
                     entry["ledger"] = ledger
             pools.append(entry)
         return {
-            "instance": self.name, "pid": os.getpid(), "engine": self.engine,
-            "engine_version": self.engine_version, "kvcached_version": self._kvcached_version,
-            "started_at": self.started_at, "updated_at": time.time(),
-            "reclaimed_bytes": self.reclaimed_bytes, "pools": pools,
+            "instance": self.name,
+            "pid": os.getpid(),
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "kvcached_version": self._kvcached_version,
+            "started_at": self.started_at,
+            "updated_at": time.time(),
+            "reclaimed_bytes": self.reclaimed_bytes,
+            "pools": pools,
         }
 
     def publish(self) -> None:
@@ -256,8 +289,13 @@ class Instance:
                 limit = m.watch.limit
                 m.source.apply_limit(limit or None)
                 if revision and not (first and not limit):
-                    log.info("instance %s: limit %s (revision %d) on %s", self.name,
-                             limit or "none", revision, gpu)
+                    log.info(
+                        "instance %s: limit %s (revision %d) on %s",
+                        self.name,
+                        limit or "none",
+                        revision,
+                        gpu,
+                    )
             by_gpu.setdefault(gpu, []).append(m)
         for group in by_gpu.values():
             watch = group[0].watch
@@ -291,17 +329,22 @@ class Instance:
             seen = (type(e).__name__, str(e))
             if member.flush_error != seen:
                 member.flush_error = seen
-                log.warning("instance %s: refund flush of pool %s failed (kept for the "
-                            "next one): %s", self.name, member.source.pool_usage().name, e,
-                            exc_info=True)
+                log.warning(
+                    "instance %s: refund flush of pool %s failed (kept for the next one): %s",
+                    self.name,
+                    member.source.pool_usage().name,
+                    e,
+                    exc_info=True,
+                )
         else:
             member.flush_error = None
 
     def _limit_changed(self) -> bool:
         with self._lock:
             members = list(self._members)
-        return any(m.watch is not None and m.watch.limit_revision != m.revision_seen
-                   for m in members)
+        return any(
+            m.watch is not None and m.watch.limit_revision != m.revision_seen for m in members
+        )
 
     def _run(self) -> None:
         poll = min(REVISION_POLL_S, self._tick_s)
@@ -348,9 +391,16 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def open_kv_cache(spec: Any, *, engine: str = "kvcached", engine_version: str = "",
-                  name: str = "kv", evict_cached: Callable[[int], int] | None = None,
-                  prefix_cache_bytes: Callable[[], int] | None = None, **kwargs: Any) -> Any:
+def open_kv_cache(
+    spec: Any,
+    *,
+    engine: str = "kvcached",
+    engine_version: str = "",
+    name: str = "kv",
+    evict_cached: Callable[[int], int] | None = None,
+    prefix_cache_bytes: Callable[[], int] | None = None,
+    **kwargs: Any,
+) -> Any:
     """A :class:`~kvcached.memory.cache.KVCache` charged to this device's ledger
     under this process' instance, and registered with the instance (snapshot,
     limits). ``kwargs`` go to ``KVCache`` (``driver``, ``num_blocks``, ...).
@@ -367,8 +417,9 @@ def open_kv_cache(spec: Any, *, engine: str = "kvcached", engine_version: str = 
     except BaseException:
         budget.close()
         raise
-    source = KVCachePool(cache, name, evict_cached=evict_cached,
-                         prefix_cache_bytes=prefix_cache_bytes)
+    source = KVCachePool(
+        cache, name, evict_cached=evict_cached, prefix_cache_bytes=prefix_cache_bytes
+    )
     cache.control_source = source
     instance.add_pool(source, budget)
     return cache

@@ -56,8 +56,11 @@ class LimitResult:
     devices: list[DeviceLimit] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"instance": self.instance, "status": self.status.value,
-                "devices": [d.as_dict() for d in self.devices]}
+        return {
+            "instance": self.instance,
+            "status": self.status.value,
+            "devices": [d.as_dict() for d in self.devices],
+        }
 
 
 #: The largest limit a ledger's instance record holds (a signed 64-bit byte count).
@@ -66,8 +69,9 @@ MAX_LIMIT_BYTES = (1 << 63) - 1
 _ORDER = (LimitStatus.APPLIED, LimitStatus.DEFERRED, LimitStatus.STALE, LimitStatus.CONFLICT)
 
 
-def ledger_dirs(directory: str | None = None,
-                snapshots: Sequence[Snapshot] | None = None) -> list[str]:
+def ledger_dirs(
+    directory: str | None = None, snapshots: Sequence[Snapshot] | None = None
+) -> list[str]:
     """Where to look for ledgers: ``directory`` alone when given, else
     ``KVCACHED_LEDGER_DIR`` plus the directory of every ledger that a live
     instance's snapshot names (an instance may run with another directory).
@@ -101,15 +105,20 @@ def _listed(directory: str) -> list[str]:
         return list_ledgers(directory)
     except PermissionError as exc:
         raise LedgerPermissionError(
-            exc.errno, f"{exc.strerror} while listing the kvcached ledger directory "
+            exc.errno,
+            f"{exc.strerror} while listing the kvcached ledger directory "
             "(KVCACHED_LEDGER_DIR); its instances' limits and charges need read and write "
-            "access to it", directory) from exc
+            "access to it",
+            directory,
+        ) from exc
 
 
-def ledger_snapshots(directory: str | None = None,
-                     snapshots: Sequence[Snapshot] | None = None,
-                     problems: list[str] | None = None,
-                     timeout: float = LOCK_WAIT_S) -> list[LedgerSnapshot]:
+def ledger_snapshots(
+    directory: str | None = None,
+    snapshots: Sequence[Snapshot] | None = None,
+    problems: list[str] | None = None,
+    timeout: float = LOCK_WAIT_S,
+) -> list[LedgerSnapshot]:
     """A snapshot of every ledger file (see :func:`ledger_dirs` for which).
 
     A ledger that cannot be read (no permission, another layout version, a
@@ -150,9 +159,16 @@ def ledger_snapshots(directory: str | None = None,
     return out
 
 
-def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | None = None,
-              revision: int | None = None, directory: str | None = None,
-              wait_s: float = 0.0, timeout: float = LOCK_WAIT_S) -> LimitResult:
+def set_limit(
+    name: str,
+    limit_bytes: int | None = None,
+    *,
+    percent: float | None = None,
+    revision: int | None = None,
+    directory: str | None = None,
+    wait_s: float = 0.0,
+    timeout: float = LOCK_WAIT_S,
+) -> LimitResult:
     """Set instance ``name``'s limit on every device it uses.
 
     Give ``limit_bytes`` (``None``: remove the limit) or ``percent`` of each
@@ -170,17 +186,24 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
     if percent is not None:
         if limit_bytes is not None:
             raise ValueError("give limit_bytes or percent, not both")
-        if isinstance(percent, bool) or not isinstance(percent, (int, float)) \
-                or not 0 < percent <= 100:
+        if (
+            isinstance(percent, bool)
+            or not isinstance(percent, (int, float))
+            or not 0 < percent <= 100
+        ):
             raise ValueError(f"percent={percent!r}: must be a number in (0, 100]")
-    elif limit_bytes is not None and (isinstance(limit_bytes, bool)
-                                      or not isinstance(limit_bytes, int) or limit_bytes <= 0):
-        raise ValueError(f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None "
-                         "to remove the limit")
+    elif limit_bytes is not None and (
+        isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0
+    ):
+        raise ValueError(
+            f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None to remove the limit"
+        )
     elif limit_bytes is not None and limit_bytes > MAX_LIMIT_BYTES:
-        raise ValueError(f"limit_bytes={limit_bytes}: must be at most {MAX_LIMIT_BYTES} "
-                         "(2**63 - 1, what a ledger's limit field holds), or None to remove "
-                         "the limit")
+        raise ValueError(
+            f"limit_bytes={limit_bytes}: must be at most {MAX_LIMIT_BYTES} "
+            "(2**63 - 1, what a ledger's limit field holds), or None to remove "
+            "the limit"
+        )
     if wait_s < 0:
         raise ValueError(f"wait_s={wait_s!r}: must be >= 0 seconds")
     dirs = ledger_dirs(directory)
@@ -209,8 +232,9 @@ def set_limit(name: str, limit_bytes: int | None = None, *, percent: float | Non
             limit = max(1, int(total * percent / 100)) if percent is not None else limit_bytes
             rev = inst.revision + 1 if revision is None else revision
             status = ledger.set_limit(name, limit, rev, timeout=timeout)
-            results.append(DeviceLimit(snap.header.device_id, status, limit or None, rev,
-                                       inst.charged, total))
+            results.append(
+                DeviceLimit(snap.header.device_id, status, limit or None, rev, inst.charged, total)
+            )
         finally:
             ledger.close()
     if not results:
@@ -235,8 +259,9 @@ def _charges(name: str, dirs: list[str], timeout: float) -> dict[str, int]:
     return charged
 
 
-def _settle(name: str, results: list[DeviceLimit], dirs: list[str],
-            wait_s: float, timeout: float) -> list[DeviceLimit]:
+def _settle(
+    name: str, results: list[DeviceLimit], dirs: list[str], wait_s: float, timeout: float
+) -> list[DeviceLimit]:
     """Mark written limits that usage is still above as deferred (after waiting
     up to ``wait_s`` for the instance to release idle memory)."""
     deadline = time.monotonic() + wait_s
@@ -249,8 +274,9 @@ def _settle(name: str, results: list[DeviceLimit], dirs: list[str],
             if status in (LimitStatus.APPLIED, LimitStatus.DEFERRED):
                 over = d.limit_bytes is not None and now > d.limit_bytes
                 status = LimitStatus.DEFERRED if over else LimitStatus.APPLIED
-            settled.append(DeviceLimit(d.gpu, status, d.limit_bytes, d.revision, now,
-                                       d.total_bytes))
+            settled.append(
+                DeviceLimit(d.gpu, status, d.limit_bytes, d.revision, now, d.total_bytes)
+            )
         if all(d.status != LimitStatus.DEFERRED for d in settled) or time.monotonic() >= deadline:
             return settled
         results = settled

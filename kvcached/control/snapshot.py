@@ -103,7 +103,7 @@ class SnapshotPublisher:
                 return
             self._seq += 1  # odd: readers retry
             struct.pack_into("<Q", self._map, 8, self._seq)
-            self._map[HEADER.size: HEADER.size + len(payload)] = payload
+            self._map[HEADER.size : HEADER.size + len(payload)] = payload
             struct.pack_into("<I", self._map, 16, len(payload))
             self._seq += 1
             struct.pack_into("<Q", self._map, 8, self._seq)
@@ -136,7 +136,7 @@ def _read_segment(fd: int) -> dict[str, Any] | None:
             if magic != MAGIC:
                 return None
             if seq % 2 == 0:
-                payload = bytes(view[HEADER.size: HEADER.size + length])
+                payload = bytes(view[HEADER.size : HEADER.size + length])
                 if struct.unpack_from("<Q", view, 8)[0] == seq:
                     return json.loads(payload) if payload else {}
             time.sleep(0.0005)
@@ -161,7 +161,7 @@ def read_snapshots(cleanup: bool = True) -> list[Snapshot]:
     """
     found: list[Snapshot] = []
     for entry in _segments():
-        rest = entry[len(PREFIX):]
+        rest = entry[len(PREFIX) :]
         instance, _, pid_text = rest.rpartition(".")
         if not instance or not pid_text.isdigit():
             continue
@@ -182,4 +182,3 @@ def read_snapshots(cleanup: bool = True) -> list[Snapshot]:
             continue
         found.append(Snapshot(instance, int(pid_text), alive, data, "/" + entry))
     return found
-

@@ -89,10 +89,15 @@ class GpuRow:
         """One line saying who holds this ledger's data lock ("" when nobody did)."""
         if not self.locked_by:
             return ""
-        who = (f"pid {self.locked_by} ({self.locked_state})" if self.locked_by > 0
-               else "a process /proc/locks does not name")
-        return (f"ledger {self.path}: its data lock is held by {who}; figures read without "
-                "the lock (grants on this GPU are misses until it is free)")
+        who = (
+            f"pid {self.locked_by} ({self.locked_state})"
+            if self.locked_by > 0
+            else "a process /proc/locks does not name"
+        )
+        return (
+            f"ledger {self.path}: its data lock is held by {who}; figures read without "
+            "the lock (grants on this GPU are misses until it is free)"
+        )
 
     @property
     def headroom_bytes(self) -> int:
@@ -108,21 +113,31 @@ def gpu_rows(ledgers: Iterable[LedgerSnapshot]) -> list[GpuRow]:
     rows = []
     for snap in ledgers:
         h = snap.header
-        rows.append(GpuRow(
-            gpu=h.device_id, path=h.path, total_bytes=h.total_bytes, budget_bytes=h.budget,
-            margin_bytes=h.safety_margin, charged_bytes=h.charged, released_bytes=h.released,
-            pools=sum(1 for p in snap.pools if p.alive),
-            dead_pools=sum(1 for p in snap.pools if not p.alive),
-            instances=sorted(i.name for i in snap.instances if i.pools),
-            calibration_seq=h.calibration_seq, calibrated_at=h.calibration_time_ns / 1e9,
-            calibration_free_bytes=h.calibration_free, locked_by=snap.locked_by,
-            locked_state=process_state(snap.locked_by) if snap.locked_by > 0 else "",
-        ))
+        rows.append(
+            GpuRow(
+                gpu=h.device_id,
+                path=h.path,
+                total_bytes=h.total_bytes,
+                budget_bytes=h.budget,
+                margin_bytes=h.safety_margin,
+                charged_bytes=h.charged,
+                released_bytes=h.released,
+                pools=sum(1 for p in snap.pools if p.alive),
+                dead_pools=sum(1 for p in snap.pools if not p.alive),
+                instances=sorted(i.name for i in snap.instances if i.pools),
+                calibration_seq=h.calibration_seq,
+                calibrated_at=h.calibration_time_ns / 1e9,
+                calibration_free_bytes=h.calibration_free,
+                locked_by=snap.locked_by,
+                locked_state=process_state(snap.locked_by) if snap.locked_by > 0 else "",
+            )
+        )
     return sorted(rows, key=lambda g: g.gpu)
 
 
-def instance_rows(snapshots: Sequence[Snapshot],
-                  ledgers: Sequence[LedgerSnapshot] = ()) -> list[InstanceRow]:
+def instance_rows(
+    snapshots: Sequence[Snapshot], ledgers: Sequence[LedgerSnapshot] = ()
+) -> list[InstanceRow]:
     """Fold every process' snapshot into one row per (instance, GPU); take the
     limit and charge from the ledgers where they are found (they are the truth;
     a snapshot is up to one tick old) and add instances that hold memory in a
@@ -139,8 +154,9 @@ def instance_rows(snapshots: Sequence[Snapshot],
             key = (snap.instance, str(pool.get("gpu", "?")))
             row = rows.get(key)
             if row is None:
-                row = rows[key] = InstanceRow(name=snap.instance, gpu=key[1],
-                                              state=LIVE if snap.alive else DEAD)
+                row = rows[key] = InstanceRow(
+                    name=snap.instance, gpu=key[1], state=LIVE if snap.alive else DEAD
+                )
             row.pools += 1
             row.used_bytes += int(pool.get("bytes_mapped", 0))
             row.reserved_bytes += int(pool.get("bytes_reserved", 0))
@@ -173,8 +189,13 @@ def instance_rows(snapshots: Sequence[Snapshot],
                 if not alive:
                     continue  # a record with no live pool: nothing to show
                 row = rows[(inst.name, gpu)] = InstanceRow(
-                    name=inst.name, gpu=gpu, used_bytes=inst.charged, pools=len(alive),
-                    pids=sorted({p.pid for p in alive}), ledger=led.header.path)
+                    name=inst.name,
+                    gpu=gpu,
+                    used_bytes=inst.charged,
+                    pools=len(alive),
+                    pids=sorted({p.pid for p in alive}),
+                    ledger=led.header.path,
+                )
             row.limit_bytes = inst.limit or None
             row.limit_revision = inst.revision
             row.charged_bytes = inst.charged
@@ -184,14 +205,18 @@ def instance_rows(snapshots: Sequence[Snapshot],
         row.serve_state = served.get(row.name, "")
     for name, state in served.items():  # a served model with no engine memory (stopped)
         if not any(r.name == name for r in rows.values()):
-            rows[(name, "-")] = InstanceRow(name=name, gpu="-", serve_state=state,
-                                            engine="kvcached-serve")
+            rows[(name, "-")] = InstanceRow(
+                name=name, gpu="-", serve_state=state, engine="kvcached-serve"
+            )
     return sorted(rows.values(), key=lambda r: (r.name, r.gpu))
 
 
-def gather(directory: str | None = None, names: Sequence[str] = (),
-           problems: list[str] | None = None,
-           timeout: float = 2.0) -> tuple[list[InstanceRow], list[GpuRow]]:
+def gather(
+    directory: str | None = None,
+    names: Sequence[str] = (),
+    problems: list[str] | None = None,
+    timeout: float = 2.0,
+) -> tuple[list[InstanceRow], list[GpuRow]]:
     """Read every snapshot and ledger now: ``(instance rows, GPU rows)``.
     ``names``: only these instances and their GPUs. Dead snapshots are cleaned up where this
     user may (and shown as dead where not). Unreadable ledgers are skipped and
@@ -231,8 +256,10 @@ def _columns(lines: list[tuple[str, ...]], right: Sequence[int] = ()) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = []
     for line in lines:
-        cells = [c.rjust(w) if i in right else c.ljust(w)
-                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
         out.append("  ".join(cells).rstrip())
     return "\n".join(out)
 
@@ -240,52 +267,86 @@ def _columns(lines: list[tuple[str, ...]], right: Sequence[int] = ()) -> str:
 def render_table(rows: Sequence[InstanceRow]) -> str:
     """``kvctl list``'s table."""
     serve = any(r.serve_state for r in rows)  # the SERVE column only under kvcached serve
-    lines: list[tuple[str, ...]] = [("NAME", "GPU", "USED", "RESERVED", "LIMIT", "PID", "STATE")
-                                    + (("SERVE",) if serve else ())]
+    lines: list[tuple[str, ...]] = [
+        ("NAME", "GPU", "USED", "RESERVED", "LIMIT", "PID", "STATE") + (("SERVE",) if serve else ())
+    ]
     for r in rows:
-        lines.append((r.name, r.gpu, format_bytes(r.used_bytes), format_bytes(r.reserved_bytes),
-                      _limit_text(r), ",".join(map(str, r.pids)), r.state)
-                     + ((r.serve_state or "-",) if serve else ()))
+        lines.append(
+            (
+                r.name,
+                r.gpu,
+                format_bytes(r.used_bytes),
+                format_bytes(r.reserved_bytes),
+                _limit_text(r),
+                ",".join(map(str, r.pids)),
+                r.state,
+            )
+            + ((r.serve_state or "-",) if serve else ())
+        )
     return _columns(lines, right=(2, 3, 4))
 
 
 def render_gpus(gpus: Sequence[GpuRow]) -> str:
     """``kvctl gpus``'s table: each device's ledger."""
     now = time.time()
-    lines: list[tuple[str, ...]] = [("GPU", "TOTAL", "BUDGET", "MARGIN", "CHARGED", "HEADROOM",
-                                     "POOLS", "INSTANCES", "CALIBRATED")]
+    lines: list[tuple[str, ...]] = [
+        (
+            "GPU",
+            "TOTAL",
+            "BUDGET",
+            "MARGIN",
+            "CHARGED",
+            "HEADROOM",
+            "POOLS",
+            "INSTANCES",
+            "CALIBRATED",
+        )
+    ]
     for g in gpus:
         pools = str(g.pools) + (f" (+{g.dead_pools} dead)" if g.dead_pools else "")
-        lines.append((g.gpu, format_bytes(g.total_bytes), format_bytes(g.budget_bytes),
-                      format_bytes(g.margin_bytes), format_bytes(g.charged_bytes),
-                      format_bytes(g.headroom_bytes), pools, ",".join(g.instances) or "-",
-                      f"#{g.calibration_seq}, {_age(max(0.0, now - g.calibrated_at))} ago"))
+        lines.append(
+            (
+                g.gpu,
+                format_bytes(g.total_bytes),
+                format_bytes(g.budget_bytes),
+                format_bytes(g.margin_bytes),
+                format_bytes(g.charged_bytes),
+                format_bytes(g.headroom_bytes),
+                pools,
+                ",".join(g.instances) or "-",
+                f"#{g.calibration_seq}, {_age(max(0.0, now - g.calibrated_at))} ago",
+            )
+        )
     return _columns(lines, right=(1, 2, 3, 4, 5))
 
 
 def render_status(rows: Sequence[InstanceRow]) -> str:
     """``kvctl status NAME``: everything known about one instance."""
     first = rows[0]
-    out = [f"instance   {first.name}",
-           f"state      {', '.join(sorted({r.state for r in rows}))}"
-           + (f" (kvcached serve: {first.serve_state})" if first.serve_state else ""),
-           f"engine     {first.engine or '?'} {first.engine_version}".rstrip(),
-           f"kvcached   {first.kvcached_version or '?'}",
-           f"pids       {', '.join(str(p) for p in sorted({p for r in rows for p in r.pids}))}",
-           f"uptime     {_age(max(r.uptime_s for r in rows))}"]
+    out = [
+        f"instance   {first.name}",
+        f"state      {', '.join(sorted({r.state for r in rows}))}"
+        + (f" (kvcached serve: {first.serve_state})" if first.serve_state else ""),
+        f"engine     {first.engine or '?'} {first.engine_version}".rstrip(),
+        f"kvcached   {first.kvcached_version or '?'}",
+        f"pids       {', '.join(str(p) for p in sorted({p for r in rows for p in r.pids}))}",
+        f"uptime     {_age(max(r.uptime_s for r in rows))}",
+    ]
     for r in rows:
         mapped = format_bytes(r.used_bytes)
-        out += ["",
-                f"gpu        {r.gpu} ({r.backend or 'backend unknown'}), {r.pools} pool(s)",
-                f"  used       {mapped} mapped, of which {format_bytes(r.reserved_bytes)} "
-                f"reserved (idle)",
-                f"  limit      {_limit_text(r)} (revision {r.limit_revision})",
-                f"  ledger     {format_bytes(r.charged_bytes) if r.charged_bytes is not None else '?'}"
-                f" charged  {r.ledger or ''}".rstrip(),
-                f"  blocks     {r.blocks_used} of {r.blocks_total} in use",
-                f"  prefix     {format_bytes(r.prefix_cache_bytes)} in unreferenced cached blocks",
-                f"  virtual    {format_bytes(r.virtual_bytes)} reserved address space",
-                f"  misses     {r.misses} allocations refused"]
+        out += [
+            "",
+            f"gpu        {r.gpu} ({r.backend or 'backend unknown'}), {r.pools} pool(s)",
+            f"  used       {mapped} mapped, of which {format_bytes(r.reserved_bytes)} "
+            f"reserved (idle)",
+            f"  limit      {_limit_text(r)} (revision {r.limit_revision})",
+            f"  ledger     {format_bytes(r.charged_bytes) if r.charged_bytes is not None else '?'}"
+            f" charged  {r.ledger or ''}".rstrip(),
+            f"  blocks     {r.blocks_used} of {r.blocks_total} in use",
+            f"  prefix     {format_bytes(r.prefix_cache_bytes)} in unreferenced cached blocks",
+            f"  virtual    {format_bytes(r.virtual_bytes)} reserved address space",
+            f"  misses     {r.misses} allocations refused",
+        ]
     return "\n".join(out)
 
 
@@ -314,9 +375,14 @@ def usage_bar(used: int, reserved: int, limit: int | None, scale: int, width: in
     return "[" + "".join(chars) + "]"
 
 
-def render_top(rows: Sequence[InstanceRow], gpus: Sequence[GpuRow], width: int = 100,
-               height: int | None = None, title: str | None = None,
-               footer: Sequence[str] = ()) -> str:
+def render_top(
+    rows: Sequence[InstanceRow],
+    gpus: Sequence[GpuRow],
+    width: int = 100,
+    height: int | None = None,
+    title: str | None = None,
+    footer: Sequence[str] = (),
+) -> str:
     """``kvctl top``'s screen: a bar per GPU (charged of its budget) and one per
     instance (its memory on its GPU's budget scale: ``#`` in use, ``+``
     reserved, ``|`` its limit), bars aligned in one column."""
@@ -325,35 +391,44 @@ def render_top(rows: Sequence[InstanceRow], gpus: Sequence[GpuRow], width: int =
     gw = min(20, max([3] + [len(r.gpu) for r in rows] + [len(g.gpu) for g in gpus]))
     lead = nw + 1 + gw  # the bars start after this
     bw = max(10, min(60, width - lead - 2 - 2 - 2 * 11 - 13))
-    head = title or (f"kvcached top   {time.strftime('%H:%M:%S')}   {len(rows)} instance(s) on "
-                     f"{len(gpus)} GPU(s)   q quits")
+    head = title or (
+        f"kvcached top   {time.strftime('%H:%M:%S')}   {len(rows)} instance(s) on "
+        f"{len(gpus)} GPU(s)   q quits"
+    )
     out = [head, ""]
     scales: dict[str, int] = {}
     if gpus:
-        out.append(f"{'GPU':<{lead}} {'CHARGED OF BUDGET':<{bw + 2}} {'CHARGED':>10} "
-                   f"{'BUDGET':>10}  POOLS")
+        out.append(
+            f"{'GPU':<{lead}} {'CHARGED OF BUDGET':<{bw + 2}} {'CHARGED':>10} {'BUDGET':>10}  POOLS"
+        )
     for g in gpus:
         scale = g.budget_bytes or g.total_bytes
         scales[g.gpu] = scale
         frac = g.charged_bytes / scale if scale else 0.0
-        out.append(f"{g.gpu:<{lead}.{lead}} {bar(frac, bw)} {format_bytes(g.charged_bytes):>10} "
-                   f"{format_bytes(scale):>10}  {g.pools}")
+        out.append(
+            f"{g.gpu:<{lead}.{lead}} {bar(frac, bw)} {format_bytes(g.charged_bytes):>10} "
+            f"{format_bytes(scale):>10}  {g.pools}"
+        )
     if gpus:
         out.append("")
     if rows:
-        out.append(f"{'INSTANCE':<{nw}} {'GPU':<{gw}} {'USAGE (# used + reserved | limit)':<{bw + 2}}"
-                   f" {'USED':>10} {'LIMIT':>10}  STATE")
+        out.append(
+            f"{'INSTANCE':<{nw}} {'GPU':<{gw}} {'USAGE (# used + reserved | limit)':<{bw + 2}}"
+            f" {'USED':>10} {'LIMIT':>10}  STATE"
+        )
     for r in rows:
         scale = scales.get(r.gpu) or r.limit_bytes or r.virtual_bytes or r.used_bytes or 1
-        out.append(f"{r.name:<{nw}.{nw}} {r.gpu:<{gw}.{gw}} "
-                   f"{usage_bar(r.used_bytes, r.reserved_bytes, r.limit_bytes, scale, bw)} "
-                   f"{format_bytes(r.used_bytes):>10} {_limit_text(r):>10}  {r.state}"
-                   + (f" ({r.serve_state})" if r.serve_state else ""))
+        out.append(
+            f"{r.name:<{nw}.{nw}} {r.gpu:<{gw}.{gw}} "
+            f"{usage_bar(r.used_bytes, r.reserved_bytes, r.limit_bytes, scale, bw)} "
+            f"{format_bytes(r.used_bytes):>10} {_limit_text(r):>10}  {r.state}"
+            + (f" ({r.serve_state})" if r.serve_state else "")
+        )
     if not rows:
         out.append("no kvcached instance is running")
     if footer:
         out.append("")
         out.extend(footer)
     if height is not None:
-        out = out[:max(1, height)]
+        out = out[: max(1, height)]
     return "\n".join(line[:width] for line in out)

@@ -11,8 +11,15 @@ import threading
 
 from kvcached.driver.base import DeviceInfo, Driver, Handle
 
-__all__ = ["DeviceInfo", "Driver", "Handle", "default_driver", "get_driver", "resolve_backend",
-           "make_driver"]
+__all__ = [
+    "DeviceInfo",
+    "Driver",
+    "Handle",
+    "default_driver",
+    "get_driver",
+    "resolve_backend",
+    "make_driver",
+]
 
 _lock = threading.Lock()
 _drivers: dict[tuple[str, int], Driver] = {}

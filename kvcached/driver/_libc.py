@@ -21,15 +21,23 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 
 _mmap = _libc.mmap
 _mmap.restype = ctypes.c_void_p
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                  ctypes.c_long]
+_mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 
 _munmap = _libc.munmap
 _munmap.restype = ctypes.c_int
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-def mmap(addr: int | None, length: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+def mmap(
+    addr: int | None, length: int, prot: int, flags: int, fd: int = -1, offset: int = 0
+) -> int:
     """``mmap(2)``; returns the address or raises ``OSError`` with errno."""
     result = _mmap(addr, length, prot, flags, fd, offset)
     if result is None or result == MAP_FAILED:

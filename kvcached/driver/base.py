@@ -146,20 +146,19 @@ class Driver(abc.ABC):
         return f"<{type(self).__name__} {self.backend}:{self.index}>"
 
 
-def check_free_reservation(reservations: dict[int, int], mapped: dict[int, int],
-                           va: int, size: int) -> None:
+def check_free_reservation(
+    reservations: dict[int, int], mapped: dict[int, int], va: int, size: int
+) -> None:
     """Refuse to free a reservation that is not one (``va``, ``size``) or that
     still holds mappings: the bookkeeping the GPU backends share."""
     from kvcached.errors import MappingError
 
     if reservations.get(va) != size:
         raise MappingError(
-            f"free_reservation(va={va:#x}, size={size}): no reservation starts there "
-            "with that size"
+            f"free_reservation(va={va:#x}, size={size}): no reservation starts there with that size"
         )
     inside = sum(1 for m in list(mapped) if va <= m < va + size)
     if inside:
         raise MappingError(
-            f"free_reservation(va={va:#x}): {inside} mapping(s) are still inside; "
-            "unmap them first"
+            f"free_reservation(va={va:#x}): {inside} mapping(s) are still inside; unmap them first"
         )

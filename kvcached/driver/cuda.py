@@ -51,8 +51,7 @@ except ImportError:  # cuda-python missing or too old: reported by CudaDriver()
     cu = None
 
 NO_DRIVER_MESSAGE = (
-    "no NVIDIA driver found (libcuda.so.1); install the NVIDIA driver or set "
-    "KVCACHED_DRIVER=host"
+    "no NVIDIA driver found (libcuda.so.1); install the NVIDIA driver or set KVCACHED_DRIVER=host"
 )
 NO_BINDINGS_MESSAGE = (
     "cuda-python is not installed or too old (need `from cuda.bindings import driver`); "
@@ -114,7 +113,8 @@ class CudaDriver(Driver):
         if err == cu.CUresult.CUDA_ERROR_INVALID_DEVICE:
             (_, count) = cu.cuDeviceGetCount()
             raise ConfigError(
-                "index", index,
+                "index",
+                index,
                 f"this process sees {count} CUDA device(s), numbered from 0 after "
                 "CUDA_VISIBLE_DEVICES",
             )
@@ -276,7 +276,8 @@ class CudaDriver(Driver):
         (err,) = self._cuMemMap(va, size, 0, handle, 0)
         if err:
             _fail(
-                "cuMemMap", err,
+                "cuMemMap",
+                err,
                 f"mapping {size} bytes at {va:#x}: the range must lie inside a reservation, "
                 "be aligned to the granularity, not overlap a mapping, and size must equal "
                 "the handle's size",
@@ -317,7 +318,8 @@ class CudaDriver(Driver):
             if mapped.get(v) != size:
                 raise MappingError(
                     f"unmap_range(va={va:#x}, size={size}, count={count}): no mapping of "
-                    f"{size} bytes starts at {v:#x}")
+                    f"{size} bytes starts at {v:#x}"
+                )
         for v in vas:
             del mapped[v]
         if not self._thread.ready:

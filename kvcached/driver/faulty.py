@@ -32,7 +32,10 @@ CALLS = ("reserve", "free_reservation", "create", "release", "map", "set_access"
 # call -> (cuda name, cuda status, code), (host name, host status, code)
 _NAMES = {
     "reserve": (("cuMemAddressReserve", "CUDA_ERROR_OUT_OF_MEMORY", 2), ("mmap", "ENOMEM", 12)),
-    "free_reservation": (("cuMemAddressFree", "CUDA_ERROR_INVALID_VALUE", 1), ("munmap", "EINVAL", 22)),
+    "free_reservation": (
+        ("cuMemAddressFree", "CUDA_ERROR_INVALID_VALUE", 1),
+        ("munmap", "EINVAL", 22),
+    ),
     "create": (("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", 2), ("memfd_create", "ENOMEM", 12)),
     "release": (("cuMemRelease", "CUDA_ERROR_INVALID_VALUE", 1), ("close", "EIO", 5)),
     "map": (("cuMemMap", "CUDA_ERROR_OUT_OF_MEMORY", 2), ("mmap", "ENOMEM", 12)),

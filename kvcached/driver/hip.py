@@ -51,8 +51,12 @@ from kvcached.log import get_logger
 
 log = get_logger("kvcached.driver")
 
-LIBRARY_NAMES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6",
-                 "/opt/rocm/lib/libamdhip64.so")
+LIBRARY_NAMES = (
+    "libamdhip64.so",
+    "libamdhip64.so.7",
+    "libamdhip64.so.6",
+    "/opt/rocm/lib/libamdhip64.so",
+)
 
 HIP_SUCCESS = 0
 HIP_ERROR_OUT_OF_MEMORY = 2  # hipErrorOutOfMemory (== hipErrorMemoryAllocation)
@@ -69,22 +73,34 @@ class HipMemLocation(ctypes.Structure):
 
 
 class HipMemAllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort)]
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+    ]
 
 
 class HipMemAllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleType", ctypes.c_int),
-                ("location", HipMemLocation), ("win32HandleMetaData", ctypes.c_void_p),
-                ("allocFlags", HipMemAllocFlags)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleType", ctypes.c_int),
+        ("location", HipMemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", HipMemAllocFlags),
+    ]
 
 
 class HipMemAccessDesc(ctypes.Structure):
     _fields_ = [("location", HipMemLocation), ("flags", ctypes.c_int)]
 
 
-_c_int, _c_uint, _size_t, _u64, _vp = (ctypes.c_int, ctypes.c_uint, ctypes.c_size_t,
-                                       ctypes.c_ulonglong, ctypes.c_void_p)
+_c_int, _c_uint, _size_t, _u64, _vp = (
+    ctypes.c_int,
+    ctypes.c_uint,
+    ctypes.c_size_t,
+    ctypes.c_ulonglong,
+    ctypes.c_void_p,
+)
 _p_size_t, _p_vp = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_void_p)
 
 # name -> (restype, argtypes), as declared in hip_runtime_api.h
@@ -101,7 +117,9 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "hipGetErrorName": (ctypes.c_char_p, [_c_int]),
     "hipMemGetInfo": (_c_int, [_p_size_t, _p_size_t]),
     "hipMemGetAllocationGranularity": (
-        _c_int, [_p_size_t, ctypes.POINTER(HipMemAllocationProp), _c_int]),
+        _c_int,
+        [_p_size_t, ctypes.POINTER(HipMemAllocationProp), _c_int],
+    ),
     "hipMemAddressReserve": (_c_int, [_p_vp, _size_t, _size_t, _vp, _u64]),
     "hipMemAddressFree": (_c_int, [_vp, _size_t]),
     "hipMemCreate": (_c_int, [_p_vp, _size_t, ctypes.POINTER(HipMemAllocationProp), _u64]),
@@ -178,7 +196,8 @@ class HipDriver(Driver):
             count = ctypes.c_int()
             lib.hipGetDeviceCount(ctypes.byref(count))
             raise ConfigError(
-                "index", index,
+                "index",
+                index,
                 f"this process sees {count.value} HIP device(s), numbered from 0 after "
                 "HIP_VISIBLE_DEVICES",
             )
@@ -186,16 +205,20 @@ class HipDriver(Driver):
             self._fail("hipDeviceGet", rc, f"device {index}")
         self._device = device.value
         self._prop = HipMemAllocationProp(
-            type=HIP_MEM_ALLOCATION_TYPE_PINNED, requestedHandleType=0,
-            location=HipMemLocation(HIP_MEM_LOCATION_TYPE_DEVICE, self._device))
+            type=HIP_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleType=0,
+            location=HipMemLocation(HIP_MEM_LOCATION_TYPE_DEVICE, self._device),
+        )
         self._access = HipMemAccessDesc(
             location=HipMemLocation(HIP_MEM_LOCATION_TYPE_DEVICE, self._device),
-            flags=HIP_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            flags=HIP_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        )
         self._p_prop = ctypes.byref(self._prop)
         self._p_access = ctypes.byref(self._access)
         granularity = ctypes.c_size_t()
-        rc = lib.hipMemGetAllocationGranularity(ctypes.byref(granularity), self._p_prop,
-                                                HIP_MEM_ALLOCATION_GRANULARITY_MINIMUM)
+        rc = lib.hipMemGetAllocationGranularity(
+            ctypes.byref(granularity), self._p_prop, HIP_MEM_ALLOCATION_GRANULARITY_MINIMUM
+        )
         if rc:
             self._fail("hipMemGetAllocationGranularity", rc, f"device {index}")
         self._granularity = granularity.value
@@ -267,17 +290,18 @@ class HipDriver(Driver):
                 if rc:
                     self._fail("hipDeviceTotalMem", rc)
                 self._info = DeviceInfo(
-                    backend=self.backend, index=self.index,
+                    backend=self.backend,
+                    index=self.index,
                     name=name.value.decode(errors="replace").strip(),
                     pci_bus_id=bus.value.decode(errors="replace").strip(),
-                    total_bytes=total.value, granularity=self._granularity,
+                    total_bytes=total.value,
+                    granularity=self._granularity,
                 )
             return self._info
 
     def mem_info(self) -> tuple[int, int]:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        rc = self._on_device(self._lib.hipMemGetInfo,
-                             ctypes.byref(free), ctypes.byref(total))
+        rc = self._on_device(self._lib.hipMemGetInfo, ctypes.byref(free), ctypes.byref(total))
         if rc:
             self._fail("hipMemGetInfo", rc, f"device {self.index}")
         return free.value, total.value
@@ -326,7 +350,8 @@ class HipDriver(Driver):
         rc = self._hipMemMap(va, size, 0, handle, 0)
         if rc:
             self._fail(
-                "hipMemMap", rc,
+                "hipMemMap",
+                rc,
                 f"mapping {size} bytes at {va:#x}: the range must lie inside a reservation, "
                 "be aligned to the granularity, not overlap a mapping, and size must equal "
                 "the handle's size",
@@ -344,7 +369,9 @@ class HipDriver(Driver):
             return
         rc = self._hipMemSetAccess(va, size, self._p_access, 1)
         if rc:
-            self._fail("hipMemSetAccess", rc, f"{size} bytes at {va:#x} must be covered by mappings")
+            self._fail(
+                "hipMemSetAccess", rc, f"{size} bytes at {va:#x} must be covered by mappings"
+            )
 
     def unmap_range(self, va: int, size: int, count: int) -> None:
         """One ``hipMemUnmap`` over ``count`` adjacent mappings of ``size``
@@ -357,7 +384,8 @@ class HipDriver(Driver):
             if mapped.get(v) != size:
                 raise MappingError(
                     f"unmap_range(va={va:#x}, size={size}, count={count}): no mapping of "
-                    f"{size} bytes starts at {v:#x}")
+                    f"{size} bytes starts at {v:#x}"
+                )
         if self._runs and count > 1:
             rc = self._hipMemUnmap(va, size * count)
             if not rc:
@@ -376,8 +404,12 @@ class HipDriver(Driver):
         """This ROCm refused one call over a run of mappings (untested on
         hardware: CUDA takes it): from now on one call per mapping."""
         self._runs = False
-        log.warning("%s over several mappings failed (hipError_t %d); kvcached makes one call "
-                    "per mapping from now on", call, rc)
+        log.warning(
+            "%s over several mappings failed (hipError_t %d); kvcached makes one call "
+            "per mapping from now on",
+            call,
+            rc,
+        )
 
     def _mappings_in(self, va: int, size: int) -> list[tuple[int, int]]:
         out, pos, end = [], va, va + size

@@ -178,8 +178,12 @@ class HostDriver(Driver):
         self._check_size("size", size)
         try:
             # Over-reserve by one granule so the start can be aligned like a GPU VA.
-            raw = _libc.mmap(None, size + GRANULARITY, _libc.PROT_NONE,
-                             _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_NORESERVE)
+            raw = _libc.mmap(
+                None,
+                size + GRANULARITY,
+                _libc.PROT_NONE,
+                _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_NORESERVE,
+            )
             # Unmapped KV reads as zeros, like upstream's zero page on the GPU, so a
             # stray read of an unused slot cannot kill the engine; writes still fault.
             aligned = (raw + GRANULARITY - 1) // GRANULARITY * GRANULARITY
@@ -230,7 +234,9 @@ class HostDriver(Driver):
                 self._others_bytes, self._others_at = others, time.monotonic()
             if self._own_bytes + self._others_bytes + size > self.capacity:
                 raise OutOfPhysicalMemoryError(
-                    "memfd_create", errno.ENOMEM, "ENOMEM",
+                    "memfd_create",
+                    errno.ENOMEM,
+                    "ENOMEM",
                     f"host device {self.device_id} has {self.capacity} bytes; "
                     f"{self._own_bytes + self._others_bytes} in use, {size} asked",
                 )
@@ -274,13 +280,19 @@ class HostDriver(Driver):
                     "already mapped; unmap it first"
                 )
             try:
-                _libc.mmap(va, size, _libc.PROT_READ | _libc.PROT_WRITE,
-                           _libc.MAP_SHARED | _libc.MAP_FIXED, handle.fd, 0)
+                _libc.mmap(
+                    va,
+                    size,
+                    _libc.PROT_READ | _libc.PROT_WRITE,
+                    _libc.MAP_SHARED | _libc.MAP_FIXED,
+                    handle.fd,
+                    0,
+                )
             except OSError as exc:
                 self._zero_fill(va, size)
                 _raise_os("mmap", exc, f"mapping {size} bytes at {va:#x}")
             res.mappings[va] = (size, handle)
-            res.granules[first:first + count] = b"\x01" * count
+            res.granules[first : first + count] = b"\x01" * count
             handle.mapped += 1
 
     def set_access(self, va: int, size: int) -> None:
@@ -310,7 +322,7 @@ class HostDriver(Driver):
             self._zero_fill(va, size)
             del res.mappings[va]
             first = (va - res.va) // GRANULARITY
-            res.granules[first:first + size // GRANULARITY] = bytes(size // GRANULARITY)
+            res.granules[first : first + size // GRANULARITY] = bytes(size // GRANULARITY)
             handle = entry[1]
             handle.mapped -= 1
             if handle.released and handle.mapped == 0:
@@ -331,13 +343,14 @@ class HostDriver(Driver):
                 if entry is None or entry[0] != size:
                     raise MappingError(
                         f"unmap_range(va={va:#x}, size={size}, count={count}): no mapping of "
-                        f"{size} bytes starts at {v:#x}")
+                        f"{size} bytes starts at {v:#x}"
+                    )
                 entries.append(entry)
             self._zero_fill(va, total)
             for v in range(va, va + total, size):
                 del mappings[v]
             first = (va - res.va) // GRANULARITY
-            res.granules[first:first + total // GRANULARITY] = bytes(total // GRANULARITY)
+            res.granules[first : first + total // GRANULARITY] = bytes(total // GRANULARITY)
             for _, handle in entries:
                 handle.mapped -= 1
                 if handle.released and handle.mapped == 0:
@@ -366,9 +379,12 @@ class HostDriver(Driver):
 
     def _zero_fill(self, va: int, size: int) -> None:
         try:
-            _libc.mmap(va, size, _libc.PROT_READ,
-                       _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_FIXED
-                       | _libc.MAP_NORESERVE)
+            _libc.mmap(
+                va,
+                size,
+                _libc.PROT_READ,
+                _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | _libc.MAP_FIXED | _libc.MAP_NORESERVE,
+            )
         except OSError as exc:
             _raise_os("mmap", exc, f"restoring zero pages at {va:#x}")
 

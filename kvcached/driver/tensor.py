@@ -9,8 +9,9 @@ import math
 import torch
 
 
-def view_as(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
-            offset: int = 0) -> torch.Tensor:
+def view_as(
+    raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0
+) -> torch.Tensor:
     """View ``raw`` (1-D ``uint8``, from :meth:`Driver.tensor`) starting at byte
     ``offset`` as a contiguous tensor of ``dtype`` and ``shape``. No copy: writes
     through the view land in the same memory."""
@@ -23,7 +24,7 @@ def view_as(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
             f"a {dtype} tensor of shape {tuple(shape)} at byte {offset} needs "
             f"{offset + nbytes} bytes; the range has {raw.numel()}"
         )
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class CudaArray:
@@ -53,8 +54,9 @@ def _has_storage_route() -> bool:
     return hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 
-def device_tensor(va: int, nbytes: int, device: torch.device, *,
-                  via: str | None = None) -> torch.Tensor:
+def device_tensor(
+    va: int, nbytes: int, device: torch.device, *, via: str | None = None
+) -> torch.Tensor:
     """A 1-D ``uint8`` tensor on ``device`` (a CUDA or ROCm device) aliasing
     ``[va, va+nbytes)``, without copying.
 

@@ -115,8 +115,9 @@ class Patcher:
             try:
                 setattr(value, MARKER, current)
             except AttributeError as exc:
-                raise TypeError(f"value={value!r}: a wrapper must accept attributes "
-                                "(a function, not a builtin)") from exc
+                raise TypeError(
+                    f"value={value!r}: a wrapper must accept attributes (a function, not a builtin)"
+                ) from exc
         self._undo.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, value)
         return current
@@ -222,8 +223,13 @@ class Patches:
             if first:
                 self.off_reason = reason
         if first:
-            self.log.warning("%s %s: kvcached is off in this process (%s); %s runs with its "
-                             "own KV cache", self.engine, self.version or "?", reason, self.engine)
+            self.log.warning(
+                "%s %s: kvcached is off in this process (%s); %s runs with its own KV cache",
+                self.engine,
+                self.version or "?",
+                reason,
+                self.engine,
+            )
 
     def start(self, groups: Iterable[PatchGroup]) -> bool:
         """Turn on and register ``groups`` (those for :attr:`version`), each to
@@ -287,8 +293,13 @@ class Patches:
         if self.policy is FailurePolicy.SWITCH_OFF:
             self.switch_off(f"patch group {group.name!r} ({group.module}): {reason}")
         elif not quiet:
-            self.log.error("patch group %r failed on %s and was undone; that part of %s stays "
-                           "native: %s", group.name, group.module, self.engine, reason)
+            self.log.error(
+                "patch group %r failed on %s and was undone; that part of %s stays native: %s",
+                group.name,
+                group.module,
+                self.engine,
+                reason,
+            )
 
     def reset(self) -> None:
         """Forget every state (tests only: a real process patches once)."""

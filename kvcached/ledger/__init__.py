@@ -35,17 +35,30 @@ if TYPE_CHECKING:
     from kvcached.driver.base import Driver
 
 __all__ = [
-    "Calibration", "Calibrator", "HeaderView", "InstanceView", "Ledger", "LedgerSnapshot",
-    "LimitStatus", "MemInfo", "check_instance_name", "PoolBudget", "PoolView", "REFUND_FLUSH_BYTES", "ledger_path",
-    "open_ledger", "open_pool_budget",
+    "Calibration",
+    "Calibrator",
+    "HeaderView",
+    "InstanceView",
+    "Ledger",
+    "LedgerSnapshot",
+    "LimitStatus",
+    "MemInfo",
+    "check_instance_name",
+    "PoolBudget",
+    "PoolView",
+    "REFUND_FLUSH_BYTES",
+    "ledger_path",
+    "open_ledger",
+    "open_pool_budget",
 ]
 
 _lock = threading.Lock()
 _ledgers: dict[str, Ledger] = {}
 
 
-def open_ledger(driver: Driver, *, directory: str | None = None,
-                gpu_utilization: float | None = None) -> Ledger:
+def open_ledger(
+    driver: Driver, *, directory: str | None = None, gpu_utilization: float | None = None
+) -> Ledger:
     """The process' shared ledger of ``driver``'s device (opened or created on
     first use, keyed by its PCI bus id, in ``directory``, default
     ``KVCACHED_LEDGER_DIR``)."""
@@ -59,14 +72,20 @@ def open_ledger(driver: Driver, *, directory: str | None = None,
         # A ledger refused (replaced at its path, or corrupt) serves no new pool:
         # open the file at the path again (which refuses a corrupt one).
         if ledger is None or ledger.closed or ledger.refusal is not None:
-            ledger = Ledger.open(device_id, driver, directory=directory,
-                                 gpu_utilization=gpu_utilization)
+            ledger = Ledger.open(
+                device_id, driver, directory=directory, gpu_utilization=gpu_utilization
+            )
             _ledgers[key] = ledger
         return ledger
 
 
-def open_pool_budget(driver: Driver, instance_name: str | None = None, *,
-                     calibrate: bool = True, directory: str | None = None) -> PoolBudget:
+def open_pool_budget(
+    driver: Driver,
+    instance_name: str | None = None,
+    *,
+    calibrate: bool = True,
+    directory: str | None = None,
+) -> PoolBudget:
     """Register a pool of ``instance_name`` (default ``KVCACHED_IPC_NAME``, else
     ``kvcached-<pid>``) on the ledger of ``driver``'s device and return its
     :class:`PoolBudget`. With ``calibrate`` the process' calibrator thread runs

@@ -52,7 +52,8 @@ class Calibrator:
             if self._thread is None:
                 self._stop.clear()
                 self._thread = threading.Thread(
-                    target=self._run, name=f"kvcached-calibrator:{self.ledger.device_id}",
+                    target=self._run,
+                    name=f"kvcached-calibrator:{self.ledger.device_id}",
                     daemon=True,
                 )
                 self._thread.start()
@@ -87,8 +88,12 @@ class Calibrator:
             now = time.monotonic()
             if now - self._last_error_log > 60.0:
                 self._last_error_log = now
-                log.warning("ledger %s: calibration failed, retrying every %.2g s: %s",
-                            self.ledger.path, self.interval_s, exc)
+                log.warning(
+                    "ledger %s: calibration failed, retrying every %.2g s: %s",
+                    self.ledger.path,
+                    self.interval_s,
+                    exc,
+                )
         return result
 
     def _run(self) -> None:

@@ -203,8 +203,7 @@ class LedgerFile:
         self.fd = fd
         st = os.fstat(fd)
         self.identity = (st.st_dev, st.st_ino)
-        self.mm = mmap.mmap(fd, layout.FILE_SIZE, mmap.MAP_SHARED,
-                            mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = mmap.mmap(fd, layout.FILE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.raw = memoryview(self.mm)
         self.i64 = self.raw.cast("q")
         self.u64 = self.raw.cast("Q")
@@ -279,8 +278,11 @@ def list_ledgers(directory: str) -> list[str]:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    return sorted(os.path.join(directory, n) for n in names
-                  if n.startswith("kvcached-ledger-") and ".tmp" not in n)
+    return sorted(
+        os.path.join(directory, n)
+        for n in names
+        if n.startswith("kvcached-ledger-") and ".tmp" not in n
+    )
 
 
 def open_file(directory: str, device_id: str, initial: Callable[[], Initial]) -> LedgerFile:

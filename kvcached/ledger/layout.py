@@ -157,7 +157,7 @@ FILE_SIZE = INSTANCES_OFFSET + INSTANCE_SLOTS * INSTANCE_RECORD_SIZE
 # which on Linux never conflict with flock locks; OFD locks cover byte ranges
 # and never touch the data under them.
 DATA_LOCK = "flock"
-CALIBRATOR_LEASE_BYTE = 1   # held (non-blocking) by the one process calibrating
+CALIBRATOR_LEASE_BYTE = 1  # held (non-blocking) by the one process calibrating
 
 
 def pool_offset(slot: int) -> int:
@@ -198,8 +198,10 @@ def _check() -> None:
     assert INSTANCE_RECORD_SIZE == 2 * CACHE_LINE, "invariant: an instance record is two lines"
     assert Header.budget.offset == 128, "invariant: the mutable header starts on line 2"
     assert FILE_SIZE % 8 == 0, "invariant: the file is viewable as 64-bit words"
-    assert Header.publish_pending.offset == Header.retire_slot.offset + 4 and \
-        Header.retire_slot.offset % 8 == 0, "invariant: both journal markers are one u64 word"
+    assert (
+        Header.publish_pending.offset == Header.retire_slot.offset + 4
+        and Header.retire_slot.offset % 8 == 0
+    ), "invariant: both journal markers are one u64 word"
 
 
 _check()

@@ -274,8 +274,9 @@ class Ledger:
         self.refusal: str | None = None
         self._busy_since = 0.0  # monotonic start of a lock-busy episode (0: none)
         self._busy_misses = 0
-        self._calib_lease = ByteLock(lfile.fd, layout.CALIBRATOR_LEASE_BYTE,
-                                     f"calibrator lease of {self.path}")
+        self._calib_lease = ByteLock(
+            lfile.fd, layout.CALIBRATOR_LEASE_BYTE, f"calibrator lease of {self.path}"
+        )
         self._calib_tlock = threading.Lock()
         self._pools: weakref.WeakSet[PoolBudget] = weakref.WeakSet()
         self._calibrator = None
@@ -336,19 +337,29 @@ class Ledger:
         _free, total = _checked_sample(sampler, device_id)
         wanted = round(total * (1.0 - util))
         if total != ledger.total_bytes:
-            variable = ("KVCACHED_HOST_CAPACITY" if device_id.startswith("host-")
-                        else "the device's total memory (another device behind this bus id?)")
+            variable = (
+                "KVCACHED_HOST_CAPACITY"
+                if device_id.startswith("host-")
+                else "the device's total memory (another device behind this bus id?)"
+            )
             log.warning(
                 "ledger %s was created for a device of %d bytes; this process sees %d. "
                 "What differs is %s: use one value for every process on a device. The "
-                "ledger's total and margin are kept.", ledger.path, ledger.total_bytes,
-                total, variable,
+                "ledger's total and margin are kept.",
+                ledger.path,
+                ledger.total_bytes,
+                total,
+                variable,
             )
         elif wanted != ledger.safety_margin:
             log.warning(
                 "ledger %s keeps its creator's safety margin of %d bytes; this process' "
                 "KVCACHED_GPU_UTILIZATION=%s would give %d (total %d). Use one value on a GPU.",
-                ledger.path, ledger.safety_margin, util, wanted, total,
+                ledger.path,
+                ledger.safety_margin,
+                util,
+                wanted,
+                total,
             )
         return ledger
 
@@ -423,13 +434,18 @@ class Ledger:
 
     def _busy_error(self, waited: float, who: str | None = None) -> LedgerBusyError:
         pid, state = self.lock_holder() if who is None else (0, who)
-        holder = (f"pid {pid} ({state})" if pid > 0 else who or
-                  "a process /proc/locks does not name (another PID namespace?)")
+        holder = (
+            f"pid {pid} ({state})"
+            if pid > 0
+            else who or "a process /proc/locks does not name (another PID namespace?)"
+        )
         return LedgerBusyError(
             f"ledger {self.path}: the data lock is held by {holder} and was not free "
             f"within {waited:g} s; a process stopped (SIGSTOP, a debugger, a frozen cgroup) "
             "while holding it stalls this GPU's accounting until it continues or dies",
-            pid, waited)
+            pid,
+            waited,
+        )
 
     def _note_busy(self, exc: LedgerBusyError) -> None:
         """Count a miss caused by a busy data lock; log once per episode."""
@@ -439,9 +455,13 @@ class Ledger:
             log.warning("%s. Grants are misses (requests wait) until it is free.", exc)
 
     def _busy_over(self) -> None:
-        log.warning("ledger %s: the data lock is free again after %.1f s; %d grant(s) were "
-                    "misses meanwhile", self.path, time.monotonic() - self._busy_since,
-                    self._busy_misses)
+        log.warning(
+            "ledger %s: the data lock is free again after %.1f s; %d grant(s) were "
+            "misses meanwhile",
+            self.path,
+            time.monotonic() - self._busy_since,
+            self._busy_misses,
+        )
         self._busy_since = 0.0
         self._busy_misses = 0
 
@@ -482,9 +502,11 @@ class Ledger:
         if now == self.file.identity:
             return
         what = "was removed" if now is None else "now names another file"
-        reason = (f"ledger {self.path} {what} while this process used it: granting against "
-                  "the old file would count this GPU twice. Restart every kvcached process "
-                  "of this device, and never remove a ledger file that is in use")
+        reason = (
+            f"ledger {self.path} {what} while this process used it: granting against "
+            "the old file would count this GPU twice. Restart every kvcached process "
+            "of this device, and never remove a ledger file that is in use"
+        )
         self._refuse(reason)
         raise LedgerReplacedError(reason)
 
@@ -499,7 +521,9 @@ class Ledger:
     def instance_charged(self, instance_slot: int) -> int:
         ref = instance_slot + 1
         hw = self.u32[H_HIGH_WATER]
-        return sum(c for c, i in zip(self.charges[:hw], self.instances[:hw], strict=True) if i == ref)
+        return sum(
+            c for c, i in zip(self.charges[:hw], self.instances[:hw], strict=True) if i == ref
+        )
 
     @property
     def budget(self) -> int:
@@ -511,7 +535,9 @@ class Ledger:
 
     # -- retirement ----------------------------------------------------------------------
     def _lease(self, slot: int) -> ByteLock:
-        return ByteLock(self.file.fd, layout.pool_offset(slot), f"owner lease {slot} of {self.path}")
+        return ByteLock(
+            self.file.fd, layout.pool_offset(slot), f"owner lease {slot} of {self.path}"
+        )
 
     def _retire_locked(self, slot: int) -> int:
         """Retire pool record ``slot`` (in use, owner dead or closing). Under the data lock.
@@ -528,9 +554,7 @@ class Ledger:
         charge = i64[p_charged(slot)]
         ref = u32[p_instance(slot)]
         hw = u32[H_HIGH_WATER]
-        shared = any(
-            j != slot and self.tokens[j] and self.instances[j] == ref for j in range(hw)
-        )
+        shared = any(j != slot and self.tokens[j] and self.instances[j] == ref for j in range(hw))
         i64[H_RETIRE_BUDGET] = max(0, i64[H_BUDGET] - charge)
         u32[H_RETIRE_INSTANCE] = 0 if shared else ref
         u32[H_RETIRE_SLOT] = slot + 1
@@ -543,8 +567,9 @@ class Ledger:
         u32 = self.u32
         slot, pending = u32[H_RETIRE_SLOT], u32[H_PUB_PENDING]
         if slot > layout.POOL_SLOTS or pending > 1:
-            reason = corrupt(self.path, f"journal words retire_slot={slot}, "
-                                        f"publish_pending={pending}")
+            reason = corrupt(
+                self.path, f"journal words retire_slot={slot}, publish_pending={pending}"
+            )
             self._refuse(str(reason))
             raise reason
         if slot:
@@ -592,8 +617,12 @@ class Ledger:
                 if self.tokens[slot] == token and not self._lease(slot).held_elsewhere():
                     charge = self._retire_locked(slot)
                     retired += 1
-                    log.info("ledger %s: retired pool %d of a dead process (%d bytes charged)",
-                             self.path, slot, charge)
+                    log.info(
+                        "ledger %s: retired pool %d of a dead process (%d bytes charged)",
+                        self.path,
+                        slot,
+                        charge,
+                    )
         finally:
             self._unlock_data()
         return retired
@@ -617,8 +646,7 @@ class Ledger:
         if not free:
             # An instance record no pool refers to was left by a process that died
             # between creating it and writing its pool: reclaim those.
-            free = [s for s in range(layout.INSTANCE_SLOTS)
-                    if not self._instance_in_use_locked(s)]
+            free = [s for s in range(layout.INSTANCE_SLOTS) if not self._instance_in_use_locked(s)]
             for s in free:
                 self.u64[i_token(s)] = 0
         if not free:
@@ -631,7 +659,9 @@ class Ledger:
         i64[i_limit(slot)] = 0
         u64[i_revision(slot)] = 0
         self.file.i32[(layout.instance_offset(slot) + InstanceRecord.pid.offset) // 4] = os.getpid()
-        u64[(layout.instance_offset(slot) + InstanceRecord.start_time.offset) // 8] = self.start_time
+        u64[(layout.instance_offset(slot) + InstanceRecord.start_time.offset) // 8] = (
+            self.start_time
+        )
         u64[(layout.instance_offset(slot) + InstanceRecord.created_ns.offset) // 8] = time.time_ns()
         u64[(layout.instance_offset(slot) + InstanceRecord.limit_set_ns.offset) // 8] = 0
         encoded = name.encode()
@@ -660,8 +690,12 @@ class Ledger:
                 for slot, token in self._dead_slots():
                     if self.tokens[slot] == token:
                         charge = self._retire_locked(slot)
-                        log.info("ledger %s: retired pool %d of a dead process (%d bytes)",
-                                 self.path, slot, charge)
+                        log.info(
+                            "ledger %s: retired pool %d of a dead process (%d bytes)",
+                            self.path,
+                            slot,
+                            charge,
+                        )
                 slot = self._claim_slot_locked(fd)
                 inst = self._find_instance_locked(instance)
                 if inst is None:
@@ -768,15 +802,19 @@ class Ledger:
             return Calibration(False, "locked", retired)
         try:
             if self.u64[H_SEQ] != seq:
-                return Calibration(False, "stale", retired, self.i64[H_BUDGET], free, 0,
-                                   self.u64[H_SEQ])
+                return Calibration(
+                    False, "stale", retired, self.i64[H_BUDGET], free, 0, self.u64[H_SEQ]
+                )
             i64 = self.i64
             charged = self.charged_total()
             released = self.released_total()
             total, margin = i64[H_TOTAL], i64[H_MARGIN]
             if not 0 <= released <= charged <= total:  # the records were checked at the window
-                error = corrupt(self.path, f"the pools charge {charged} bytes ({released} "
-                                           f"released) on a device of {total}")
+                error = corrupt(
+                    self.path,
+                    f"the pools charge {charged} bytes ({released} "
+                    f"released) on a device of {total}",
+                )
                 self._refuse(str(error))
                 raise error
             free = min(max(0, free), total)
@@ -842,8 +880,9 @@ class Ledger:
                 calibrator.stop()
 
     # -- limits ------------------------------------------------------------------------------
-    def set_limit(self, instance: str, limit: int | None, revision: int, *,
-                  timeout: float = LOCK_WAIT_S) -> LimitStatus:
+    def set_limit(
+        self, instance: str, limit: int | None, revision: int, *, timeout: float = LOCK_WAIT_S
+    ) -> LimitStatus:
         """Set ``instance``'s limit on this device (``None``/0: unlimited) at ``revision``.
 
         ``revision`` above the stored one: applied. Equal to it: applied if the
@@ -936,11 +975,13 @@ class Ledger:
             probe = self._lease(s).held_elsewhere()
             if self.tokens[s] == token:  # else retired (and maybe re-claimed) meanwhile
                 alive[s] = probe
-        return self._snapshot_of(image, alive, locked_by=busy.holder or -1,
-                                 lock_waited_s=busy.waited_s)
+        return self._snapshot_of(
+            image, alive, locked_by=busy.holder or -1, lock_waited_s=busy.waited_s
+        )
 
-    def _snapshot_of(self, image: bytes, alive: dict[int, bool], locked_by: int = 0,
-                     lock_waited_s: float = 0.0) -> LedgerSnapshot:
+    def _snapshot_of(
+        self, image: bytes, alive: dict[int, bool], locked_by: int = 0, lock_waited_s: float = 0.0
+    ) -> LedgerSnapshot:
         head = Header.from_buffer_copy(image)
         inst_names: dict[int, str] = {}
         inst_raw: dict[int, InstanceRecord] = {}
@@ -952,30 +993,53 @@ class Ledger:
         pools = []
         for s, is_alive in alive.items():
             rec = PoolRecord.from_buffer_copy(image, layout.pool_offset(s))
-            pools.append(PoolView(
-                slot=s, token=rec.token, pid=rec.pid, start_time=rec.start_time,
-                instance=inst_names.get(rec.instance - 1, ""), charged=rec.charged,
-                registered_ns=rec.registered_ns, released=rec.released, alive=is_alive,
-            ))
+            pools.append(
+                PoolView(
+                    slot=s,
+                    token=rec.token,
+                    pid=rec.pid,
+                    start_time=rec.start_time,
+                    instance=inst_names.get(rec.instance - 1, ""),
+                    charged=rec.charged,
+                    registered_ns=rec.registered_ns,
+                    released=rec.released,
+                    alive=is_alive,
+                )
+            )
         instances = []
         for s, rec in inst_raw.items():
             mine = [p for p in pools if p.instance == inst_names[s]]
-            instances.append(InstanceView(
-                slot=s, name=inst_names[s], limit=rec.limit, revision=rec.revision,
-                pid=rec.pid, start_time=rec.start_time, created_ns=rec.created_ns,
-                limit_set_ns=rec.limit_set_ns, charged=sum(p.charged for p in mine),
-                pools=len(mine),
-            ))
+            instances.append(
+                InstanceView(
+                    slot=s,
+                    name=inst_names[s],
+                    limit=rec.limit,
+                    revision=rec.revision,
+                    pid=rec.pid,
+                    start_time=rec.start_time,
+                    created_ns=rec.created_ns,
+                    limit_set_ns=rec.limit_set_ns,
+                    charged=sum(p.charged for p in mine),
+                    pools=len(mine),
+                )
+            )
         header = HeaderView(
-            path=self.path, device_id=head.device_id.decode(errors="replace"),
-            layout_version=head.layout_version, total_bytes=head.total_bytes,
-            safety_margin=head.safety_margin, budget=head.budget,
-            calibration_seq=head.calibration_seq, calibration_time_ns=head.calibration_time_ns,
-            calibration_free=head.calibration_free, created_ns=head.created_ns,
-            charged=sum(p.charged for p in pools), released=sum(p.released for p in pools),
+            path=self.path,
+            device_id=head.device_id.decode(errors="replace"),
+            layout_version=head.layout_version,
+            total_bytes=head.total_bytes,
+            safety_margin=head.safety_margin,
+            budget=head.budget,
+            calibration_seq=head.calibration_seq,
+            calibration_time_ns=head.calibration_time_ns,
+            calibration_free=head.calibration_free,
+            created_ns=head.created_ns,
+            charged=sum(p.charged for p in pools),
+            released=sum(p.released for p in pools),
         )
-        return LedgerSnapshot(header, tuple(pools), tuple(instances), locked_by=locked_by,
-                              lock_waited_s=lock_waited_s)
+        return LedgerSnapshot(
+            header, tuple(pools), tuple(instances), locked_by=locked_by, lock_waited_s=lock_waited_s
+        )
 
     # -- lifetime --------------------------------------------------------------------------------
     def _check_open(self) -> None:

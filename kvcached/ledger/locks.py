@@ -176,6 +176,13 @@ def process_state(pid: int) -> str:
     except OSError:
         return "unknown"
     code = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3].decode(errors="replace")
-    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped",
-            "t": "traced (stopped by a debugger)", "Z": "a zombie", "X": "gone",
-            "I": "idle"}.get(code, code or "unknown")
+    return {
+        "R": "running",
+        "S": "sleeping",
+        "D": "in uninterruptible wait",
+        "T": "stopped",
+        "t": "traced (stopped by a debugger)",
+        "Z": "a zombie",
+        "X": "gone",
+        "I": "idle",
+    }.get(code, code or "unknown")

@@ -80,8 +80,9 @@ class PoolBudget:
     Thread-safe: one lock per pool, taken before the ledger's data lock.
     """
 
-    def __init__(self, ledger: Ledger, slot: int, fd: int, token: int, instance_slot: int,
-                 instance: str) -> None:
+    def __init__(
+        self, ledger: Ledger, slot: int, fd: int, token: int, instance_slot: int, instance: str
+    ) -> None:
         self._ledger = ledger
         self.slot = slot
         self.token = token
@@ -123,8 +124,7 @@ class PoolBudget:
                     room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]]) + pending
                     limit = i64[self._li]
                     if limit:
-                        room = min(room, limit - led.instance_charged(self.instance_slot)
-                                   + pending)
+                        room = min(room, limit - led.instance_charged(self.instance_slot) + pending)
                     if nbytes <= room:
                         self._pending = pending - nbytes
                         i64[self._ri] = pending - nbytes
@@ -150,8 +150,15 @@ class PoolBudget:
             pending = self._pending
             used = sum(led.charges[: led.u32[H_HIGH_WATER]])
             if not 0 <= used <= led.total_bytes:
-                led._refuse(str(corrupt(led.path, f"the pools charge {used} bytes together "
-                                                  f"on a device of {led.total_bytes}")))
+                led._refuse(
+                    str(
+                        corrupt(
+                            led.path,
+                            f"the pools charge {used} bytes together "
+                            f"on a device of {led.total_bytes}",
+                        )
+                    )
+                )
                 self._room = 0
                 return False
             room = i64[H_BUDGET] - used + pending
@@ -213,8 +220,11 @@ class PoolBudget:
                 except LedgerBusyError as exc:  # the batch stays, published in `released`
                     led._note_busy(exc)
                 except Exception as exc:  # the batch stays; the next grant or flush retries
-                    log.warning("ledger refund flush failed, %d bytes kept for retry: %s",
-                                self._pending, exc)
+                    log.warning(
+                        "ledger refund flush failed, %d bytes kept for retry: %s",
+                        self._pending,
+                        exc,
+                    )
 
     def headroom(self) -> int:
         """Bytes :meth:`grant` would give now (cached; see the class docstring)."""
@@ -244,8 +254,7 @@ class PoolBudget:
                 if led.refusal is not None:
                     # Nothing is written to a corrupt or replaced file; the dropped
                     # lease marks the record dead for whoever repairs the device.
-                    log.warning("%s; pool %d closes without touching it", led.refusal,
-                                self.slot)
+                    log.warning("%s; pool %d closes without touching it", led.refusal, self.slot)
                 elif not led.closed:
                     try:
                         led._lock_fd(self._fd, LOCK_WAIT_S)
@@ -254,8 +263,9 @@ class PoolBudget:
                         # Dropping the lease is enough: the record then reads as a dead
                         # owner's, retired (charge and budget alike) by the next
                         # registration or calibration.
-                        log.warning("%s; pool %d closes without it, to be retired later",
-                                    exc, self.slot)
+                        log.warning(
+                            "%s; pool %d closes without it, to be retired later", exc, self.slot
+                        )
                 if locked:
                     try:
                         if self._pending and led.tokens[self.slot] == self.token:
@@ -270,8 +280,12 @@ class PoolBudget:
                         log.warning(
                             "ledger %s: pool %d of %r closed with %d bytes still charged "
                             "(never refunded); retired from the budget too, until a "
-                            "calibration sees them free", led.path, self.slot, self.instance,
-                            left)
+                            "calibration sees them free",
+                            led.path,
+                            self.slot,
+                            self.instance,
+                            left,
+                        )
             finally:
                 os.close(self._fd)  # drops the owner lease
                 self._charged = self._pending = self._room = 0

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 class LimitStatus(str, enum.Enum):
     """What became of a limit write (:meth:`Ledger.set_limit`)."""
 
-    APPLIED = "applied"      #: written (or the same value was already there at that revision)
-    STALE = "stale"          #: an older revision than the stored one: not applied
-    CONFLICT = "conflict"    #: the stored revision is the same but its limit differs: not applied
-    DEFERRED = "deferred"    #: used by the control layer: applied, usage above it is being released
+    APPLIED = "applied"  #: written (or the same value was already there at that revision)
+    STALE = "stale"  #: an older revision than the stored one: not applied
+    CONFLICT = "conflict"  #: the stored revision is the same but its limit differs: not applied
+    DEFERRED = "deferred"  #: used by the control layer: applied, usage above it is being released
 
 
 @dataclass(frozen=True)

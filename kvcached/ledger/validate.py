@@ -98,40 +98,54 @@ def _check(mv: memoryview, path: str, locked: bool) -> None:
             released = p64[s * pw + _P_RELEASED]
             if not token:
                 if locked and (charged or released):
-                    raise corrupt(path, f"free pool record {s} charges {charged} bytes "
-                                        f"({released} released); a free record charges 0")
+                    raise corrupt(
+                        path,
+                        f"free pool record {s} charges {charged} bytes "
+                        f"({released} released); a free record charges 0",
+                    )
                 continue
             if s >= head.pool_high_water:
-                raise corrupt(path, f"pool record {s} is in use above the high-water mark "
-                                    f"{head.pool_high_water}")
+                raise corrupt(
+                    path,
+                    f"pool record {s} is in use above the high-water mark {head.pool_high_water}",
+                )
             if not 0 <= charged <= total:
-                raise corrupt(path, f"pool record {s} charges {charged} bytes on a device of "
-                                    f"{total}")
+                raise corrupt(
+                    path, f"pool record {s} charges {charged} bytes on a device of {total}"
+                )
             if not 0 <= released <= charged:
-                raise corrupt(path, f"pool record {s} has {released} bytes released of "
-                                    f"{charged} charged")
+                raise corrupt(
+                    path, f"pool record {s} has {released} bytes released of {charged} charged"
+                )
             inst = p32[s * pw4 + _P_INSTANCE]
             if not 1 <= inst <= layout.INSTANCE_SLOTS:
-                raise corrupt(path, f"pool record {s} names instance record {inst - 1}, "
-                                    f"outside 0..{layout.INSTANCE_SLOTS - 1}")
+                raise corrupt(
+                    path,
+                    f"pool record {s} names instance record {inst - 1}, "
+                    f"outside 0..{layout.INSTANCE_SLOTS - 1}",
+                )
             if locked and inst - 1 not in live_instances:
-                raise corrupt(path, f"pool record {s} names instance record {inst - 1}, "
-                                    "which is not in use")
+                raise corrupt(
+                    path, f"pool record {s} names instance record {inst - 1}, which is not in use"
+                )
             if p32[s * pw4 + _P_PID] <= 0:
                 raise corrupt(path, f"pool record {s} has owner pid {p32[s * pw4 + _P_PID]}")
             charged_sum += charged
         if locked and charged_sum > total:
-            raise corrupt(path, f"the pools charge {charged_sum} bytes together on a device "
-                                f"of {total}")
+            raise corrupt(
+                path, f"the pools charge {charged_sum} bytes together on a device of {total}"
+            )
         for s in sorted(live_instances):
             start = s * layout.INSTANCE_RECORD_SIZE + InstanceRecord.name.offset
             name = bytes(insts[start : start + layout.NAME_BYTES]).rstrip(b"\0")
             if not _NAME.match(name):
-                raise corrupt(path, f"instance record {s} has the name {name[:64]!r}, not a "
-                                    "valid KVCACHED_IPC_NAME")
+                raise corrupt(
+                    path,
+                    f"instance record {s} has the name {name[:64]!r}, not a "
+                    "valid KVCACHED_IPC_NAME",
+                )
             if i64[s * iw + _I_LIMIT] < 0:
-                raise corrupt(path, f"instance record {s} has the limit "
-                                    f"{i64[s * iw + _I_LIMIT]}")
+                raise corrupt(path, f"instance record {s} has the limit {i64[s * iw + _I_LIMIT]}")
     finally:
         for v in (p64, p32, pools, i64, insts):
             v.release()

@@ -82,8 +82,9 @@ class BlockManager:
       has block 0 on page 0 again.
     """
 
-    def __init__(self, pages: PageAllocator, *, reserve_null_block: bool = True,
-                 thread_safe: bool = True) -> None:
+    def __init__(
+        self, pages: PageAllocator, *, reserve_null_block: bool = True, thread_safe: bool = True
+    ) -> None:
         g = pages.mapper.geometry
         self.thread_safe = thread_safe
         if not thread_safe:
@@ -122,7 +123,8 @@ class BlockManager:
                     f"needs {self.page_bytes} bytes, the physical budget has "
                     f"{self._budget.headroom()} bytes of headroom and the cap allows "
                     f"{pages.cap_pages} pages; free device memory or raise "
-                    "KVCACHED_GPU_UTILIZATION (a driver failure is logged above)")
+                    "KVCACHED_GPU_UTILIZATION (a driver failure is logged above)"
+                )
             assert got == [0], f"the first page of a fresh allocator must be page 0, got {got}"
             self._adopt(got)
             taken = self._take(1)
@@ -327,15 +329,20 @@ class BlockManager:
         done now (nothing changed). Raises :class:`BlockError` if ``block`` is
         not free (live, the null block) and :class:`ConfigError` if it is out
         of range."""
-        if isinstance(block, bool) or not isinstance(block, int) or \
-                not 0 <= block < self.num_blocks:
+        if (
+            isinstance(block, bool)
+            or not isinstance(block, int)
+            or not 0 <= block < self.num_blocks
+        ):
             raise ConfigError("block", block, f"a block id in [0, {self.num_blocks})")
         lock = self._lock
         lock.acquire()
         try:
             if self._state[block] != 0:
-                raise BlockError(f"claim(): block {block} is not free (it is live or the null "
-                                 "block); nothing was changed")
+                raise BlockError(
+                    f"claim(): block {block} is not free (it is live or the null "
+                    "block); nothing was changed"
+                )
             bpp = self.blocks_per_page
             p = block // bpp
             lst = self._free[p]
@@ -477,8 +484,9 @@ class BlockManager:
         if num_blocks is None:
             pages = self._pages.num_pages
         elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ConfigError("num_blocks", num_blocks,
-                              "a block count >= 0, or None for the startup size")
+            raise ConfigError(
+                "num_blocks", num_blocks, "a block count >= 0, or None for the startup size"
+            )
         else:
             bpp = self.blocks_per_page
             pages = min(self._pages.num_pages, (num_blocks + bpp - 1) // bpp)
@@ -586,30 +594,37 @@ class BlockManager:
             free_total = 0
             held = 0
             for p in range(pa.num_pages):
-                blocks = state[p * bpp:(p + 1) * bpp]
+                blocks = state[p * bpp : (p + 1) * bpp]
                 n_live = bpp - blocks.count(0)
                 ps = pa.state_of(p)
                 if n_live:
                     assert ps == 2, f"page {p} holds {n_live} live blocks but is in state {ps}"
                     held += 1
                     lst = self._free[p]
-                    assert sorted(lst) == [p * bpp + i for i in range(bpp) if not blocks[i]], \
+                    assert sorted(lst) == [p * bpp + i for i in range(bpp) if not blocks[i]], (
                         f"page {p}: free list does not match its free blocks"
+                    )
                     k = len(lst)
                     free_total += k
                     c = k.bit_length()
-                    assert self._class_of[p] == c and (c == 0 or p in self._buckets[c]), \
+                    assert self._class_of[p] == c and (c == 0 or p in self._buckets[c]), (
                         f"page {p} with {k} free blocks is filed under {self._class_of[p]}"
+                    )
                 else:
                     assert ps != 2, f"page {p} is held but holds no live block"
-            assert free_total == self._free_in_held, \
+            assert free_total == self._free_in_held, (
                 f"free blocks in held pages {self._free_in_held} != recount {free_total}"
-            assert all(not b for b in self._buckets[:self._lo]), "a bucket below _lo is in use"
+            )
+            assert all(not b for b in self._buckets[: self._lo]), "a bucket below _lo is in use"
             assert sum(len(b) for b in self._buckets) == sum(
-                1 for p in range(pa.num_pages) if self._class_of[p]), "bucket membership drifted"
+                1 for p in range(pa.num_pages) if self._class_of[p]
+            ), "bucket membership drifted"
             assert pa.counts() == pa.recount(), f"page counters {pa.counts()} != {pa.recount()}"
             assert pa.n_used == held, f"allocator has {pa.n_used} used pages, manager holds {held}"
             live = sum(1 for s in state if s == _LIVE)
-            used = pa.n_used * bpp - self._free_in_held - (
-                self.null_block is not None and not self.null_parked)
+            used = (
+                pa.n_used * bpp
+                - self._free_in_held
+                - (self.null_block is not None and not self.null_parked)
+            )
             assert used == live, f"blocks_used {used} differs from a recount {live}"

@@ -27,8 +27,9 @@ log = get_logger("kvcached.memory")
 STRAND_SHARE = 64
 
 
-def sized_for_device(total_bytes: int, page_bytes: int, max_handle_bytes: int,
-                     min_reserved: int, max_reserved: int) -> tuple[int, int, int]:
+def sized_for_device(
+    total_bytes: int, page_bytes: int, max_handle_bytes: int, min_reserved: int, max_reserved: int
+) -> tuple[int, int, int]:
     """``(max_handle_bytes, min_reserved, max_reserved)`` capped so that each
     of a run's handle and the reserved pool holds at most ``1/STRAND_SHARE``
     of a device of ``total_bytes`` (a handle below one page turns coalescing
@@ -39,8 +40,12 @@ def sized_for_device(total_bytes: int, page_bytes: int, max_handle_bytes: int,
     return max_handle_bytes, min(min_reserved, max_reserved), max_reserved
 
 
-def _shutdown(blocks: BlockManager | None, pages: PageAllocator | None,
-              tensors: VirtualKVTensors | None, budget: PhysicalBudget | None) -> None:
+def _shutdown(
+    blocks: BlockManager | None,
+    pages: PageAllocator | None,
+    tensors: VirtualKVTensors | None,
+    budget: PhysicalBudget | None,
+) -> None:
     """Close in reverse order of construction. The address space is given
     back only when no page stays mapped (a quarantined page keeps it)."""
     if blocks is not None:
@@ -52,8 +57,10 @@ def _shutdown(blocks: BlockManager | None, pages: PageAllocator | None,
         if clean:
             tensors.close()
         else:
-            log.error("KV cache closed with quarantined pages still mapped; its address "
-                      "space is kept so the mappings stay valid")
+            log.error(
+                "KV cache closed with quarantined pages still mapped; its address "
+                "space is kept so the mappings stay valid"
+            )
     if budget is not None:
         budget.close()
 
@@ -121,12 +128,20 @@ class KVCache:
         if num_blocks is None and capacity_bytes is None:
             capacity_bytes = driver.info().total_bytes
         self.geometry: PageGeometry = plan_pages(
-            spec, layout=layout, granularity=driver.granularity,
+            spec,
+            layout=layout,
+            granularity=driver.granularity,
             page_size=config.page_size if page_size is None else page_size,
-            num_blocks=num_blocks, capacity_bytes=capacity_bytes)
+            num_blocks=num_blocks,
+            capacity_bytes=capacity_bytes,
+        )
         sized = sized_for_device(
-            driver.info().total_bytes, self.geometry.page_bytes, DEFAULT_MAX_HANDLE_BYTES,
-            config.min_reserved_pages, max(config.max_reserved_pages, config.min_reserved_pages))
+            driver.info().total_bytes,
+            self.geometry.page_bytes,
+            DEFAULT_MAX_HANDLE_BYTES,
+            config.min_reserved_pages,
+            max(config.max_reserved_pages, config.min_reserved_pages),
+        )
         if max_handle_bytes is None:
             max_handle_bytes = sized[0]
         if min_reserved is None and max_reserved is None:
@@ -141,12 +156,15 @@ class KVCache:
             if budget is None:
                 budget = owned_budget = DriverFreeBudget(driver)
             tensors = VirtualKVTensors(driver, spec, self.geometry)
-            mapper = PageMapper(tensors, budget, max_handle_bytes=max_handle_bytes,
-                                before_unmap=before_unmap)
-            pages = PageAllocator(mapper, min_reserved=min_reserved,
-                                  max_reserved=max_reserved, background=background)
-            blocks = BlockManager(pages, reserve_null_block=reserve_null_block,
-                                  thread_safe=thread_safe)
+            mapper = PageMapper(
+                tensors, budget, max_handle_bytes=max_handle_bytes, before_unmap=before_unmap
+            )
+            pages = PageAllocator(
+                mapper, min_reserved=min_reserved, max_reserved=max_reserved, background=background
+            )
+            blocks = BlockManager(
+                pages, reserve_null_block=reserve_null_block, thread_safe=thread_safe
+            )
         except BaseException:
             _shutdown(blocks, pages, tensors, owned_budget)  # undo in reverse
             raise
@@ -193,5 +211,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         g = self.geometry
-        return (f"<KVCache {g.layout.value} layers={g.num_layers} blocks={g.num_blocks} "
-                f"pages={g.num_pages}x{g.page_bytes} driver={self.driver!r}>")
+        return (
+            f"<KVCache {g.layout.value} layers={g.num_layers} blocks={g.num_blocks} "
+            f"pages={g.num_pages}x{g.page_bytes} driver={self.driver!r}>"
+        )

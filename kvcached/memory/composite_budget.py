@@ -39,8 +39,9 @@ class CompositeBudget:
     refund goes to all of them), so a denial leaves nothing charged.
     """
 
-    def __init__(self, members: Sequence[PhysicalBudget],
-                 devices: Sequence[Hashable] | None = None) -> None:
+    def __init__(
+        self, members: Sequence[PhysicalBudget], devices: Sequence[Hashable] | None = None
+    ) -> None:
         if not members:
             raise ConfigError("members", members, "at least one budget")
         if devices is None:

@@ -108,5 +108,7 @@ class DriverFreeBudget:
         self._closed = True
 
     def __repr__(self) -> str:
-        return (f"<DriverFreeBudget headroom={self.headroom()} margin={self._margin} "
-                f"utilization={self._utilization}>")
+        return (
+            f"<DriverFreeBudget headroom={self.headroom()} margin={self._margin} "
+            f"utilization={self._utilization}>"
+        )

@@ -85,7 +85,8 @@ class PageBackend(Protocol):
     def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]: ...
 
     def retry_quarantined(
-        self, spans: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]: ...
+        self, spans: list[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int]]: ...
 
     def extent_of(self, page: int) -> tuple[int, int] | None: ...
 
@@ -190,9 +191,8 @@ class PageMapper:
         """Bytes of ``ext``'s handles created and not yet released."""
         sizes = [ext.count * span for _, span in self._strides]
         if ext.states is None:
-            return sum(sizes[:len(ext.handles)])
-        return sum(size for size, st in zip(sizes, ext.states, strict=False)
-                   if st != _RELEASED)
+            return sum(sizes[: len(ext.handles)])
+        return sum(size for size, st in zip(sizes, ext.states, strict=False) if st != _RELEASED)
 
     def quarantined_extents(self) -> list[tuple[int, int]]:
         with self._lock:
@@ -210,8 +210,14 @@ class PageMapper:
         :meth:`map_runs` for one span, written out without its lists: growing
         by one page at a time (a decode step, a refill of one page) is the
         common case."""
-        if first.__class__ is not int or count.__class__ is not int or first < 0 \
-                or count < 1 or count > self.max_run_pages or first + count > self._num_pages:
+        if (
+            first.__class__ is not int
+            or count.__class__ is not int
+            or first < 0
+            or count < 1
+            or count > self.max_run_pages
+            or first + count > self._num_pages
+        ):
             first, count = self._check_span(first, count)
         ext = Extent(first, count)
         owner = self._owner
@@ -276,8 +282,14 @@ class PageMapper:
         exts = []
         pages = 0
         for first, count in spans:
-            if first.__class__ is not int or count.__class__ is not int or first < 0 \
-                    or count < 1 or count > max_run or first + count > num_pages:
+            if (
+                first.__class__ is not int
+                or count.__class__ is not int
+                or first < 0
+                or count < 1
+                or count > max_run
+                or first + count > num_pages
+            ):
                 first, count = self._check_span(first, count)
             exts.append(Extent(first, count))
             pages += count
@@ -358,8 +370,12 @@ class PageMapper:
                     done = i = j
         except DriverError as exc:
             level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
-            level("mapping pages [%d, %d) failed, undone: %s", exts[done].first,
-                  exts[-1].first + exts[-1].count, exc)
+            level(
+                "mapping pages [%d, %d) failed, undone: %s",
+                exts[done].first,
+                exts[-1].first + exts[-1].count,
+                exc,
+            )
             self._abandon(exts, done)
         except BaseException:
             self._abandon(exts, done)
@@ -378,14 +394,21 @@ class PageMapper:
     def _check_span(self, first: object, count: object) -> tuple[int, int]:
         """The slow check of one span: its ints, or :class:`MappingError`."""
         g = self.geometry
-        if not isinstance(first, int) or not isinstance(count, int) or count < 1 \
-                or first < 0 or first + count > g.num_pages:
+        if (
+            not isinstance(first, int)
+            or not isinstance(count, int)
+            or count < 1
+            or first < 0
+            or first + count > g.num_pages
+        ):
             raise MappingError(
                 f"map_run(first={first}, count={count}): needs 0 <= first, count >= 1, "
-                f"first + count <= {g.num_pages}")
+                f"first + count <= {g.num_pages}"
+            )
         if count > self.max_run_pages:
             raise MappingError(
-                f"map_run(count={count}): at most {self.max_run_pages} pages per extent")
+                f"map_run(count={count}): at most {self.max_run_pages} pages per extent"
+            )
         return int(first), int(count)
 
     def _claim_pages(self, ext: Extent, claiming: list[Extent]) -> None:
@@ -494,7 +517,7 @@ class PageMapper:
     def _undo(self, ext: Extent, granted: int) -> None:
         """Unwind a half-built extent in reverse; refund what never became or
         no longer is memory; quarantine whatever could not be undone."""
-        created = sum(ext.count * span for _, span in self._strides[:len(ext.handles)])
+        created = sum(ext.count * span for _, span in self._strides[: len(ext.handles)])
         clean = self._teardown(ext)
         held = self._held(ext)
         # `granted - created` was never allocated; released handles were refunded
@@ -503,8 +526,13 @@ class PageMapper:
         if clean:
             self._forget(ext)
         else:
-            log.error("could not undo a failed growth of pages [%d, %d): %d bytes stay "
-                      "charged and quarantined until trim", ext.first, ext.first + ext.count, held)
+            log.error(
+                "could not undo a failed growth of pages [%d, %d): %d bytes stay "
+                "charged and quarantined until trim",
+                ext.first,
+                ext.first + ext.count,
+                held,
+            )
             with self._lock:
                 ext.quarantined = True
                 ext.busy = False
@@ -542,8 +570,12 @@ class PageMapper:
                 for first, count in spans:
                     if count == 1 and first.__class__ is int and 0 <= first < n_pages:
                         ext = owner[first]  # one page: _claim_locked, written out
-                        if ext is not None and ext.count == 1 and not ext.busy \
-                                and not ext.quarantined:
+                        if (
+                            ext is not None
+                            and ext.count == 1
+                            and not ext.busy
+                            and not ext.quarantined
+                        ):
                             ext.busy = True
                             claimed.append([ext])
                             continue
@@ -573,20 +605,25 @@ class PageMapper:
         owner = self._owner
         if count == 1 and 0 <= first < len(owner):  # one page: the common case
             ext = owner[first]
-            if ext is not None and ext.count == 1 and ext.first == first and not ext.busy \
-                    and not ext.quarantined:
+            if (
+                ext is not None
+                and ext.count == 1
+                and ext.first == first
+                and not ext.busy
+                and not ext.quarantined
+            ):
                 ext.busy = True
                 return [ext]
         exts, p, end = [], first, first + count
         while p < end:
             ext = owner[p] if 0 <= p < len(owner) else None
-            if ext is None or ext.first != p or ext.busy or ext.quarantined \
-                    or p + ext.count > end:
+            if ext is None or ext.first != p or ext.busy or ext.quarantined or p + ext.count > end:
                 for e in exts:
                     e.busy = False
                 raise MappingError(
                     f"unmap [{first}, {end}): page {p} does not start a live extent "
-                    f"that ends inside the range ({ext!r}); a handle is unmapped whole")
+                    f"that ends inside the range ({ext!r}); a handle is unmapped whole"
+                )
             ext.busy = True
             exts.append(ext)
             p += ext.count
@@ -619,9 +656,12 @@ class PageMapper:
                 ext.quarantined = True
                 ext.busy = False
                 self._quarantine[ext.first] = ext
-            log.warning("pages [%d, %d) quarantined: a handle could not be unmapped or "
-                        "released; its charge is kept and trim retries it",
-                        ext.first, ext.first + ext.count)
+            log.warning(
+                "pages [%d, %d) quarantined: a handle could not be unmapped or "
+                "released; its charge is kept and trim retries it",
+                ext.first,
+                ext.first + ext.count,
+            )
         return not bad
 
     def _release_runs(self, exts: list[Extent], gone: list[Extent]) -> list[Extent]:
@@ -647,8 +687,12 @@ class PageMapper:
                 end = ext.first + count
                 while j < n:
                     nxt = exts[j]
-                    if nxt.first != end or nxt.count != count or nxt.states is not None \
-                            or nxt.mapped != nh:
+                    if (
+                        nxt.first != end
+                        or nxt.count != count
+                        or nxt.states is not None
+                        or nxt.mapped != nh
+                    ):
                         break
                     end += count
                     j += 1
@@ -664,12 +708,17 @@ class PageMapper:
                 try:
                     unmap_range(base + first * span, count * span, k)
                 except DriverError as exc:
-                    log.warning("unmap of %d mappings of %d bytes at %#x failed, retried one "
-                                "by one: %s", k, count * span, base + first * span, exc)
+                    log.warning(
+                        "unmap of %d mappings of %d bytes at %#x failed, retried one by one: %s",
+                        k,
+                        count * span,
+                        base + first * span,
+                        exc,
+                    )
                     went = getattr(exc, "unmapped", 0)
                     for idx, e in enumerate(run):
                         st = e.states = bytearray([_MAPPED]) * nh
-                        st[s + 1:] = bytes([_UNMAPPED]) * (nh - s - 1)
+                        st[s + 1 :] = bytes([_UNMAPPED]) * (nh - s - 1)
                         if idx < went:
                             st[s] = _UNMAPPED
                     rest.extend(run)
@@ -696,9 +745,10 @@ class PageMapper:
                             release(handles[h])
                         except DriverError as exc:
                             log.warning("release of a %d-byte handle failed: %s", sizes[h], exc)
-                            e.states = bytearray([_UNMAPPED]) * (h + 1) + \
-                                bytearray([_RELEASED]) * (nh - h - 1)
-                            freed += sum(sizes[h + 1:])
+                            e.states = bytearray([_UNMAPPED]) * (h + 1) + bytearray([_RELEASED]) * (
+                                nh - h - 1
+                            )
+                            freed += sum(sizes[h + 1 :])
                             rest.append(e)
                             break
                     else:
@@ -714,8 +764,9 @@ class PageMapper:
         driver = self.driver
         states = ext.states
         if states is None:  # first teardown: per-handle states from the build
-            states = ext.states = bytearray([_MAPPED]) * ext.mapped + \
-                bytearray([_CREATED]) * (len(ext.handles) - ext.mapped)
+            states = ext.states = bytearray([_MAPPED]) * ext.mapped + bytearray([_CREATED]) * (
+                len(ext.handles) - ext.mapped
+            )
         first, count = ext.first, ext.count
         freed = 0
         for i in range(len(states) - 1, -1, -1):
@@ -791,8 +842,12 @@ class PageMapper:
             exts = []
             seen: set[int] = set()
             for ext in self._owner:
-                if ext is not None and not ext.busy and not ext.quarantined \
-                        and ext.first not in seen:
+                if (
+                    ext is not None
+                    and not ext.busy
+                    and not ext.quarantined
+                    and ext.first not in seen
+                ):
                     seen.add(ext.first)
                     ext.busy = True
                     exts.append(ext)

@@ -138,8 +138,11 @@ class PageAllocator:
         background: bool = True,
     ) -> None:
         if not 0 <= min_reserved <= max_reserved:
-            raise ConfigError("min_reserved/max_reserved", (min_reserved, max_reserved),
-                              "0 <= min_reserved <= max_reserved (KVCACHED_MIN/MAX_RESERVED_PAGES)")
+            raise ConfigError(
+                "min_reserved/max_reserved",
+                (min_reserved, max_reserved),
+                "0 <= min_reserved <= max_reserved (KVCACHED_MIN/MAX_RESERVED_PAGES)",
+            )
         self.mapper = mapper
         self.budget = mapper.budget
         self.page_bytes = mapper.page_bytes
@@ -174,13 +177,13 @@ class PageAllocator:
         self._thread: threading.Thread | None = None
         # Growth maps every span of a take behind one call when the mapper can
         # (PageMapper.map_runs); any other PageBackend gets map_run per span.
-        self._batch = callable(getattr(mapper, "map_runs", None)) and \
-            callable(getattr(mapper, "is_mapped", None))
+        self._batch = callable(getattr(mapper, "map_runs", None)) and callable(
+            getattr(mapper, "is_mapped", None)
+        )
         self._map_runs = mapper.map_runs if self._batch else self._map_spans
         self.background = background
         if background:
-            self._thread = threading.Thread(target=self._loop, name="kvcached-pages",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="kvcached-pages", daemon=True)
             self._thread.start()
 
     # -- hot path -------------------------------------------------------------------------
@@ -283,8 +286,8 @@ class PageAllocator:
                             run_of[first] = run
                             pages.append(first)
                         else:
-                            state[first:first + count] = _BYTE[USED] * count
-                            run_of[first:first + count] = [run] * count
+                            state[first : first + count] = _BYTE[USED] * count
+                            run_of[first : first + count] = [run] * count
                             pages.extend(range(first, first + count))
                     self.n_busy -= grow
                     self.n_used += grow
@@ -439,9 +442,11 @@ class PageAllocator:
                 # run; the pages below it stay for later takes.
                 hole = state.find(want, first)
                 if hole >= 0:
-                    state[hole:hole + n] = _BYTE[BUSY] * n
-                    return [(p, n - (p - hole) if n - (p - hole) < max_run else max_run)
-                            for p in range(hole, hole + n, max_run)]
+                    state[hole : hole + n] = _BYTE[BUSY] * n
+                    return [
+                        (p, n - (p - hole) if n - (p - hole) < max_run else max_run)
+                        for p in range(hole, hole + n, max_run)
+                    ]
         spans = []
         if max_run == 1:  # coalescing off: one page per span
             find = state.find
@@ -456,7 +461,7 @@ class PageAllocator:
             return spans
         left = n
         while True:
-            seg = state[first:first + (left if left < max_run else max_run)]
+            seg = state[first : first + (left if left < max_run else max_run)]
             count = len(seg) - len(seg.lstrip(_UNMAPPED_BYTE))  # unmapped pages from first
             end = first + count
             state[first:end] = _BYTE[BUSY] * count
@@ -476,8 +481,8 @@ class PageAllocator:
             self._state[first] = to
             self._run[first] = run
         else:
-            self._state[first:first + count] = _BYTE[to] * count
-            self._run[first:first + count] = [run] * count
+            self._state[first : first + count] = _BYTE[to] * count
+            self._run[first : first + count] = [run] * count
         self.n_busy -= count
         if to == USED:
             self.n_used += count
@@ -489,7 +494,7 @@ class PageAllocator:
 
     def _unbusy(self, first: int, count: int) -> None:
         """A busy span is unmapped again (growth failed, or release succeeded)."""
-        self._state[first:first + count] = _UNMAPPED_BYTE * count
+        self._state[first : first + count] = _UNMAPPED_BYTE * count
         for p in range(first, first + count):
             self._run[p] = None
         self.n_busy -= count
@@ -507,7 +512,7 @@ class PageAllocator:
 
     def _quarantine(self, first: int, count: int) -> None:
         """A busy span the mapper could not release (or undo): quarantined."""
-        self._state[first:first + count] = _BYTE[QUARANTINED] * count
+        self._state[first : first + count] = _BYTE[QUARANTINED] * count
         self.n_busy -= count
         self.n_quarantined += count
         self._quarantined[first] = count
@@ -556,7 +561,7 @@ class PageAllocator:
         except BaseException:
             with self._lock:  # nothing was touched: the runs are idle again
                 for r in chosen:
-                    self._state[r.first:r.first + r.count] = _BYTE[IDLE] * r.count
+                    self._state[r.first : r.first + r.count] = _BYTE[IDLE] * r.count
                     self.n_busy -= r.count
                     self.n_idle += r.count
                     self._idle_runs[r.first] = r
@@ -574,8 +579,8 @@ class PageAllocator:
                         state[first] = UNMAPPED
                         run_of[first] = None
                     else:
-                        state[first:first + count] = _UNMAPPED_BYTE * count
-                        run_of[first:first + count] = [None] * count
+                        state[first : first + count] = _UNMAPPED_BYTE * count
+                        run_of[first : first + count] = [None] * count
                     if first < lo:
                         lo = first
                     released += count
@@ -603,7 +608,7 @@ class PageAllocator:
             if count == 1:
                 state[first] = BUSY
             else:
-                state[first:first + count] = _BYTE[BUSY] * count
+                state[first : first + count] = _BYTE[BUSY] * count
             got += count
             chosen.append(r)
         self.n_idle -= got
@@ -705,13 +710,16 @@ class PageAllocator:
         most, then usually finds it idle, instead of waiting for the whole
         refill (five pages of a Llama-3-8B cache on the per-layer layout are
         320 handles, about 12 ms on an H200)."""
-        step = max(self.mapper.max_run_pages,
-                   REFILL_STEP_HANDLES // getattr(self.mapper, "handles_per_page", 1))
+        step = max(
+            self.mapper.max_run_pages,
+            REFILL_STEP_HANDLES // getattr(self.mapper, "handles_per_page", 1),
+        )
         mapped = 0
         while want is None or mapped < want:
             with self._grow_lock:
                 got, asked = self._grow_idle_locked(
-                    None if want is None else want - mapped, most=step)
+                    None if want is None else want - mapped, most=step
+                )
             mapped += got
             if got == 0 or got < asked:  # nothing left to do, or a denial
                 break
@@ -798,7 +806,7 @@ class PageAllocator:
             spans = list(self._quarantined.items())
             self._quarantined.clear()
             for first, count in spans:
-                self._state[first:first + count] = _BYTE[BUSY] * count
+                self._state[first : first + count] = _BYTE[BUSY] * count
                 self.n_quarantined -= count
                 self.n_busy += count
         if not spans:
@@ -824,17 +832,27 @@ class PageAllocator:
     def counts(self) -> dict[str, int]:
         """A consistent snapshot of the counters."""
         with self._lock:
-            return {"idle": self.n_idle, "used": self.n_used, "busy": self.n_busy,
-                    "quarantined": self.n_quarantined, "unmapped": self.n_unmapped,
-                    "cap": self.cap_pages}
+            return {
+                "idle": self.n_idle,
+                "used": self.n_used,
+                "busy": self.n_busy,
+                "quarantined": self.n_quarantined,
+                "unmapped": self.n_unmapped,
+                "cap": self.cap_pages,
+            }
 
     def recount(self) -> dict[str, int]:
         """Counters recomputed from the page states (tests, debugging)."""
         with self._lock:
             s = self._state
-            return {"idle": s.count(IDLE), "used": s.count(USED), "busy": s.count(BUSY),
-                    "quarantined": s.count(QUARANTINED), "unmapped": s.count(UNMAPPED),
-                    "cap": self.cap_pages}
+            return {
+                "idle": s.count(IDLE),
+                "used": s.count(USED),
+                "busy": s.count(BUSY),
+                "quarantined": s.count(QUARANTINED),
+                "unmapped": s.count(UNMAPPED),
+                "cap": self.cap_pages,
+            }
 
     def state_of(self, page: int) -> int:
         return self._state[page]

@@ -43,8 +43,14 @@ class PlannedPages:
     """The :class:`~kvcached.memory.mapper.PageBackend` of a planner. See the
     module docstring. Not thread-safe: one scheduler thread drives it."""
 
-    def __init__(self, geometry: PageGeometry, budget: PhysicalBudget, *,
-                 max_run_pages: int, premapped_page0: bool = True) -> None:
+    def __init__(
+        self,
+        geometry: PageGeometry,
+        budget: PhysicalBudget,
+        *,
+        max_run_pages: int,
+        premapped_page0: bool = True,
+    ) -> None:
         if max_run_pages < 1:
             raise MappingError(f"max_run_pages={max_run_pages}: must be >= 1")
         self.geometry = geometry
@@ -67,8 +73,10 @@ class PlannedPages:
     def map_run(self, first: int, count: int) -> bool:
         g = self.geometry
         if count < 1 or first < 0 or first + count > g.num_pages or count > self.max_run_pages:
-            raise MappingError(f"map_run(first={first}, count={count}) is outside the plan "
-                               f"({g.num_pages} pages, runs of at most {self.max_run_pages})")
+            raise MappingError(
+                f"map_run(first={first}, count={count}) is outside the plan "
+                f"({g.num_pages} pages, runs of at most {self.max_run_pages})"
+            )
         for p in range(first, first + count):
             if self._owner[p] != -1:
                 raise MappingError(f"map_run: page {p} is already planned")
@@ -82,7 +90,9 @@ class PlannedPages:
             return False
         elif first == 0 and self._page0_premapped:
             if count != 1:
-                raise MappingError("page 0 is premapped by the workers: it must be a run of its own")
+                raise MappingError(
+                    "page 0 is premapped by the workers: it must be a run of its own"
+                )
             self._page0_premapped = False
         else:
             self._queue.append((MAP, first, count))
@@ -117,7 +127,8 @@ class PlannedPages:
         return [True] * len(spans)
 
     def retry_quarantined(
-            self, spans: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+        self, spans: list[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int]]:
         return []  # nothing is quarantined here: a worker's failure is its own error
 
     def extent_of(self, page: int) -> tuple[int, int] | None:

@@ -56,24 +56,30 @@ class PageLanes:
         if self.size < 1:
             raise ConfigError("size", self.size, "a buffer of at least one byte")
         if self.num_pages < 1 or self.blocks_per_page < 1:
-            raise ConfigError("num_pages/blocks_per_page", (self.num_pages, self.blocks_per_page),
-                              "at least one page of at least one block")
+            raise ConfigError(
+                "num_pages/blocks_per_page",
+                (self.num_pages, self.blocks_per_page),
+                "at least one page of at least one block",
+            )
         if not self.lanes:
             raise ConfigError("lanes", self.lanes, "at least one (base, span) lane")
         end_of_buffer = -(-self.size // g) * g
         previous_end = 0
         for base, span in sorted(self.lanes):
             if base % g or span % g or span <= 0:
-                raise ConfigError("lanes", (base, span),
-                                  f"base and span multiples of the granularity ({g} bytes)")
+                raise ConfigError(
+                    "lanes", (base, span), f"base and span multiples of the granularity ({g} bytes)"
+                )
             if base < previous_end:
                 raise ConfigError("lanes", self.lanes, "lanes that do not overlap")
             previous_end = base + self.num_pages * span
             if previous_end > end_of_buffer:
                 raise ConfigError(
-                    "lanes", (base, span),
+                    "lanes",
+                    (base, span),
                     f"{self.num_pages} pages of {span} bytes from {base} end past the "
-                    f"{end_of_buffer}-byte buffer")
+                    f"{end_of_buffer}-byte buffer",
+                )
 
     @property
     def page_bytes(self) -> int:
@@ -102,7 +108,8 @@ class PageLanes:
         one range per lane."""
         if first < 0 or count < 1 or first + count > self.num_pages:
             raise MappingError(
-                f"pages [{first}, {first + count}) are outside the {self.num_pages} pages")
+                f"pages [{first}, {first + count}) are outside the {self.num_pages} pages"
+            )
         return [(base + first * span, count * span) for base, span in self.lanes]
 
 
@@ -125,8 +132,10 @@ class RangeKVTensors:
     def __init__(self, driver: Driver, lanes: PageLanes) -> None:
         if driver.granularity > lanes.granularity or lanes.granularity % driver.granularity:
             raise ConfigError(
-                "granularity", lanes.granularity,
-                f"a multiple of the driver's granularity ({driver.granularity} bytes)")
+                "granularity",
+                lanes.granularity,
+                f"a multiple of the driver's granularity ({driver.granularity} bytes)",
+            )
         self.driver = driver
         self.geometry = lanes
         self.lanes = lanes

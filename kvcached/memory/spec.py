@@ -101,8 +101,11 @@ class KVCacheSpec:
         if self.v_head_dim is not None:
             _positive_int("v_head_dim", self.v_head_dim)
             if self.kv_buffers != 2:
-                raise ConfigError("v_head_dim", self.v_head_dim,
-                                  "only meaningful with kv_buffers=2 (a separate V buffer)")
+                raise ConfigError(
+                    "v_head_dim",
+                    self.v_head_dim,
+                    "only meaningful with kv_buffers=2 (a separate V buffer)",
+                )
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError("dtype", self.dtype, "a torch.dtype such as torch.bfloat16")
 
@@ -112,8 +115,14 @@ class KVCacheSpec:
         ``block_bytes`` per block, viewed as ``uint8``. For integrations that
         lay out a block themselves (vLLM's per-layer page, hybrid state)."""
         _positive_int("block_bytes", block_bytes)
-        return cls(num_layers=num_layers, block_size=1, num_heads=1, head_dim=block_bytes,
-                   dtype=torch.uint8, kv_buffers=kv_buffers)
+        return cls(
+            num_layers=num_layers,
+            block_size=1,
+            num_heads=1,
+            head_dim=block_bytes,
+            dtype=torch.uint8,
+            kv_buffers=kv_buffers,
+        )
 
     @property
     def itemsize(self) -> int:
@@ -222,11 +231,15 @@ def plan_pages(
     """
     _positive_int("granularity", granularity)
     if page_size < granularity or page_size % granularity:
-        raise ConfigError("page_size", page_size,
-                          f"a positive multiple of the driver granularity ({granularity} bytes)")
+        raise ConfigError(
+            "page_size",
+            page_size,
+            f"a positive multiple of the driver granularity ({granularity} bytes)",
+        )
     if (num_blocks is None) == (capacity_bytes is None):
-        raise ConfigError("num_blocks/capacity_bytes", (num_blocks, capacity_bytes),
-                          "exactly one of the two")
+        raise ConfigError(
+            "num_blocks/capacity_bytes", (num_blocks, capacity_bytes), "exactly one of the two"
+        )
     bbytes = spec.buffer_block_bytes
     step = min_tiling_blocks(bbytes, granularity)
     per_page = page_size // max(bbytes) // step * step
@@ -240,9 +253,16 @@ def plan_pages(
         num_pages = capacity_bytes // (blocks_per_page * block_bytes)
         if num_pages < 1:
             raise ConfigError(
-                "capacity_bytes", capacity_bytes,
+                "capacity_bytes",
+                capacity_bytes,
                 f"at least one page ({blocks_per_page * block_bytes} bytes = "
-                f"{blocks_per_page * block_bytes / MIB:.1f} MiB for this spec)")
-    return PageGeometry(layout=layout, num_layers=spec.num_layers, buffer_block_bytes=bbytes,
-                        blocks_per_page=blocks_per_page, num_pages=num_pages,
-                        granularity=granularity)
+                f"{blocks_per_page * block_bytes / MIB:.1f} MiB for this spec)",
+            )
+    return PageGeometry(
+        layout=layout,
+        num_layers=spec.num_layers,
+        buffer_block_bytes=bbytes,
+        blocks_per_page=blocks_per_page,
+        num_pages=num_pages,
+        granularity=granularity,
+    )

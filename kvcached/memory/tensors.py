@@ -122,8 +122,8 @@ class VirtualKVTensors:
         g = self.geometry
         if first < 0 or count < 1 or first + count > g.num_pages:
             raise MappingError(
-                f"pages [{first}, {first + count}) are outside this cache's "
-                f"{g.num_pages} pages")
+                f"pages [{first}, {first + count}) are outside this cache's {g.num_pages} pages"
+            )
         return [(va + first * step, count * step) for va, step in self.handle_strides()]
 
     def handle_strides(self) -> tuple[tuple[int, int], ...]:
@@ -135,8 +135,9 @@ class VirtualKVTensors:
         if g.layout is KVLayout.CONTIGUOUS:
             return ((self._reservations[0][0], g.page_bytes),)
         spans = g.span_bytes
-        return tuple((base, span) for row in self._base
-                     for base, span in zip(row, spans, strict=True))
+        return tuple(
+            (base, span) for row in self._base for base, span in zip(row, spans, strict=True)
+        )
 
     def buffer_stride(self, buffer: int = 0) -> int:
         """Byte distance between consecutive blocks of one buffer of one layer."""
@@ -188,9 +189,11 @@ class VirtualKVTensors:
         strides over one per-layer buffer."""
         self._check(layer, 0)
         if self.geometry.layout is not KVLayout.PER_LAYER:
-            raise ConfigError("layout", self.geometry.layout.value,
-                              "per_layer (contiguous layers share one range: use raw_buffer "
-                              "or whole_bytes)")
+            raise ConfigError(
+                "layout",
+                self.geometry.layout.value,
+                "per_layer (contiguous layers share one range: use raw_buffer or whole_bytes)",
+            )
         va, size = self._reservations[layer]
         return self.driver.tensor(va, size)
 
@@ -199,15 +202,19 @@ class VirtualKVTensors:
         ``l``, buffer ``i`` of block ``b`` starts at ``b * block_stride +
         l * layer_block_bytes + sum(buffer_block_bytes[:i])``."""
         if self.geometry.layout is not KVLayout.CONTIGUOUS:
-            raise ConfigError("layout", self.geometry.layout.value,
-                              "contiguous (per-layer ranges: use layer_bytes)")
+            raise ConfigError(
+                "layout",
+                self.geometry.layout.value,
+                "contiguous (per-layer ranges: use layer_bytes)",
+            )
         if self.closed:
             raise MappingError("the KV tensors were closed")
         va, size = self._reservations[0]
         return self.driver.tensor(va, size)
 
-    def block_view(self, layer: int, buffer: int, dtype: torch.dtype,
-                   shape: tuple[int, ...]) -> torch.Tensor:
+    def block_view(
+        self, layer: int, buffer: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         """Buffer ``buffer`` of ``layer`` as ``(num_blocks, *shape)`` of
         ``dtype``, where ``shape`` fills one block exactly. The general view
         (hybrid state, custom cells); the ones below are special cases."""
@@ -219,11 +226,14 @@ class VirtualKVTensors:
         for n in shape:
             numel *= n
         if numel * itemsize != width:
-            raise ConfigError("shape", shape,
-                              f"a {dtype} shape of exactly {width} bytes (one block)")
+            raise ConfigError(
+                "shape", shape, f"a {dtype} shape of exactly {width} bytes (one block)"
+            )
         stride = self.buffer_stride(buffer)
         if stride % itemsize or self._base[layer][buffer] % itemsize:
-            raise ConfigError("dtype", dtype, f"a dtype whose size divides the block stride {stride}")
+            raise ConfigError(
+                "dtype", dtype, f"a dtype whose size divides the block stride {stride}"
+            )
         nbytes = (g.num_blocks - 1) * stride + width
         base = self._typed(self._base[layer][buffer], nbytes, dtype)
         inner = []
@@ -259,8 +269,7 @@ class VirtualKVTensors:
         nbytes = kv_gap + (g.num_blocks - 1) * stride + g.buffer_block_bytes[0]
         base = self._typed(self._base[layer][0], nbytes, s.dtype)
         shape = (2, g.num_blocks, s.block_size, s.num_heads, s.head_dim)
-        strides = (kv_gap // itemsize, stride // itemsize,
-                   s.num_heads * s.head_dim, s.head_dim, 1)
+        strides = (kv_gap // itemsize, stride // itemsize, s.num_heads * s.head_dim, s.head_dim, 1)
         return torch.as_strided(base, shape, strides)
 
     def flashinfer_view(self, layer: int) -> torch.Tensor:

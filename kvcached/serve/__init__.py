@@ -32,8 +32,17 @@ from kvcached.serve.config import (
 if TYPE_CHECKING:
     from kvcached.serve.app import Serve
 
-__all__ = ["ModelConfig", "RestartConfig", "Serve", "ServeConfig", "ServeConfigError",
-           "SleepConfig", "load_config", "parse_config", "run"]
+__all__ = [
+    "ModelConfig",
+    "RestartConfig",
+    "Serve",
+    "ServeConfig",
+    "ServeConfigError",
+    "SleepConfig",
+    "load_config",
+    "parse_config",
+    "run",
+]
 
 
 def run(config: ServeConfig, ready: Any = None) -> int:  # noqa: ANN401

@@ -53,8 +53,7 @@ class Serve:
         self.config = config
         self.store = StateStore(config.resolved_state_dir())
         self.publisher = StatePublisher()
-        self.models = [ModelRuntime(m, config, self.store, self.publisher)
-                       for m in config.models]
+        self.models = [ModelRuntime(m, config, self.store, self.publisher) for m in config.models]
         self._by_name = {n: m for m in self.models for n in m.config.served_names}
         self.router = Router(self)
         self._runner: web.AppRunner | None = None
@@ -84,8 +83,13 @@ class Serve:
         sockets = getattr(server, "sockets", None) or []
         if sockets:
             self.port = sockets[0].getsockname()[1]
-        log.info("kvcached serve: router on http://%s:%d, %d model(s), state in %s",
-                 self.config.host, self.port, len(self.models), self.store.directory)
+        log.info(
+            "kvcached serve: router on http://%s:%d, %d model(s), state in %s",
+            self.config.host,
+            self.port,
+            len(self.models),
+            self.store.directory,
+        )
         for m in self.models:
             record = self.store.read(m.name)
             if record is not None and await m.adopt(record):
@@ -157,8 +161,11 @@ class Serve:
                 continue
             if m.state == READY and m.idle_for(now) >= m.config.sleep.idle_after:
                 await m.sleep(reason=f"idle for {m.config.sleep.idle_after:g} s")
-            elif (level == "stop" and m.state == SLEEPING
-                  and now - m.slept_at >= m.config.sleep.stop_after):
+            elif (
+                level == "stop"
+                and m.state == SLEEPING
+                and now - m.slept_at >= m.config.sleep.stop_after
+            ):
                 await m.stop_sleeping()
         if self.config.pressure == "sleep-lru":
             await self._relieve_pressure()
@@ -167,8 +174,7 @@ class Serve:
         """Sleep the least recently used idle model on a GPU where a busy one misses
         memory and the ledger has no headroom."""
         loop = asyncio.get_running_loop()
-        pressure = await loop.run_in_executor(None, _pressure_view,
-                                              [m.name for m in self.models])
+        pressure = await loop.run_in_executor(None, _pressure_view, [m.name for m in self.models])
         for m in self.models:
             seen = pressure.get(m.name)
             if seen is None:
@@ -178,15 +184,26 @@ class Serve:
             self._misses[m.name] = misses
             if not (grew and m.in_flight and headroom < page):
                 continue
-            idle = [o for o in self.models if o is not m and o.state == READY
-                    and not o.in_flight and not o.lock.locked()
-                    and pressure.get(o.name, (0, (), 0, 0))[1] and
-                    set(pressure[o.name][1]) & set(gpus)]
+            idle = [
+                o
+                for o in self.models
+                if o is not m
+                and o.state == READY
+                and not o.in_flight
+                and not o.lock.locked()
+                and pressure.get(o.name, (0, (), 0, 0))[1]
+                and set(pressure[o.name][1]) & set(gpus)
+            ]
             if idle:
                 victim = min(idle, key=lambda o: o.last_used)
-                log.info("model %s misses memory on %s (headroom %d B): putting %s, the "
-                         "least recently used idle model there, to sleep", m.name,
-                         ",".join(gpus), headroom, victim.name)
+                log.info(
+                    "model %s misses memory on %s (headroom %d B): putting %s, the "
+                    "least recently used idle model there, to sleep",
+                    m.name,
+                    ",".join(gpus),
+                    headroom,
+                    victim.name,
+                )
                 await victim.sleep(reason=f"memory pressure from {m.name}")
 
 
@@ -203,8 +220,12 @@ def _pressure_view(names: list[str]) -> dict[str, tuple[int, tuple[str, ...], in
             continue
         misses, devs, room, page = out.get(r.name, (0, (), 1 << 62, 0))
         unit = max(1, r.virtual_bytes // max(1, r.blocks_total)) * 32
-        out[r.name] = (misses + r.misses, (*devs, r.gpu), min(room, headroom[r.gpu]),
-                       max(page, unit))
+        out[r.name] = (
+            misses + r.misses,
+            (*devs, r.gpu),
+            min(room, headroom[r.gpu]),
+            max(page, unit),
+        )
     return out
 
 

@@ -85,17 +85,40 @@ class ModelConfig:
         """The engine's command line on ``host:port`` (``port`` may be a placeholder
         text, for the plan)."""
         if self.command:  # the user's own launch command (any engine kind)
-            return [part.replace("{port}", str(port)).replace("{host}", host)
-                    for part in self.command]
+            return [
+                part.replace("{port}", str(port)).replace("{host}", host) for part in self.command
+            ]
         if self.engine == "vllm":
-            argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                    "--served-model-name", self.name, "--host", host, "--port", str(port)]
+            argv = [
+                python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                self.model,
+                "--served-model-name",
+                self.name,
+                "--host",
+                host,
+                "--port",
+                str(port),
+            ]
             if self.sleep.level == "weights" and "--enable-sleep-mode" not in self.args:
                 argv.append("--enable-sleep-mode")
             return argv + list(self.args)
         if self.engine == "sglang":
-            argv = [python, "-m", "sglang.launch_server", "--model-path", self.model,
-                    "--served-model-name", self.name, "--host", host, "--port", str(port)]
+            argv = [
+                python,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                self.model,
+                "--served-model-name",
+                self.name,
+                "--host",
+                host,
+                "--port",
+                str(port),
+            ]
             if self.sleep.level == "weights" and "--enable-memory-saver" not in self.args:
                 argv.append("--enable-memory-saver")
             return argv + list(self.args)
@@ -166,8 +189,7 @@ def _loader() -> type:
             out.key_lines = {str(k.value): k.start_mark.line + 1 for k, _ in node.value}
             return out
 
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                           Loader.construct_mapping)
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, Loader.construct_mapping)
     return Loader
 
 
@@ -195,8 +217,15 @@ class _Reader:
     def has(self, key: str) -> bool:
         return key in self.data
 
-    def get(self, key: str, kind: str, default: Any = None, *,  # noqa: ANN401
-            choices: tuple[str, ...] = (), minimum: float | None = None) -> Any:  # noqa: ANN401
+    def get(
+        self,
+        key: str,
+        kind: str,
+        default: Any = None,
+        *,  # noqa: ANN401
+        choices: tuple[str, ...] = (),
+        minimum: float | None = None,
+    ) -> Any:  # noqa: ANN401
         self.taken.add(key)
         if key not in self.data or self.data[key] is None:
             return default
@@ -211,8 +240,11 @@ class _Reader:
         elif kind in ("int", "float"):
             ok = isinstance(value, int) if kind == "int" else isinstance(value, (int, float))
             if isinstance(value, bool) or not ok:
-                self.fail(f"must be {'an integer' if kind == 'int' else 'a number'}, got "
-                          f"{value!r}", line, where)
+                self.fail(
+                    f"must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}",
+                    line,
+                    where,
+                )
             if minimum is not None and value < minimum:
                 self.fail(f"must be >= {minimum:g}, got {value!r}", line, where)
             value = int(value) if kind == "int" else float(value)
@@ -223,7 +255,8 @@ class _Reader:
             if isinstance(value, str):
                 value = shlex.split(value)
             if not isinstance(value, list) or not all(
-                    isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+                isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value
+            ):
                 self.fail("must be a list of strings (or one shell-quoted string)", line, where)
             value = tuple(str(v) for v in value)
         elif kind == "names":
@@ -234,14 +267,18 @@ class _Reader:
             value = tuple(value)
         elif kind == "env":
             if not isinstance(value, dict):
-                self.fail(f"must be a mapping of variable: value, got {_kind(value)}", line,
-                          where)
-            bad = [k for k, v in value.items() if not isinstance(k, str) or isinstance(v, (
-                dict, list)) or v is None]
+                self.fail(f"must be a mapping of variable: value, got {_kind(value)}", line, where)
+            bad = [
+                k
+                for k, v in value.items()
+                if not isinstance(k, str) or isinstance(v, (dict, list)) or v is None
+            ]
             if bad:
                 self.fail(f"variable {bad[0]!r} needs a string value", line, where)
-            value = {k: (("true" if v else "false") if isinstance(v, bool) else str(v))
-                     for k, v in value.items()}
+            value = {
+                k: (("true" if v else "false") if isinstance(v, bool) else str(v))
+                for k, v in value.items()
+            }
         else:  # pragma: no cover - a programming error in this module
             raise AssertionError(f"unknown kind {kind!r}")
         return value
@@ -256,16 +293,25 @@ class _Reader:
         for key in self.data:
             if key not in self.taken:
                 known = ", ".join(sorted(self.taken))
-                self.fail(f"unknown key {key!r}; known keys here: {known}",
-                          self.line_of(str(key)), self.where(str(key)))
+                self.fail(
+                    f"unknown key {key!r}; known keys here: {known}",
+                    self.line_of(str(key)),
+                    self.where(str(key)),
+                )
 
 
 def _kind(value: Any) -> str:  # noqa: ANN401
     if value is None:
         return "nothing"
-    return {dict: "a mapping", _Lines: "a mapping", list: "a list", str: "a string",
-            bool: "a boolean", int: "an integer", float: "a number"}.get(type(value),
-                                                                          type(value).__name__)
+    return {
+        dict: "a mapping",
+        _Lines: "a mapping",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
 def _sleep(r: _Reader | None) -> SleepConfig:
@@ -279,8 +325,11 @@ def _sleep(r: _Reader | None) -> SleepConfig:
         weights_level=r.get("weights_level", "int", d.weights_level, minimum=1),
     )
     if out.weights_level > 2:
-        r.fail(f"must be 1 or 2, got {out.weights_level}", r.line_of("weights_level"),
-               r.where("weights_level"))
+        r.fail(
+            f"must be 1 or 2, got {out.weights_level}",
+            r.line_of("weights_level"),
+            r.where("weights_level"),
+        )
     r.done()
     return out
 
@@ -303,15 +352,20 @@ def _restart(r: _Reader | None) -> RestartConfig:
 def _model(r: _Reader) -> ModelConfig:
     name = r.get("name", "str")
     if name is None:
-        r.fail("needs a name (what clients put in the request's \"model\")", r.line, r.path)
+        r.fail('needs a name (what clients put in the request\'s "model")', r.line, r.path)
     if not _NAME.match(name):
-        r.fail(f"{name!r} is not a usable name: letters, digits, '.', '_' and '-', "
-               "starting with a letter or digit, at most 63 characters (it is also the "
-               "kvcached instance name)", r.line_of("name"), r.where("name"))
+        r.fail(
+            f"{name!r} is not a usable name: letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit, at most 63 characters (it is also the "
+            "kvcached instance name)",
+            r.line_of("name"),
+            r.where("name"),
+        )
     engine = r.get("engine", "str", "vllm", choices=ENGINES)
     d = ModelConfig(name=name)
     m = ModelConfig(
-        name=name, engine=engine,
+        name=name,
+        engine=engine,
         model=r.get("model", "str", ""),
         args=r.get("args", "argv", ()),
         command=r.get("command", "argv", ()),
@@ -331,21 +385,33 @@ def _model(r: _Reader) -> ModelConfig:
     if m.port is not None and m.port > 65535:
         r.fail(f"must be a TCP port (1-65535), got {m.port}", r.line_of("port"), r.where("port"))
     if engine in ("vllm", "sglang") and not (m.model or m.command):
-        r.fail(f"engine {engine} needs model (the model path or id to serve) or command "
-               "(your own launch command of that engine)", r.line, r.path)
+        r.fail(
+            f"engine {engine} needs model (the model path or id to serve) or command "
+            "(your own launch command of that engine)",
+            r.line,
+            r.path,
+        )
     if m.command and (m.model or m.args):
         key = "model" if m.model else "args"
-        r.fail(f"{key} is for the command serve builds; with command, put everything in "
-               "command", r.line_of(key), r.where(key))
+        r.fail(
+            f"{key} is for the command serve builds; with command, put everything in command",
+            r.line_of(key),
+            r.where(key),
+        )
     if engine == "command" and not m.command:
-        r.fail("engine command needs command: the argv that serves HTTP on {port}",
-               r.line, r.path)
+        r.fail("engine command needs command: the argv that serves HTTP on {port}", r.line, r.path)
     if engine == "command" and m.sleep.level == "weights":
-        r.fail("sleep level weights needs an engine with a sleep API (vllm or sglang); "
-               "use kv or stop", r.line_of("sleep"), r.where("sleep.level"))
+        r.fail(
+            "sleep level weights needs an engine with a sleep API (vllm or sglang); use kv or stop",
+            r.line_of("sleep"),
+            r.where("sleep.level"),
+        )
     if not m.ready_path.startswith("/"):
-        r.fail(f"must be a URL path starting with '/', got {m.ready_path!r}",
-               r.line_of("ready_path"), r.where("ready_path"))
+        r.fail(
+            f"must be a URL path starting with '/', got {m.ready_path!r}",
+            r.line_of("ready_path"),
+            r.where("ready_path"),
+        )
     return m
 
 
@@ -360,13 +426,15 @@ def parse_config(data: Any, source: str = "<config>") -> ServeConfig:  # noqa: A
     api_key = top.get("api_key", "str", None)
     api_key_env = top.get("api_key_env", "str", None)
     if api_key and api_key_env:
-        top.fail("give api_key or api_key_env, not both", top.line_of("api_key_env"),
-                 "api_key_env")
+        top.fail("give api_key or api_key_env, not both", top.line_of("api_key_env"), "api_key_env")
     if api_key_env:
         api_key = os.environ.get(api_key_env)
         if not api_key:
-            top.fail(f"names {api_key_env}, which is not set in the environment",
-                     top.line_of("api_key_env"), "api_key_env")
+            top.fail(
+                f"names {api_key_env}, which is not set in the environment",
+                top.line_of("api_key_env"),
+                "api_key_env",
+            )
     engine_host = top.get("engine_host", "str", "127.0.0.1")
     state_dir = top.get("state_dir", "str", "")
     pressure = top.get("pressure", "str", "off", choices=PRESSURE_POLICIES)
@@ -385,19 +453,27 @@ def parse_config(data: Any, source: str = "<config>") -> ServeConfig:  # noqa: A
         m = _model(r)
         for served in m.served_names:
             if served in names:
-                r.fail(f"{served!r} is already the name or an alias of {names[served]}",
-                       r.line, r.path)
+                r.fail(
+                    f"{served!r} is already the name or an alias of {names[served]}", r.line, r.path
+                )
             names[served] = m.name
         if m.port is not None:
             if m.port in ports or m.port == port:
                 owner = ports.get(m.port, "the router")
-                r.fail(f"port {m.port} is already {owner}'s", r.line_of("port"),
-                       r.where("port"))
+                r.fail(f"port {m.port} is already {owner}'s", r.line_of("port"), r.where("port"))
             ports[m.port] = m.name
         models.append(m)
-    return ServeConfig(models=tuple(models), host=host, port=port, api_key=api_key,
-                       engine_host=engine_host, state_dir=state_dir, pressure=pressure,
-                       idle_check_s=idle_check_s, source=source)
+    return ServeConfig(
+        models=tuple(models),
+        host=host,
+        port=port,
+        api_key=api_key,
+        engine_host=engine_host,
+        state_dir=state_dir,
+        pressure=pressure,
+        idle_check_s=idle_check_s,
+        source=source,
+    )
 
 
 def load_config(path: str | os.PathLike[str]) -> ServeConfig:
@@ -429,9 +505,11 @@ def with_ports(config: ServeConfig, ports: Mapping[str, int]) -> ServeConfig:
 
 def describe(config: ServeConfig) -> str:
     """The plan ``kvcached serve --check`` prints: what would start, where, how it sleeps."""
-    lines = [f"router   http://{config.host}:{config.port}  (api key: "
-             f"{'required' if config.api_key else 'none'}; pressure: {config.pressure})",
-             f"state    {config.resolved_state_dir()}"]
+    lines = [
+        f"router   http://{config.host}:{config.port}  (api key: "
+        f"{'required' if config.api_key else 'none'}; pressure: {config.pressure})",
+        f"state    {config.resolved_state_dir()}",
+    ]
     for m in config.models:
         argv = m.argv(config.engine_host, m.port if m.port is not None else "<free port>")
         sleep = m.sleep.level
@@ -441,17 +519,20 @@ def describe(config: ServeConfig) -> str:
                 sleep += f", process stopped after {m.sleep.stop_after:g} s asleep"
             if m.sleep.level == "weights" and m.engine == "vllm":
                 sleep += f" (vLLM sleep level {m.sleep.weights_level})"
-        lines += ["", f"model    {m.name}" + (f"  (aliases: {', '.join(m.aliases)})"
-                                              if m.aliases else ""),
-                  f"  engine   {m.engine}, start {m.start}, port "
-                  f"{m.port if m.port is not None else 'auto'}",
-                  f"  command  {shlex.join(argv)}",
-                  f"  sleep    {sleep}; wake timeout {m.wake_timeout:g} s",
-                  f"  restart  {m.restart.policy} (at most {m.restart.max_restarts} in "
-                  f"{m.restart.window_s:g} s, backoff {m.restart.backoff_s:g}-"
-                  f"{m.restart.backoff_max_s:g} s)"]
+        lines += [
+            "",
+            f"model    {m.name}" + (f"  (aliases: {', '.join(m.aliases)})" if m.aliases else ""),
+            f"  engine   {m.engine}, start {m.start}, port "
+            f"{m.port if m.port is not None else 'auto'}",
+            f"  command  {shlex.join(argv)}",
+            f"  sleep    {sleep}; wake timeout {m.wake_timeout:g} s",
+            f"  restart  {m.restart.policy} (at most {m.restart.max_restarts} in "
+            f"{m.restart.window_s:g} s, backoff {m.restart.backoff_s:g}-"
+            f"{m.restart.backoff_max_s:g} s)",
+        ]
         env = m.environment({})
         if env:
-            lines.append("  env      " + " ".join(f"{k}={shlex.quote(v)}"
-                                                  for k, v in sorted(env.items())))
+            lines.append(
+                "  env      " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+            )
     return "\n".join(lines)

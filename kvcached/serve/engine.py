@@ -46,7 +46,7 @@ def group_pids(pgid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             out.append(int(entry))
     return sorted(out)
@@ -55,8 +55,9 @@ def group_pids(pgid: int) -> list[int]:
 class EngineProcess:
     """An engine's main process (the leader of its process group)."""
 
-    def __init__(self, pid: int, start_ticks: int,
-                 popen: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self, pid: int, start_ticks: int, popen: subprocess.Popen[bytes] | None = None
+    ) -> None:
         self.pid = pid
         self.start_ticks = start_ticks
         self.popen = popen
@@ -67,9 +68,14 @@ class EngineProcess:
         with open(log_path, "ab") as out:
             out.write(f"\n$ {' '.join(argv)}\n".encode())
             out.flush()
-            popen = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, env=dict(env),
-                                     start_new_session=True)
+            popen = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+            )
         ticks = process_start_ticks(popen.pid)
         return cls(popen.pid, ticks if ticks is not None else -1, popen)
 
@@ -103,8 +109,11 @@ class EngineProcess:
         while self.alive() or self.leftovers():
             if time.monotonic() >= deadline:
                 clean = False
-                log.warning("engine pid %d did not stop within %.0f s of SIGINT; SIGKILL",
-                            self.pid, timeout_s)
+                log.warning(
+                    "engine pid %d did not stop within %.0f s of SIGINT; SIGKILL",
+                    self.pid,
+                    timeout_s,
+                )
                 self._signal_group(signal.SIGKILL)
                 deadline = time.monotonic() + 30.0
                 while (self.alive() or self.leftovers()) and time.monotonic() < deadline:

@@ -28,29 +28,72 @@ def render_metrics(models: Sequence[ModelRuntime]) -> str:
         out.append(f"{name}{{{text}}} {format_value(value)}")
 
     simple = (
-        ("kvcached_serve_requests_total", "counter", "Requests routed to the model.",
-         lambda m: m.counters.requests),
-        ("kvcached_serve_errors_total", "counter",
-         "Requests answered with a status >= 400 or broken off.", lambda m: m.counters.errors),
-        ("kvcached_serve_in_flight", "gauge", "Requests routed and not yet answered.",
-         lambda m: m.in_flight),
-        ("kvcached_serve_sleeps_total", "counter", "Times the model was put to sleep.",
-         lambda m: m.counters.sleeps),
-        ("kvcached_serve_sleep_seconds_total", "counter", "Seconds spent putting it to sleep.",
-         lambda m: m.counters.sleep_seconds),
-        ("kvcached_serve_wakes_total", "counter", "Times the model was woken.",
-         lambda m: m.counters.wakes),
-        ("kvcached_serve_wake_seconds_total", "counter", "Seconds spent waking it.",
-         lambda m: m.counters.wake_seconds),
-        ("kvcached_serve_starts_total", "counter", "Engine processes started.",
-         lambda m: m.counters.starts),
-        ("kvcached_serve_restarts_total", "counter", "Restarts after an engine died.",
-         lambda m: m.counters.restarts),
-        ("kvcached_serve_engine_deaths_total", "counter", "Engine processes that died.",
-         lambda m: m.counters.deaths),
-        ("kvcached_serve_state_code", "gauge",
-         "The model's state: " + ", ".join(f"{c}={s}" for s, c in STATE_CODES.items()) + ".",
-         lambda m: STATE_CODES[m.state]),
+        (
+            "kvcached_serve_requests_total",
+            "counter",
+            "Requests routed to the model.",
+            lambda m: m.counters.requests,
+        ),
+        (
+            "kvcached_serve_errors_total",
+            "counter",
+            "Requests answered with a status >= 400 or broken off.",
+            lambda m: m.counters.errors,
+        ),
+        (
+            "kvcached_serve_in_flight",
+            "gauge",
+            "Requests routed and not yet answered.",
+            lambda m: m.in_flight,
+        ),
+        (
+            "kvcached_serve_sleeps_total",
+            "counter",
+            "Times the model was put to sleep.",
+            lambda m: m.counters.sleeps,
+        ),
+        (
+            "kvcached_serve_sleep_seconds_total",
+            "counter",
+            "Seconds spent putting it to sleep.",
+            lambda m: m.counters.sleep_seconds,
+        ),
+        (
+            "kvcached_serve_wakes_total",
+            "counter",
+            "Times the model was woken.",
+            lambda m: m.counters.wakes,
+        ),
+        (
+            "kvcached_serve_wake_seconds_total",
+            "counter",
+            "Seconds spent waking it.",
+            lambda m: m.counters.wake_seconds,
+        ),
+        (
+            "kvcached_serve_starts_total",
+            "counter",
+            "Engine processes started.",
+            lambda m: m.counters.starts,
+        ),
+        (
+            "kvcached_serve_restarts_total",
+            "counter",
+            "Restarts after an engine died.",
+            lambda m: m.counters.restarts,
+        ),
+        (
+            "kvcached_serve_engine_deaths_total",
+            "counter",
+            "Engine processes that died.",
+            lambda m: m.counters.deaths,
+        ),
+        (
+            "kvcached_serve_state_code",
+            "gauge",
+            "The model's state: " + ", ".join(f"{c}={s}" for s, c in STATE_CODES.items()) + ".",
+            lambda m: STATE_CODES[m.state],
+        ),
     )
     for name, kind, help_text, get in simple:
         family(name, kind, help_text)
@@ -61,8 +104,11 @@ def render_metrics(models: Sequence[ModelRuntime]) -> str:
         for s in STATES:
             line("kvcached_serve_state", 1 if m.state == s else 0, model=m.name, state=s)
     name = "kvcached_serve_ttft_seconds"
-    family(name, "histogram", "Seconds from a request's arrival to its first byte from the "
-                              "engine (successful requests).")
+    family(
+        name,
+        "histogram",
+        "Seconds from a request's arrival to its first byte from the engine (successful requests).",
+    )
     for m in models:
         c = m.counters
         for bound, count in zip(TTFT_BUCKETS, c.ttft_buckets, strict=True):

@@ -86,8 +86,9 @@ class Counters:
 class ModelRuntime:
     """See the module docstring."""
 
-    def __init__(self, config: ModelConfig, serve: ServeConfig, store: StateStore,
-                 publisher: StatePublisher) -> None:
+    def __init__(
+        self, config: ModelConfig, serve: ServeConfig, store: StateStore, publisher: StatePublisher
+    ) -> None:
         self.config = config
         self.serve = serve
         self.store = store
@@ -125,8 +126,13 @@ class ModelRuntime:
 
     def set_state(self, state: str, reason: str = "") -> None:
         if state != self.record.state:
-            log.info("model %s: %s -> %s%s", self.name, self.record.state, state,
-                     f" ({reason})" if reason else "")
+            log.info(
+                "model %s: %s -> %s%s",
+                self.name,
+                self.record.state,
+                state,
+                f" ({reason})" if reason else "",
+            )
             self.state_since = time.time()
         self.record.state = state
         self.publish()
@@ -134,9 +140,10 @@ class ModelRuntime:
     def publish(self) -> None:
         self.store.write(self.record)
         try:
-            self.publisher.publish(self.record, {"since": self.state_since,
-                                                 "in_flight": self.in_flight,
-                                                 "failure": self.failure})
+            self.publisher.publish(
+                self.record,
+                {"since": self.state_since, "in_flight": self.in_flight, "failure": self.failure},
+            )
         except Exception:  # a full /dev/shm must not stop serving; say so
             log.exception("model %s: could not publish its state for kvctl", self.name)
 
@@ -166,7 +173,9 @@ class ModelRuntime:
         except asyncio.TimeoutError:
             raise ModelUnavailable(
                 f"model {self.name!r} is {self.state}; it was not ready within "
-                f"wake_timeout={self.config.wake_timeout:g} s", 5) from None
+                f"wake_timeout={self.config.wake_timeout:g} s",
+                5,
+            ) from None
         if self.state != READY:
             raise ModelUnavailable(f"model {self.name!r} is {self.state}: {self.failure}", 10)
 
@@ -214,8 +223,10 @@ class ModelRuntime:
         while time.monotonic() < deadline:
             assert self.process is not None, "waiting for an engine that was never spawned"
             if not self.process.alive():
-                self.failure = (f"engine exited with {self.process.returncode} while starting; "
-                                f"log {self.store.log_path(self.name)}")
+                self.failure = (
+                    f"engine exited with {self.process.returncode} while starting; "
+                    f"log {self.store.log_path(self.name)}"
+                )
                 self.set_state(FAILED, self.failure)
                 return
             if await self._healthy():
@@ -223,16 +234,22 @@ class ModelRuntime:
                 self.set_state(READY, f"up in {time.monotonic() - started:.1f} s")
                 return
             await asyncio.sleep(0.25)
-        self.failure = (f"not ready within startup_timeout={self.config.startup_timeout:g} s; "
-                        f"log {self.store.log_path(self.name)}")
+        self.failure = (
+            f"not ready within startup_timeout={self.config.startup_timeout:g} s; "
+            f"log {self.store.log_path(self.name)}"
+        )
         await self._stop_process()
         self.set_state(FAILED, self.failure)
 
     async def _healthy(self, timeout_s: float = 2.0) -> bool:
         try:
-            async with aiohttp.ClientSession() as session, session.get(
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(
                     self.base_url + self.config.ready_path,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ) as resp,
+            ):
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -278,14 +295,20 @@ class ModelRuntime:
             began = time.monotonic()
             loop = asyncio.get_running_loop()
             reading = await loop.run_in_executor(None, sleep_levels.read_kv, self.name)
-            self.record.restore_limit = (reading.limit_bytes if reading is not None and
-                                         reading.limit_bytes != sleep_levels.HOLD_AT_ZERO else 0)
+            self.record.restore_limit = (
+                reading.limit_bytes
+                if reading is not None and reading.limit_bytes != sleep_levels.HOLD_AT_ZERO
+                else 0
+            )
             if level == "weights":
                 api = sleep_levels.weights_api(self.config.engine, self.config.sleep.weights_level)
                 status = await self._engine_call(*api.sleep)
                 if status != 200:
-                    log.warning("model %s: the engine's sleep answered %s; sleeping at kv "
-                                "level only", self.name, status)
+                    log.warning(
+                        "model %s: the engine's sleep answered %s; sleeping at kv level only",
+                        self.name,
+                        status,
+                    )
                     level = "kv"
             before = await loop.run_in_executor(None, sleep_levels.kv_sleep, self.name)
             held_before = before.charged_bytes if before is not None else 0
@@ -293,14 +316,16 @@ class ModelRuntime:
             left = await loop.run_in_executor(None, sleep_levels.wait_released, self.name, 0.0)
             self.record.held_before_sleep = held_before
             self.last_kv_released = max(0, held_before - left)
-            self.last_released_fraction = (self.last_kv_released / held_before
-                                           if held_before else None)
+            self.last_released_fraction = (
+                self.last_kv_released / held_before if held_before else None
+            )
             self.record.sleep_level = "weights" if level == "weights" else "kv"
             self.slept_at = time.monotonic()
             self.counters.sleeps += 1
             self.counters.sleep_seconds += time.monotonic() - began
-            self.set_state(SLEEPING, f"{reason}; {held_before - left} of {held_before} "
-                                     "KV bytes released")
+            self.set_state(
+                SLEEPING, f"{reason}; {held_before - left} of {held_before} KV bytes released"
+            )
             return True
 
     async def wake(self) -> None:
@@ -323,8 +348,9 @@ class ModelRuntime:
                 self.failure = f"the engine's wake_up answered {status}"
                 self.set_state(FAILED, self.failure)
                 return
-        await loop.run_in_executor(None, sleep_levels.kv_wake, self.name,
-                                   self.record.restore_limit, self._kv_ledgers)
+        await loop.run_in_executor(
+            None, sleep_levels.kv_wake, self.name, self.record.restore_limit, self._kv_ledgers
+        )
         self.record.sleep_level = ""
         self.counters.wakes += 1
         self.counters.wake_seconds += time.monotonic() - began
@@ -341,12 +367,17 @@ class ModelRuntime:
             self.set_state(STOPPED, f"asleep for {self.config.sleep.stop_after:g} s")
             return True
 
-    async def _engine_call(self, method: str, path: str,
-                           body: dict[str, object] | None) -> int:
+    async def _engine_call(self, method: str, path: str, body: dict[str, object] | None) -> int:
         try:
-            async with aiohttp.ClientSession() as session, session.request(
-                    method, self.base_url + path, json=body,
-                    timeout=aiohttp.ClientTimeout(total=300)) as resp:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.request(
+                    method,
+                    self.base_url + path,
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=300),
+                ) as resp,
+            ):
                 await resp.read()
                 return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -359,8 +390,11 @@ class ModelRuntime:
         if self.stopping or self.lock.locked():
             return
         if self.state not in (READY, SLEEPING, WAKING, STARTING):
-            if self.state == FAILED and self._next_restart and \
-                    time.monotonic() >= self._next_restart:
+            if (
+                self.state == FAILED
+                and self._next_restart
+                and time.monotonic() >= self._next_restart
+            ):
                 await self._restart()
             return
         if self.process is not None and self.process.alive():
@@ -368,8 +402,7 @@ class ModelRuntime:
         code = self.process.returncode if self.process is not None else None
         self.counters.deaths += 1
         self.failure = f"engine pid {self.record.pid} died (exit {code})"
-        log.warning("model %s: %s; log %s", self.name, self.failure,
-                    self.store.log_path(self.name))
+        log.warning("model %s: %s; log %s", self.name, self.failure, self.store.log_path(self.name))
         if self.process is not None:
             await self.process.stop(5.0)  # its workers may outlive it
             await self._retire_dead()
@@ -413,8 +446,12 @@ class ModelRuntime:
                 async with self.lock:
                     await self._wait_ready()
                 return True
-            log.warning("model %s: adopted pid %d does not answer %s; stopping it",
-                        self.name, record.pid, self.config.ready_path)
+            log.warning(
+                "model %s: adopted pid %d does not answer %s; stopping it",
+                self.name,
+                record.pid,
+                self.config.ready_path,
+            )
             await self._stop_process()
             return False
         if record.state in (SLEEPING, WAKING) and record.sleep_level:
@@ -429,14 +466,23 @@ class ModelRuntime:
         return True
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "aliases": list(self.config.aliases), "state": self.state,
-                "engine": self.config.engine, "port": self.record.port, "pid": self.record.pid,
-                "in_flight": self.in_flight, "sleep_level": self.record.sleep_level,
-                "failure": self.failure, "wakes": self.counters.wakes,
-                "sleeps": self.counters.sleeps, "starts": self.counters.starts,
-                "restarts": self.counters.restarts,
-                "kv_released_fraction": self.last_released_fraction,
-                "kv_released_bytes": self.last_kv_released}
+        return {
+            "name": self.name,
+            "aliases": list(self.config.aliases),
+            "state": self.state,
+            "engine": self.config.engine,
+            "port": self.record.port,
+            "pid": self.record.pid,
+            "in_flight": self.in_flight,
+            "sleep_level": self.record.sleep_level,
+            "failure": self.failure,
+            "wakes": self.counters.wakes,
+            "sleeps": self.counters.sleeps,
+            "starts": self.counters.starts,
+            "restarts": self.counters.restarts,
+            "kv_released_fraction": self.last_released_fraction,
+            "kv_released_bytes": self.last_kv_released,
+        }
 
     async def close(self) -> None:
         self.stopping = True

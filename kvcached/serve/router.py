@@ -42,14 +42,29 @@ log = get_logger("kvcached.serve")
 
 ROUTED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 #: Hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp sets itself.
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
 CREATED = int(time.time())
 
 
-def openai_error(status: int, message: str, kind: str, code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None
-                 ) -> web.Response:
+def openai_error(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
@@ -61,19 +76,21 @@ class Router:
         self.serve = serve
         self.session: aiohttp.ClientSession | None = None
         self.app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
-        self.app.add_routes([
-            web.get("/health", self.health),
-            web.get("/ready", self.ready),
-            web.get("/metrics", self.metrics),
-            web.get("/v1/models", self.list_models),
-            web.get("/v1/models/{model}", self.get_model),
-            web.get("/v1/models/{model}/state", self.model_state),
-            web.get("/v1/models/{model}/metrics", self.engine_metrics),
-            web.get("/is_sleeping", self.is_sleeping),
-            web.post("/admin/models/{model}/sleep", self.admin_sleep),
-            web.post("/admin/models/{model}/wake", self.admin_wake),
-            *[web.post(path, self.proxy) for path in ROUTED],
-        ])
+        self.app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/ready", self.ready),
+                web.get("/metrics", self.metrics),
+                web.get("/v1/models", self.list_models),
+                web.get("/v1/models/{model}", self.get_model),
+                web.get("/v1/models/{model}/state", self.model_state),
+                web.get("/v1/models/{model}/metrics", self.engine_metrics),
+                web.get("/is_sleeping", self.is_sleeping),
+                web.post("/admin/models/{model}/sleep", self.admin_sleep),
+                web.post("/admin/models/{model}/wake", self.admin_wake),
+                *[web.post(path, self.proxy) for path in ROUTED],
+            ]
+        )
         self.app.on_startup.append(self._open)
         self.app.on_cleanup.append(self._close)
 
@@ -81,8 +98,10 @@ class Router:
         # No total timeout: a long stream is not an error. No decompression:
         # bytes pass through as the engine sent them.
         self.session = aiohttp.ClientSession(
-            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            connector=aiohttp.TCPConnector(limit=0, force_close=False))
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        )
 
     async def _close(self, _app: web.Application) -> None:
         if self.session is not None:
@@ -94,8 +113,12 @@ class Router:
         if key and request.path != "/health":
             got = request.headers.get("Authorization", "")
             if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), key)):
-                return openai_error(401, "a valid API key is needed: Authorization: Bearer "
-                                         "<key>", "invalid_request_error", "invalid_api_key")
+                return openai_error(
+                    401,
+                    "a valid API key is needed: Authorization: Bearer <key>",
+                    "invalid_request_error",
+                    "invalid_api_key",
+                )
         return await handler(request)
 
     def _find(self, name: str) -> ModelRuntime | None:
@@ -103,8 +126,13 @@ class Router:
 
     def _unknown(self, name: object) -> web.Response:
         served = ", ".join(n for m in self.serve.models for n in m.config.served_names)
-        return openai_error(404, f"The model {name!r} does not exist; served here: {served}",
-                            "invalid_request_error", "model_not_found", "model")
+        return openai_error(
+            404,
+            f"The model {name!r} does not exist; served here: {served}",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
 
     # -- probes -----------------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
@@ -114,17 +142,23 @@ class Router:
         states = {m.name: m.state for m in self.serve.models}
         waiting = [m.name for m in self.serve.models if not self.serve.is_up(m)]
         status = 200 if not waiting else 503
-        return web.json_response({"ready": not waiting, "models": states,
-                                  "waiting_for": waiting}, status=status)
+        return web.json_response(
+            {"ready": not waiting, "models": states, "waiting_for": waiting}, status=status
+        )
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(text=render_metrics(self.serve.models),
-                            content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        return web.Response(
+            text=render_metrics(self.serve.models),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
     def _model_entries(self, m: ModelRuntime) -> list[dict[str, Any]]:
-        return [{"id": n, "object": "model", "created": CREATED, "owned_by": "kvcached",
-                 "root": m.name} for n in m.config.served_names]
+        return [
+            {"id": n, "object": "model", "created": CREATED, "owned_by": "kvcached", "root": m.name}
+            for n in m.config.served_names
+        ]
 
     async def list_models(self, _request: web.Request) -> web.Response:
         data = [e for m in self.serve.models for e in self._model_entries(m)]
@@ -153,22 +187,29 @@ class Router:
             return web.Response(text="", content_type="text/plain")
         assert self.session is not None, "the router's client session opens at app startup"
         try:
-            async with self.session.get(m.base_url + "/metrics",
-                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self.session.get(
+                m.base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)
+            ) as r:
                 body = await r.read()
-                return web.Response(body=body, status=r.status,
-                                    content_type="text/plain", charset="utf-8")
+                return web.Response(
+                    body=body, status=r.status, content_type="text/plain", charset="utf-8"
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return openai_error(502, f"model {m.name!r}: its engine's /metrics could not be "
-                                     f"read ({exc!r})", "server_error", "engine_unreachable")
+            return openai_error(
+                502,
+                f"model {m.name!r}: its engine's /metrics could not be read ({exc!r})",
+                "server_error",
+                "engine_unreachable",
+            )
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
         name = request.query.get("model", "")
         m = self._find(name)
         if m is None:
             return self._unknown(name)
-        return web.json_response({"is_sleeping": m.state in (SLEEPING, STOPPED, WAKING),
-                                  "state": m.state})
+        return web.json_response(
+            {"is_sleeping": m.state in (SLEEPING, STOPPED, WAKING), "state": m.state}
+        )
 
     async def admin_sleep(self, request: web.Request) -> web.Response:
         m = self._find(request.match_info["model"])
@@ -184,8 +225,13 @@ class Router:
         try:
             await m.ensure_ready()
         except ModelUnavailable as exc:
-            return openai_error(503, str(exc), "server_error", "model_unavailable",
-                                headers={"Retry-After": str(exc.retry_after)})
+            return openai_error(
+                503,
+                str(exc),
+                "server_error",
+                "model_unavailable",
+                headers={"Retry-After": str(exc.retry_after)},
+            )
         return web.json_response(m.describe())
 
     # -- the proxy --------------------------------------------------------------------------
@@ -194,16 +240,25 @@ class Router:
         try:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
-            return openai_error(400, f"the request body is not JSON: {exc}",
-                                "invalid_request_error", "invalid_json")
+            return openai_error(
+                400, f"the request body is not JSON: {exc}", "invalid_request_error", "invalid_json"
+            )
         if not isinstance(doc, dict):
-            return openai_error(400, "the request body must be a JSON object",
-                                "invalid_request_error", "invalid_json")
+            return openai_error(
+                400,
+                "the request body must be a JSON object",
+                "invalid_request_error",
+                "invalid_json",
+            )
         name = doc.get("model")
         if not isinstance(name, str):
-            return openai_error(400, "the request needs \"model\": one of the names in "
-                                     "GET /v1/models", "invalid_request_error",
-                                "missing_model", "model")
+            return openai_error(
+                400,
+                'the request needs "model": one of the names in GET /v1/models',
+                "invalid_request_error",
+                "missing_model",
+                "model",
+            )
         m = self._find(name)
         if m is None:
             return self._unknown(name)
@@ -217,26 +272,38 @@ class Router:
                 await m.ensure_ready()
             except ModelUnavailable as exc:
                 m.counters.errors += 1
-                return openai_error(503, str(exc), "server_error", "model_unavailable",
-                                    headers={"Retry-After": str(exc.retry_after)})
+                return openai_error(
+                    503,
+                    str(exc),
+                    "server_error",
+                    "model_unavailable",
+                    headers={"Retry-After": str(exc.retry_after)},
+                )
             return await self._forward(request, m, body, began)
         finally:
             m.end()
 
-    async def _forward(self, request: web.Request, m: ModelRuntime, body: bytes,
-                       began: float) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, m: ModelRuntime, body: bytes, began: float
+    ) -> web.StreamResponse:
         assert self.session is not None, "the router's client session opens at app startup"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP
-                   and k.lower() != "authorization"}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP and k.lower() != "authorization"
+        }
         url = m.base_url + request.path_qs
         try:
             upstream_cm = self.session.post(url, data=body, headers=headers)
             upstream = await upstream_cm.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             m.counters.errors += 1
-            return openai_error(502, f"model {m.name!r}: its engine at {m.base_url} could not "
-                                     f"be reached ({exc!r})", "server_error",
-                                "engine_unreachable")
+            return openai_error(
+                502,
+                f"model {m.name!r}: its engine at {m.base_url} could not be reached ({exc!r})",
+                "server_error",
+                "engine_unreachable",
+            )
         try:
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for k, v in upstream.headers.items():
@@ -262,4 +329,3 @@ class Router:
             raise
         finally:
             await upstream_cm.__aexit__(None, None, None)
-

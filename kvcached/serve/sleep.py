@@ -59,8 +59,9 @@ def read_kv(name: str) -> KvReading | None:
         paths.append(snap.header.path)
     if not devices:
         return None
-    return KvReading(charged, limits[0], tuple(devices), tuple(limits), min(headrooms),
-                     tuple(paths))
+    return KvReading(
+        charged, limits[0], tuple(devices), tuple(limits), min(headrooms), tuple(paths)
+    )
 
 
 def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
@@ -70,16 +71,21 @@ def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
 
     before = read_kv(name)
     if before is None:
-        log.info("model %s: no kvcached instance holds memory; the kv sleep has nothing "
-                 "to release", name)
+        log.info(
+            "model %s: no kvcached instance holds memory; the kv sleep has nothing to release", name
+        )
         return None
     try:
         result = set_limit(name, HOLD_AT_ZERO, wait_s=settle_s)
     except InstanceNotFoundError:
         return None
     if result.status.value != "applied":
-        log.info("model %s: kv sleep %s (%s still held)", name, result.status.value,
-                 ", ".join(f"{d.gpu}: {d.charged_bytes} B" for d in result.devices))
+        log.info(
+            "model %s: kv sleep %s (%s still held)",
+            name,
+            result.status.value,
+            ", ".join(f"{d.gpu}: {d.charged_bytes} B" for d in result.devices),
+        )
     return before
 
 
@@ -98,8 +104,9 @@ def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> boo
     if now is None:
         return False
     if any(limit != HOLD_AT_ZERO for limit in now.limits):
-        log.info("model %s: its limit was changed while it slept (%s); leaving it", name,
-                 now.limits)
+        log.info(
+            "model %s: its limit was changed while it slept (%s); leaving it", name, now.limits
+        )
         return False
     try:
         set_limit(name, restore_limit or None)
@@ -186,9 +193,9 @@ def weights_api(engine: str, level: int = 1) -> WeightsApi:
     """The documented sleep/wake calls of ``engine`` (vllm, sglang)."""
     if engine == "vllm":
         # vLLM reads the level from the query string (a JSON body is ignored: level 1)
-        return WeightsApi(("POST", f"/sleep?level={int(level)}", None),
-                          ("POST", "/wake_up", None))
+        return WeightsApi(("POST", f"/sleep?level={int(level)}", None), ("POST", "/wake_up", None))
     if engine == "sglang":
-        return WeightsApi(("POST", "/release_memory_occupation", {}),
-                          ("POST", "/resume_memory_occupation", {}))
+        return WeightsApi(
+            ("POST", "/release_memory_occupation", {}), ("POST", "/resume_memory_occupation", {})
+        )
     raise ValueError(f"engine={engine!r} has no weights sleep API: vllm or sglang")

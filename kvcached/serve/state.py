@@ -30,7 +30,13 @@ from kvcached.log import get_logger
 log = get_logger("kvcached.serve")
 
 STARTING, READY, SLEEPING, WAKING, STOPPED, FAILED = (
-    "starting", "ready", "sleeping", "waking", "stopped", "failed")
+    "starting",
+    "ready",
+    "sleeping",
+    "waking",
+    "stopped",
+    "failed",
+)
 STATES = (STARTING, READY, SLEEPING, WAKING, STOPPED, FAILED)
 #: The ``serve_state`` gauge's value per state (``kvctl metrics``, ``/metrics``).
 STATE_CODES = {s: i for i, s in enumerate(STATES)}
@@ -63,7 +69,7 @@ def process_start_ticks(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     if not fields or fields[0] in ("Z", "X"):
         return None
     return int(fields[19])
@@ -102,15 +108,20 @@ class StateStore:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            log.warning("serve state file %s is unreadable (%s); starting %s afresh",
-                        self.path(name), exc, name)
+            log.warning(
+                "serve state file %s is unreadable (%s); starting %s afresh",
+                self.path(name),
+                exc,
+                name,
+            )
             return None
         known = set(ModelRecord.__dataclass_fields__)
         try:
             return ModelRecord(**{k: v for k, v in doc.items() if k in known})
         except TypeError as exc:
-            log.warning("serve state file %s does not hold a model record (%s)",
-                        self.path(name), exc)
+            log.warning(
+                "serve state file %s does not hold a model record (%s)", self.path(name), exc
+            )
             return None
 
     def remove(self, name: str) -> None:
@@ -130,13 +141,26 @@ class StatePublisher:
         pub = self._publishers.get(record.name)
         if pub is None:
             pub = self._publishers[record.name] = SnapshotPublisher(record.name)
-        serve = {"state": record.state, "engine_pid": record.pid, "port": record.port,
-                 "sleep_level": record.sleep_level, "since": time.time()}
+        serve = {
+            "state": record.state,
+            "engine_pid": record.pid,
+            "port": record.port,
+            "sleep_level": record.sleep_level,
+            "since": time.time(),
+        }
         if extra:
             serve.update(extra)
-        pub.publish({"instance": record.name, "pid": os.getpid(), "engine": "kvcached-serve",
-                     "started_at": time.time(), "updated_at": time.time(), "pools": [],
-                     "serve": serve})
+        pub.publish(
+            {
+                "instance": record.name,
+                "pid": os.getpid(),
+                "engine": "kvcached-serve",
+                "started_at": time.time(),
+                "updated_at": time.time(),
+                "pools": [],
+                "serve": serve,
+            }
+        )
 
     def close(self) -> None:
         for pub in self._publishers.values():

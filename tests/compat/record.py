@@ -33,8 +33,12 @@ def counts(junit: Path) -> dict[str, int]:
     failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
     skipped = sum(int(s.get("skipped", 0)) for s in suites)
     duration = sum(float(s.get("time", 0.0)) for s in suites)
-    return {"passed": total - failed - skipped, "failed": failed, "skipped": skipped,
-            "duration_s": round(duration, 1)}
+    return {
+        "passed": total - failed - skipped,
+        "failed": failed,
+        "skipped": skipped,
+        "duration_s": round(duration, 1),
+    }
 
 
 def commit() -> str:
@@ -42,10 +46,16 @@ def commit() -> str:
     names it for a tree exported without its git directory."""
     if os.environ.get("KVCACHED_COMPAT_COMMIT"):
         return os.environ["KVCACHED_COMPAT_COMMIT"]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     return head + ("-dirty" if dirty else "")
 
 
@@ -64,23 +74,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", required=True, help="as released, e.g. 0.30.0")
     ap.add_argument("--junit", required=True, type=Path)
     ap.add_argument("--command", required=True)
-    ap.add_argument("--results", type=Path,
-                    default=Path(os.environ.get("KVCACHED_COMPAT_RESULTS") or RESULTS))
+    ap.add_argument(
+        "--results", type=Path, default=Path(os.environ.get("KVCACHED_COMPAT_RESULTS") or RESULTS)
+    )
     args = ap.parse_args(argv)
-    row = {"engine": args.engine, "version": args.version, **counts(args.junit),
-           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "commit": commit(), "command": args.command,
-           "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
-           "load_avg": [round(x, 2) for x in os.getloadavg()],
-           "python": platform.python_version()}
-    rows = [r for r in load_rows(args.results)
-            if (r.get("engine"), r.get("version")) != (args.engine, args.version)]
+    row = {
+        "engine": args.engine,
+        "version": args.version,
+        **counts(args.junit),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit(),
+        "command": args.command,
+        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+    }
+    rows = [
+        r
+        for r in load_rows(args.results)
+        if (r.get("engine"), r.get("version")) != (args.engine, args.version)
+    ]
     rows.append(row)
     rows.sort(key=lambda r: (r["engine"], [int(p) for p in r["version"].split(".")]))
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"compat.json: {args.engine} {args.version}: {row['passed']} passed, "
-          f"{row['failed']} failed, {row['skipped']} skipped", file=sys.stderr)
+    print(
+        f"compat.json: {args.engine} {args.version}: {row['passed']} passed, "
+        f"{row['failed']} failed, {row['skipped']} skipped",
+        file=sys.stderr,
+    )
     return 0
 
 

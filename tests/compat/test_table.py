@@ -14,24 +14,36 @@ from kvcached.integrations.vllm import SUPPORTED_VERSIONS as VLLM_VERSIONS
 from tests.compat import table
 
 MATRIX = Path(__file__).with_name("matrix.txt")
-FIELDS = {"engine", "version", "passed", "failed", "date", "commit", "command", "machine",
-          "load_avg"}
+FIELDS = {
+    "engine",
+    "version",
+    "passed",
+    "failed",
+    "date",
+    "commit",
+    "command",
+    "machine",
+    "load_avg",
+}
 
 
 def test_readme_table_is_the_generated_one() -> None:
-    assert table.readme_block(table.README.read_text()) == table.block(table.rows()), \
+    assert table.readme_block(table.README.read_text()) == table.block(table.rows()), (
         "regenerate it: python tests/compat/table.py --write"
+    )
 
 
-@pytest.mark.parametrize(("engine", "gate"), [("vllm", VLLM_VERSIONS),
-                                              ("sglang", SGLANG_VERSIONS)])
+@pytest.mark.parametrize(("engine", "gate"), [("vllm", VLLM_VERSIONS), ("sglang", SGLANG_VERSIONS)])
 def test_the_gate_admits_exactly_the_proven_releases(engine, gate) -> None:
     assert sorted(gate) == table.supported(table.rows(), engine)
 
 
 def test_every_row_is_complete_and_in_the_matrix() -> None:
-    known = {tuple(line.split()) for line in MATRIX.read_text().splitlines()
-             if line.strip() and not line.startswith("#")}
+    known = {
+        tuple(line.split())
+        for line in MATRIX.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     for row in table.rows():
         missing = FIELDS - set(row)
         assert not missing, f"{row.get('engine')} {row.get('version')}: {missing}"

@@ -42,13 +42,28 @@ def main() -> int:
         driver = get_driver(0, "cuda")
     else:
         driver = HostDriver(index=int(sys.argv[1]), capacity=capacity)
-    cache = open_kv_cache(SPEC, engine=engine, engine_version="1.0", driver=driver,
-                          capacity_bytes=capacity, min_reserved=2, max_reserved=4,
-                          max_handle_bytes=0)
+    cache = open_kv_cache(
+        SPEC,
+        engine=engine,
+        engine_version="1.0",
+        driver=driver,
+        capacity_bytes=capacity,
+        min_reserved=2,
+        max_reserved=4,
+        max_handle_bytes=0,
+    )
     held: list[int] = []
-    print(json.dumps({"ready": True, "name": get_instance().name,
-                      "page_bytes": cache.geometry.page_bytes,
-                      "blocks_per_page": cache.blocks_per_page}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "name": get_instance().name,
+                "page_bytes": cache.geometry.page_bytes,
+                "blocks_per_page": cache.blocks_per_page,
+            }
+        ),
+        flush=True,
+    )
     for line in sys.stdin:
         cmd, *args = line.split() or [""]
         if cmd == "alloc":
@@ -60,8 +75,8 @@ def main() -> int:
             answer = {"ok": ids is not None, "held": len(held)}
         elif cmd == "free":
             n = int(args[0])
-            cache.free(held[len(held) - n:])
-            del held[len(held) - n:]
+            cache.free(held[len(held) - n :])
+            del held[len(held) - n :]
             answer = {"ok": True, "held": len(held)}
         elif cmd == "usage":
             answer = usage(cache)

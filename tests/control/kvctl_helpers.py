@@ -27,21 +27,35 @@ def child_env(ledger_dir: str, name: str | None, driver: str = "host") -> dict[s
     env.pop("KVCACHED_IPC_NAME", None)
     if name is not None:
         env["KVCACHED_IPC_NAME"] = name
-    env.update({"KVCACHED_LEDGER_DIR": ledger_dir, "KVCACHED_DRIVER": driver,
-                "KVCACHED_LOG_LEVEL": "WARNING",
-                "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])})
+    env.update(
+        {
+            "KVCACHED_LEDGER_DIR": ledger_dir,
+            "KVCACHED_DRIVER": driver,
+            "KVCACHED_LOG_LEVEL": "WARNING",
+            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        }
+    )
     return env
 
 
 class Child:
     """One instance process (see ``instance_child.py``)."""
 
-    def __init__(self, ledger_dir: str, index: int | str, name: str | None = None,
-                 engine: str = "test", capacity: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        ledger_dir: str,
+        index: int | str,
+        name: str | None = None,
+        engine: str = "test",
+        capacity: int = 256 << 20,
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(CHILD), str(index), str(capacity), engine],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=child_env(ledger_dir, name, "cuda" if index == "cuda" else "host"))
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(ledger_dir, name, "cuda" if index == "cuda" else "host"),
+        )
         self.ready = self._read(timeout=120)
         assert self.ready.get("ready"), self.ready
         self.name: str = self.ready["name"]
@@ -82,13 +96,15 @@ class Child:
                 self.proc.wait(5)
 
 
-def run_kvctl(*args: str, env: dict[str, str] | None = None,
-              timeout: float = 60) -> subprocess.CompletedProcess:
+def run_kvctl(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     """``python -m kvcached.cli.kvctl ARGS`` from the repository root."""
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
-    return subprocess.run([*KVCTL, *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=REPO)
+    return subprocess.run(
+        [*KVCTL, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
+    )
 
 
 def wait_until(pred, timeout: float = 5.0, step: float = 0.05) -> bool:

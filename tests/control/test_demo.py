@@ -93,12 +93,31 @@ def test_a_running_request_that_cannot_grow_preempts_the_newest():
 
 
 def test_summary_reuse_is_the_sum_of_peaks_less_the_peak_of_the_total():
-    per = [{"name": f"demo-{n}", "burst_s": [1.0, 2.0], "peak_bytes": 600 << 20,
-            "requests": 100, "delayed": 0, "misses": 0, "preempted": 0,
-            "static_delayed": 40, "static_misses": 30, "static_preempted": 1}
-           for n in ("chat", "code", "batch")]
-    s = Summary(3, 1 << 30, 972 << 20, 20.0, per, peak_total_bytes=900 << 20,
-                sum_of_peaks_bytes=1800 << 20, static_capacity_bytes=324 << 20)
+    per = [
+        {
+            "name": f"demo-{n}",
+            "burst_s": [1.0, 2.0],
+            "peak_bytes": 600 << 20,
+            "requests": 100,
+            "delayed": 0,
+            "misses": 0,
+            "preempted": 0,
+            "static_delayed": 40,
+            "static_misses": 30,
+            "static_preempted": 1,
+        }
+        for n in ("chat", "code", "batch")
+    ]
+    s = Summary(
+        3,
+        1 << 30,
+        972 << 20,
+        20.0,
+        per,
+        peak_total_bytes=900 << 20,
+        sum_of_peaks_bytes=1800 << 20,
+        static_capacity_bytes=324 << 20,
+    )
     assert s.reused_bytes == 900 << 20
     doc = s.as_dict()
     assert doc["reused_bytes"] == 900 << 20 and doc["static_split"]["delayed"] == 120
@@ -122,8 +141,14 @@ def test_the_demo_with_its_defaults():
     """The README's main command, as a newcomer runs it (stdout not a terminal)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("KVCACHED_IPC_NAME", None)
-    done = subprocess.run([sys.executable, "-m", "kvcached", "demo"], capture_output=True,
-                          text=True, timeout=180, env=env, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcached", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "\x1b[" not in out  # not a terminal: periodic lines, no screen control
@@ -131,8 +156,9 @@ def test_the_demo_with_its_defaults():
     reused = _bytes(out, "reused")
     assert reused > 0
     # the summary prints GiB with two decimals: a figure there is +-5 MiB
-    assert _bytes(out, "sum of the peaks") - _bytes(out, "peak of the total") == \
-        pytest.approx(reused, abs=6 << 20)
+    assert _bytes(out, "sum of the peaks") - _bytes(out, "peak of the total") == pytest.approx(
+        reused, abs=6 << 20
+    )
     kv_delayed, requests, _ = _counts(out, "kvcached")
     static_delayed, requests2, _ = _counts(out, "static split")
     assert requests == requests2 > 0
@@ -142,11 +168,13 @@ def test_the_demo_with_its_defaults():
 
 
 def test_the_demo_on_a_terminal_draws_the_top_view_then_the_summary():
-    term = Terminal("demo", "--instances", "2", "--duration", "6", "--budget", "256M",
-                    module="kvcached")
+    term = Terminal(
+        "demo", "--instances", "2", "--duration", "6", "--budget", "256M", module="kvcached"
+    )
     try:
-        assert term.read_until(lambda out: b"kvcached demo: 2 instances, each" in out,
-                               timeout=120), term.output[-3000:]
+        assert term.read_until(
+            lambda out: b"kvcached demo: 2 instances, each" in out, timeout=120
+        ), term.output[-3000:]
         assert term.wait(timeout=30) == 0
         text = term.output.decode(errors="replace")
         assert text.count("kvcached demo   2 instances share 256.00 MiB") >= 3
@@ -157,12 +185,15 @@ def test_the_demo_on_a_terminal_draws_the_top_view_then_the_summary():
         term.close()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--instances", "1"], "--instances 1: must be 2 to 8"),
-    (["--duration", "1"], "--duration 1: must be 5 to 600 seconds"),
-    (["--budget", "12X"], "--budget '12X' is not a size"),
-    (["--budget", "1M"], "must be at least 64M"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--instances", "1"], "--instances 1: must be 2 to 8"),
+        (["--duration", "1"], "--duration 1: must be 5 to 600 seconds"),
+        (["--budget", "12X"], "--budget '12X' is not a size"),
+        (["--budget", "1M"], "must be at least 64M"),
+    ],
+)
 def test_bad_demo_options_exit_2(argv, message, capsys):
     from kvcached.cli.main import main
 
@@ -182,9 +213,25 @@ def test_the_demo_started_beside_a_kvcached_folder_runs_the_installed_package(tm
     launcher.write_text("import sys\nfrom kvcached.cli.main import main\nsys.exit(main())\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("KVCACHED_IPC_NAME", None)
-    done = subprocess.run([sys.executable, str(launcher), "demo", "--instances", "2",
-                           "--duration", "5", "--budget", "64M", "--json"],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=work)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(launcher),
+            "demo",
+            "--instances",
+            "2",
+            "--duration",
+            "5",
+            "--budget",
+            "64M",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=work,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert '"instances": 2' in done.stdout, done.stdout
 

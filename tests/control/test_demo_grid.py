@@ -30,9 +30,27 @@ def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("KVCACHED_IPC_NAME", None)
     done = subprocess.run(
-        [sys.executable, "-m", "kvcached", "demo", "--budget", budget, "--instances",
-         str(instances), "--seed", "7", "--duration", "5", "--json"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "kvcached",
+            "demo",
+            "--budget",
+            budget,
+            "--instances",
+            str(instances),
+            "--seed",
+            "7",
+            "--duration",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads(done.stdout)
     kv, static = summary["kvcached"], summary["static_split"]
@@ -44,9 +62,27 @@ def test_a_budget_too_small_for_its_instances_is_refused_naming_what_would_do():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("KVCACHED_IPC_NAME", None)
     done = subprocess.run(
-        [sys.executable, "-m", "kvcached", "demo", "--budget", "64M", "--instances", "8",
-         "--seed", "7", "--duration", "5", "--json"],
-        capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "kvcached",
+            "demo",
+            "--budget",
+            "64M",
+            "--instances",
+            "8",
+            "--seed",
+            "7",
+            "--duration",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "--budget 64.00 MiB is too small for 8 instances" in done.stderr
     assert "raise --budget to 203M or more" in done.stderr

@@ -32,8 +32,15 @@ def setup(tmp_path, monkeypatch):
     budget = ledger.register_pool("limit-test")
     # One handle per page: a coalesced extent is released only when all its pages
     # are idle, which would blur the exact byte counts this test checks.
-    cache = KVCache(SPEC, driver=driver, budget=budget, capacity_bytes=256 * MIB,
-                    min_reserved=2, max_reserved=4, max_handle_bytes=0)
+    cache = KVCache(
+        SPEC,
+        driver=driver,
+        budget=budget,
+        capacity_bytes=256 * MIB,
+        min_reserved=2,
+        max_reserved=4,
+        max_handle_bytes=0,
+    )
     instance = Instance("limit-test", engine="test", tick_s=0.05)
     source = KVCachePool(cache)
     instance.add_pool(source, budget)
@@ -57,9 +64,12 @@ def test_snapshot_shows_the_pool(setup):
     cache, instance, _ = setup
     ids = cache.alloc(300)
     assert ids is not None
-    assert wait_until(lambda: any(
-        s.instance == "limit-test" and s.data["pools"][0]["blocks_used"] == 300
-        for s in read_snapshots()))
+    assert wait_until(
+        lambda: any(
+            s.instance == "limit-test" and s.data["pools"][0]["blocks_used"] == 300
+            for s in read_snapshots()
+        )
+    )
     cache.free(ids)
 
 
@@ -68,7 +78,7 @@ def test_lower_limit_releases_idle_pages_within_seconds_and_raise_regrows(setup)
     page = cache.geometry.page_bytes
     ids = cache.alloc(256 * 10)  # ten full pages
     assert ids is not None
-    cache.free(ids[256 * 2:])  # two pages stay in use
+    cache.free(ids[256 * 2 :])  # two pages stay in use
     result = set_limit("limit-test", 3 * page, directory=directory, wait_s=5)
     assert result.status == LimitStatus.APPLIED, result
     charged = ledger_snapshots(directory)[0].instance("limit-test").charged
@@ -86,12 +96,18 @@ def test_stale_and_conflicting_revisions_are_reported(setup):
     second = set_limit("limit-test", 64 * MIB, directory=directory)
     rev = second.devices[0].revision
     assert rev == 2
-    assert set_limit("limit-test", 32 * MIB, revision=1,
-                     directory=directory).status == LimitStatus.STALE
-    assert set_limit("limit-test", 32 * MIB, revision=rev,
-                     directory=directory).status == LimitStatus.CONFLICT
-    assert set_limit("limit-test", 64 * MIB, revision=rev,
-                     directory=directory).status == LimitStatus.APPLIED
+    assert (
+        set_limit("limit-test", 32 * MIB, revision=1, directory=directory).status
+        == LimitStatus.STALE
+    )
+    assert (
+        set_limit("limit-test", 32 * MIB, revision=rev, directory=directory).status
+        == LimitStatus.CONFLICT
+    )
+    assert (
+        set_limit("limit-test", 64 * MIB, revision=rev, directory=directory).status
+        == LimitStatus.APPLIED
+    )
 
 
 def test_unknown_instance(setup):
@@ -101,7 +117,8 @@ def test_unknown_instance(setup):
 
 
 def test_reclaim_evicts_unreferenced_prefix_cache_blocks_but_never_blocks_in_use(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """A limit below what idle pages can give back: the instance asks the engine
     to drop its unreferenced prefix-cache blocks, and stops at the blocks in use."""
     monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
@@ -111,8 +128,16 @@ def test_reclaim_evicts_unreferenced_prefix_cache_blocks_but_never_blocks_in_use
     driver = HostDriver(index=32, capacity=512 * MIB)
     ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
     budget = ledger.register_pool("prefix-test")
-    cache = KVCache(SPEC, driver=driver, budget=budget, capacity_bytes=256 * MIB,
-                    min_reserved=0, max_reserved=0, max_handle_bytes=0, background=False)
+    cache = KVCache(
+        SPEC,
+        driver=driver,
+        budget=budget,
+        capacity_bytes=256 * MIB,
+        min_reserved=0,
+        max_reserved=0,
+        max_handle_bytes=0,
+        background=False,
+    )
     bpp = cache.blocks_per_page
     running = cache.alloc(bpp * 2 - 1)  # with the null block: pages 0 and 1
     cached = cache.alloc(bpp * 4)  # pages 2..5: a prefix cache nobody references
@@ -125,8 +150,11 @@ def test_reclaim_evicts_unreferenced_prefix_cache_blocks_but_never_blocks_in_use
         return n * cache.geometry.page_bytes // bpp
 
     instance = Instance("prefix-test", engine="test", start=False)
-    source = KVCachePool(cache, evict_cached=evict,
-                         prefix_cache_bytes=lambda: len(cached) * cache.geometry.page_bytes // bpp)
+    source = KVCachePool(
+        cache,
+        evict_cached=evict,
+        prefix_cache_bytes=lambda: len(cached) * cache.geometry.page_bytes // bpp,
+    )
     instance.add_pool(source, budget)
     try:
         page = cache.geometry.page_bytes

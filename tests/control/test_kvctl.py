@@ -210,28 +210,36 @@ def test_gpus_and_metrics(pair, capsys):
     assert {r["name"] for r in json.loads(out)["instances"]} >= {a.name, b.name}
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["limit", "kvt-no-such", "1G"], "no kvcached instance named 'kvt-no-such' is running"),
-    (["status", "kvt-no-such"], "no kvcached instance named 'kvt-no-such' is running"),
-    (["list", "kvt-no-such"], "no kvcached instance named 'kvt-no-such' is running"),
-    (["limit", "{a}", "12X"], "'12X' is not a size"),
-    (["limit", "{a}", "-5M"], "unrecognized arguments: -5M"),
-    (["limit", "{a}", "5 M B"], "'5 M B' is not a size"),
-    (["limit", "{a}", "0"], "SIZE '0' is out of range: give 1 byte to 9223372036854775807 bytes"),
-    (["limit", "{a}", "99999999999999999999999"],
-     "SIZE '99999999999999999999999' is out of range: give 1 byte to 9223372036854775807 bytes"),
-    (["list", "{a}", "kvt-nosuch"], "no kvcached instance named 'kvt-nosuch' is running"),
-    (["limit", "{a}"], "give SIZE"),
-    (["limit", "{a}", "1G", "--percent", "10"], "not both"),
-    (["limit", "{a}", "--percent", "0"], "percent 0 must be in (0, 100]"),
-    (["limit-percent", "{a}", "150"], "percent 150 must be in (0, 100]"),
-    (["limit-percent", "{a}", "lots"], "invalid float value: 'lots'"),
-    (["limit", "{a}", "1G", "--revision", "0"], "--revision 0 must be 1 or more"),
-    (["limit", "bad name!", "1G"], "instance name 'bad name!' is not valid"),
-    (["watch", "-n", "0"], "refresh interval must be above 0"),
-    (["top", "--count", "0"], "--count must be 1 or more"),
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["limit", "kvt-no-such", "1G"], "no kvcached instance named 'kvt-no-such' is running"),
+        (["status", "kvt-no-such"], "no kvcached instance named 'kvt-no-such' is running"),
+        (["list", "kvt-no-such"], "no kvcached instance named 'kvt-no-such' is running"),
+        (["limit", "{a}", "12X"], "'12X' is not a size"),
+        (["limit", "{a}", "-5M"], "unrecognized arguments: -5M"),
+        (["limit", "{a}", "5 M B"], "'5 M B' is not a size"),
+        (
+            ["limit", "{a}", "0"],
+            "SIZE '0' is out of range: give 1 byte to 9223372036854775807 bytes",
+        ),
+        (
+            ["limit", "{a}", "99999999999999999999999"],
+            "SIZE '99999999999999999999999' is out of range: give 1 byte to 9223372036854775807 bytes",
+        ),
+        (["list", "{a}", "kvt-nosuch"], "no kvcached instance named 'kvt-nosuch' is running"),
+        (["limit", "{a}"], "give SIZE"),
+        (["limit", "{a}", "1G", "--percent", "10"], "not both"),
+        (["limit", "{a}", "--percent", "0"], "percent 0 must be in (0, 100]"),
+        (["limit-percent", "{a}", "150"], "percent 150 must be in (0, 100]"),
+        (["limit-percent", "{a}", "lots"], "invalid float value: 'lots'"),
+        (["limit", "{a}", "1G", "--revision", "0"], "--revision 0 must be 1 or more"),
+        (["limit", "bad name!", "1G"], "instance name 'bad name!' is not valid"),
+        (["watch", "-n", "0"], "refresh interval must be above 0"),
+        (["top", "--count", "0"], "--count must be 1 or more"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(pair, capsys, argv, message):
     a, _, _, _ = pair
     argv = [x.format(a=a.name) for x in argv]
@@ -265,7 +273,10 @@ def test_no_kvcached_running(tmp_path, monkeypatch, capsys):
 
     config.reload_config()
     rc, out, err = ctl(capsys, "list")
-    assert (rc, out) == (2, "") and err == "kvctl: no kvcached instance is running on this machine\n"
+    assert (rc, out) == (
+        2,
+        "",
+    ) and err == "kvctl: no kvcached instance is running on this machine\n"
     rc, out, err = ctl(capsys, "list", "--json")  # an answer, like metrics --json: none
     assert (rc, json.loads(out), err) == (0, [], "")
     rc, out, err = ctl(capsys, "list", "--json", "nosuch")
@@ -281,8 +292,11 @@ def test_no_kvcached_running(tmp_path, monkeypatch, capsys):
 def test_no_permission(pair, capsys):
     """A user who may not write the ledger gets one line and exit 2."""
     a, _, ledger_dir, _ = pair
-    (path,) = [os.path.join(ledger_dir, n) for n in os.listdir(ledger_dir)
-               if n.startswith("kvcached-ledger-")]
+    (path,) = [
+        os.path.join(ledger_dir, n)
+        for n in os.listdir(ledger_dir)
+        if n.startswith("kvcached-ledger-")
+    ]
     if os.geteuid() != 0:
         mode = os.stat(path).st_mode
         os.chmod(path, 0o444)
@@ -346,10 +360,19 @@ def test_instances_without_a_name_get_distinct_ones_and_dead_ones_go(tmp_path, c
 def test_kvctl_stays_light():
     """kvctl runs where no GPU stack is installed: no torch, no CUDA, no numpy."""
     done = run_kvctl("list", "--ledger-dir", "/nonexistent-kvctl-dir")
-    timed = subprocess.run([*KVCTL_X_IMPORTTIME, "list"], capture_output=True, text=True,
-                           timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
-    modules = [line.rsplit("|", 1)[1].strip() for line in timed.stderr.splitlines()
-               if line.startswith("import time:") and "|" in line]
+    timed = subprocess.run(
+        [*KVCTL_X_IMPORTTIME, "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    modules = [
+        line.rsplit("|", 1)[1].strip()
+        for line in timed.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    ]
     assert "kvcached.control.view" in modules and done.returncode in (0, 2)
     heavy = [m for m in modules if m.split(".")[0] in ("torch", "cuda", "numpy", "triton")]
     assert heavy == [], heavy

@@ -49,8 +49,9 @@ def parse_exposition(text: str) -> dict[str, dict]:
         m = SAMPLE.match(line)
         assert m, f"{where}: not a sample line"
         name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        assert name in families and order[-1] == name, \
+        assert name in families and order[-1] == name, (
             f"{where}: samples of a family must follow its HELP/TYPE, all together"
+        )
         pairs = PAIR.findall(labels)
         keys = [k for k, _ in pairs]
         assert len(keys) == len(set(keys)), f"{where}: a label name twice"
@@ -67,16 +68,45 @@ def parse_exposition(text: str) -> dict[str, dict]:
 def rows() -> tuple[list[InstanceRow], list[GpuRow]]:
     tricky = 'we"ird\\name\nx'
     insts = [
-        InstanceRow(name="vllm-1", gpu="0000:17:00.0", used_bytes=3 << 30, reserved_bytes=1 << 28,
-                    limit_bytes=4 << 30, limit_revision=2, charged_bytes=3 << 30, pids=[11, 12],
-                    engine="vllm", engine_version="0.32.0", kvcached_version="0.2.0",
-                    backend="cuda", uptime_s=12.5, misses=7, blocks_used=90, blocks_total=1000),
-        InstanceRow(name="sglang-2", gpu="0000:17:00.0", used_bytes=1 << 30, pids=[13],
-                    engine=tricky, state="dead"),
+        InstanceRow(
+            name="vllm-1",
+            gpu="0000:17:00.0",
+            used_bytes=3 << 30,
+            reserved_bytes=1 << 28,
+            limit_bytes=4 << 30,
+            limit_revision=2,
+            charged_bytes=3 << 30,
+            pids=[11, 12],
+            engine="vllm",
+            engine_version="0.32.0",
+            kvcached_version="0.2.0",
+            backend="cuda",
+            uptime_s=12.5,
+            misses=7,
+            blocks_used=90,
+            blocks_total=1000,
+        ),
+        InstanceRow(
+            name="sglang-2",
+            gpu="0000:17:00.0",
+            used_bytes=1 << 30,
+            pids=[13],
+            engine=tricky,
+            state="dead",
+        ),
     ]
-    gpus = [GpuRow(gpu="0000:17:00.0", total_bytes=141 << 30, budget_bytes=130 << 30,
-                   margin_bytes=7 << 30, charged_bytes=4 << 30, pools=3, calibration_seq=42,
-                   calibrated_at=1_700_000_000.25)]
+    gpus = [
+        GpuRow(
+            gpu="0000:17:00.0",
+            total_bytes=141 << 30,
+            budget_bytes=130 << 30,
+            margin_bytes=7 << 30,
+            charged_bytes=4 << 30,
+            pools=3,
+            calibration_seq=42,
+            calibrated_at=1_700_000_000.25,
+        )
+    ]
     return insts, gpus
 
 
@@ -95,10 +125,12 @@ def test_the_exposition_keeps_the_format_rules():
     assert up[key] == 1 and up[(("instance", '"sglang-2"'), ("gpu", '"0000:17:00.0"'))] == 0
     gpu_key = (("gpu", '"0000:17:00.0"'),)
     assert fams["kvcached_gpu_headroom_bytes"]["samples"][gpu_key] == 126 << 30
-    assert fams["kvcached_gpu_last_calibration_timestamp_seconds"]["samples"][gpu_key] == \
-        1_700_000_000.25
+    assert (
+        fams["kvcached_gpu_last_calibration_timestamp_seconds"]["samples"][gpu_key]
+        == 1_700_000_000.25
+    )
     info = fams["kvcached_instance_info"]["samples"]
-    assert any(('engine', '"we\\"ird\\\\name\\nx"') in k for k in info)
+    assert any(("engine", '"we\\"ird\\\\name\\nx"') in k for k in info)
 
 
 def test_an_idle_machine_is_a_valid_scrape():
@@ -107,8 +139,9 @@ def test_an_idle_machine_is_a_valid_scrape():
     assert all(f["help"] and f["type"] for f in fams.values())
 
 
-@pytest.mark.parametrize("raw, escaped", [
-    ('a"b', 'a\\"b'), ("a\\b", "a\\\\b"), ("a\nb", "a\\nb"), ("ümlaut", "ümlaut")])
+@pytest.mark.parametrize(
+    "raw, escaped", [('a"b', 'a\\"b'), ("a\\b", "a\\\\b"), ("a\nb", "a\\nb"), ("ümlaut", "ümlaut")]
+)
 def test_label_escapes(raw, escaped):
     assert escape_label(raw) == escaped
 
@@ -122,9 +155,16 @@ def test_values():
 def test_the_validator_catches_what_it_should():
     good = "# HELP a_total x\n# TYPE a_total counter\na_total 1\n"
     parse_exposition(good)
-    for bad in (good[:-1], good + "\n", "# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\na 2\n",
-                '# TYPE a gauge\na{x="1",x="2"} 1\n', '# TYPE a gauge\na{x="\\q"} 1\n',
-                "# TYPE a counter\na 1\n", "# TYPE a gauge\na 1\na 2\n", "a b c\n"):
+    for bad in (
+        good[:-1],
+        good + "\n",
+        "# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\na 2\n",
+        '# TYPE a gauge\na{x="1",x="2"} 1\n',
+        '# TYPE a gauge\na{x="\\q"} 1\n',
+        "# TYPE a counter\na 1\n",
+        "# TYPE a gauge\na 1\na 2\n",
+        "a b c\n",
+    ):
         with pytest.raises((AssertionError, ValueError)):
             parse_exposition(bad)
 

@@ -18,11 +18,11 @@ CAPACITY = 512 << 20
 
 def test_two_host_devices_keep_their_own_ledgers(tmp_path):
     first = unique_index()
-    two_devices_grow_and_shrink("host", (first, first + 1), CAPACITY, str(tmp_path),
-                                HOST_SLACK)
+    two_devices_grow_and_shrink("host", (first, first + 1), CAPACITY, str(tmp_path), HOST_SLACK)
 
 
 def test_tp_pair_over_gloo_admits_the_same_batches_under_a_one_device_limit(tmp_path):
-    report = tp_pair_agrees("host", unique_index(), "gloo", str(tmp_path),
-                            str(tmp_path / "tp.json"))
+    report = tp_pair_agrees(
+        "host", unique_index(), "gloo", str(tmp_path), str(tmp_path / "tp.json")
+    )
     assert report["dist_backend"] == "gloo"

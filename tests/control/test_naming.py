@@ -27,8 +27,12 @@ def test_the_default_is_engine_and_pid_and_children_inherit_it(monkeypatch):
     assert name == f"vllm-{os.getpid()}"
     assert os.environ[ENV] == name and get_config().ipc_name == name  # said once, for all
     assert instance_name("sglang") == name  # a second pool of the same server
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ['KVCACHED_IPC_NAME'])"],
-                           capture_output=True, text=True, timeout=30)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ['KVCACHED_IPC_NAME'])"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert child.stdout.strip() == name
 
 

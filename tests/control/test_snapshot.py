@@ -40,8 +40,9 @@ def test_killed_publisher_is_seen_dead_and_cleaned_up():
         print("up", flush=True)
         sys.stdin.readline()
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout.readline().strip() == "up"
     assert [s.alive for s in read_snapshots() if s.instance == name] == [True]
     child.send_signal(signal.SIGKILL)
@@ -55,10 +56,21 @@ def test_killed_publisher_is_seen_dead_and_cleaned_up():
 def test_rows_table_and_metrics():
     name = unique("m")
     with SnapshotPublisher(name) as pub:
-        pub.publish({"engine": "vllm", "pools": [
-            {"gpu": "host-0", "bytes_mapped": 6 << 20, "bytes_reserved": 2 << 20,
-             "blocks_used": 3, "limit_bytes": 8 << 20, "limit_revision": 2},
-        ]})
+        pub.publish(
+            {
+                "engine": "vllm",
+                "pools": [
+                    {
+                        "gpu": "host-0",
+                        "bytes_mapped": 6 << 20,
+                        "bytes_reserved": 2 << 20,
+                        "blocks_used": 3,
+                        "limit_bytes": 8 << 20,
+                        "limit_revision": 2,
+                    },
+                ],
+            }
+        )
         rows = [r for r in instance_rows(read_snapshots()) if r.name == name]
     assert len(rows) == 1
     row = rows[0]
@@ -76,10 +88,19 @@ def test_prometheus_escapes_labels():
 
 
 def _exit_run(script: str, name: str, tmp_path) -> list[str]:
-    env = dict(os.environ, KVCACHED_IPC_NAME=name, KVCACHED_LEDGER_DIR=str(tmp_path),
-               KVCACHED_LOG_LEVEL="WARNING")
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        KVCACHED_IPC_NAME=name,
+        KVCACHED_LEDGER_DIR=str(tmp_path),
+        KVCACHED_LOG_LEVEL="WARNING",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.split()
 
@@ -90,7 +111,8 @@ def test_a_process_that_exits_leaves_no_segment(tmp_path):
     from tests.control.kvctl_helpers import unique_index
 
     name = unique("exit")
-    segment, = _exit_run(f"""
+    (segment,) = _exit_run(
+        f"""
         import torch
         from kvcached.control.instance import close_kv_cache, get_instance, open_kv_cache
         from kvcached.driver.host import HostDriver
@@ -102,7 +124,10 @@ def test_a_process_that_exits_leaves_no_segment(tmp_path):
                               max_handle_bytes=0)
         print("/dev/shm" + get_instance()._publisher.name, flush=True)
         close_kv_cache(cache)
-    """, name, tmp_path)
+    """,
+        name,
+        tmp_path,
+    )
     assert f"/kvcached.snap.{name}." in segment
     assert not os.path.exists(segment)
     assert not [s for s in read_snapshots(cleanup=False) if s.instance == name]
@@ -110,7 +135,8 @@ def test_a_process_that_exits_leaves_no_segment(tmp_path):
 
 def test_a_forked_childs_exit_leaves_its_parents_segment(tmp_path):
     name = unique("fork")
-    segment, after_fork = _exit_run(f"""
+    segment, after_fork = _exit_run(
+        f"""
         import os, sys
         from kvcached.control.snapshot import SnapshotPublisher
         pub = SnapshotPublisher({name!r})
@@ -120,6 +146,9 @@ def test_a_forked_childs_exit_leaves_its_parents_segment(tmp_path):
         os.waitpid(pid, 0)
         path = "/dev/shm" + pub.name
         print(path, os.path.exists(path), flush=True)
-    """, name, tmp_path)
+    """,
+        name,
+        tmp_path,
+    )
     assert after_fork == "True"  # the child did not unlink its parent's segment
     assert not os.path.exists(segment)  # the parent's own exit did

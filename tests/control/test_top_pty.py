@@ -118,7 +118,7 @@ def test_top_gives_the_terminal_back_on_sigterm(two):
         assert term.read_until(lambda out: out.count(b"kvcached top") >= 2), term.output[-2000:]
         os.kill(term.pid, signal.SIGTERM)
         assert term.wait() == 143
-        tail = term.output[term.output.rindex(b"kvcached top"):]
+        tail = term.output[term.output.rindex(b"kvcached top") :]
         assert ALT_SCREEN_OFF in tail and b"\x1b[?25h" in tail  # main screen, cursor shown
     finally:
         term.close()
@@ -152,6 +152,6 @@ def test_top_without_a_terminal_prints_frames_and_kvtop_is_top(two):
 
 def test_kvtop_console_script_is_declared():
     text = (REPO / "pyproject.toml").read_text()
-    scripts = text[text.index("[project.scripts]"):].split("\n\n")[0]
+    scripts = text[text.index("[project.scripts]") :].split("\n\n")[0]
     assert 'kvtop = "kvcached.cli.kvctl:kvtop_main"' in scripts
     assert 'kvctl = "kvcached.cli.kvctl:main"' in scripts

@@ -72,8 +72,11 @@ def check_pages_keep_their_data(d: CudaDriver) -> None:
     assert ctypes.string_at(va, 4) == b"\x10" * 4
     assert ctypes.string_at(va + 2 * G + G - 4, 4) == b"\x12" * 4
     assert ctypes.string_at(va + 5 * G - 4, 4) == b"\x33" * 4
-    for start, size, handle in ((va, G, handles[0]), (va + 2 * G, G, handles[2]),
-                                (va + 3 * G, 2 * G, h)):
+    for start, size, handle in (
+        (va, G, handles[0]),
+        (va + 2 * G, G, handles[2]),
+        (va + 3 * G, 2 * G, h),
+    ):
         d.unmap(start, size)
         d.release(handle)
     d.free_reservation(va, 8 * G)
@@ -193,8 +196,9 @@ def check_close() -> None:
     d.close()
     d.close()  # idempotent
     out: list[BaseException] = []
-    t = threading.Thread(target=lambda: out.append(raises(DriverUnavailableError, d.create, G,
-                                                          match="closed")))
+    t = threading.Thread(
+        target=lambda: out.append(raises(DriverUnavailableError, d.create, G, match="closed"))
+    )
     t.start()
     t.join()
     assert out, "a closed driver must refuse a new thread"
@@ -211,7 +215,10 @@ def main() -> int:
         ("mem_info_follows_handles", lambda: check_mem_info_follows_handles(d1)),
         ("misuse_is_refused", lambda: check_misuse_is_refused(d1)),
         ("threads_get_a_context_once", lambda: check_threads_get_a_context_once(d1)),
-        ("current_context_is_left_as_found", lambda: check_current_context_is_left_as_found(d0, d1)),
+        (
+            "current_context_is_left_as_found",
+            lambda: check_current_context_is_left_as_found(d0, d1),
+        ),
         ("faulty_wrapper_speaks_cuda", lambda: check_faulty_wrapper_speaks_cuda(d1)),
         ("close", check_close),
     ]

@@ -71,5 +71,6 @@ def gpu_mark(available: bool, reason: str) -> pytest.MarkDecorator:
 
 requires_torch_gpu = gpu_mark(has_torch_gpu(), "needs a GPU torch can use")
 requires_cuda = gpu_mark(has_cuda(), "needs a CUDA device")
-requires_cuda_driver = gpu_mark(has_cuda_driver(),
-                                "needs a CUDA device, torch with CUDA and cuda-python")
+requires_cuda_driver = gpu_mark(
+    has_cuda_driver(), "needs a CUDA device, torch with CUDA and cuda-python"
+)

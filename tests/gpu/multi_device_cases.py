@@ -26,12 +26,18 @@ KVCTL = [sys.executable, "-m", "kvcached.cli.kvctl"]
 
 def worker_env(ledger_dir: str, name: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
-    env.update({"KVCACHED_LEDGER_DIR": ledger_dir, "KVCACHED_IPC_NAME": name,
-                "KVCACHED_LOG_LEVEL": "WARNING",
-                "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-                # NVLink multicast stays off on shared GPU hosts (the device's rules).
-                "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"})
+    env.update(
+        {
+            "KVCACHED_LEDGER_DIR": ledger_dir,
+            "KVCACHED_IPC_NAME": name,
+            "KVCACHED_LOG_LEVEL": "WARNING",
+            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+            # NVLink multicast stays off on shared GPU hosts (the device's rules).
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        }
+    )
     env.update(extra)
     return env
 
@@ -42,8 +48,12 @@ class Worker:
     def __init__(self, backend: str, index: int, capacity: int, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), "serve", backend, str(index), str(capacity)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.ready = self._read(180)
         assert self.ready.get("ready"), self.ready
 
@@ -93,9 +103,13 @@ def ledger_charged(path: str) -> tuple[str, int, int]:
 
 
 def kvctl_gpus(ledger_dir: str) -> list[dict[str, Any]]:
-    done = subprocess.run([*KVCTL, "gpus", "--ledger-dir", ledger_dir, "--json"],
-                          capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    done = subprocess.run(
+        [*KVCTL, "gpus", "--ledger-dir", ledger_dir, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -114,9 +128,14 @@ HOST_SLACK = MemorySlack(other_device=0, own_extra=0)
 GPU_SLACK = MemorySlack(other_device=64 * MIB, own_extra=64 * MIB)
 
 
-def two_devices_grow_and_shrink(backend: str, indices: tuple[int, int], capacity: int,
-                                ledger_dir: str, slack: MemorySlack,
-                                env: dict[str, dict[str, str]] | None = None) -> None:
+def two_devices_grow_and_shrink(
+    backend: str,
+    indices: tuple[int, int],
+    capacity: int,
+    ledger_dir: str,
+    slack: MemorySlack,
+    env: dict[str, dict[str, str]] | None = None,
+) -> None:
     """Two processes, one per device, each growing and shrinking its own KV
     cache with data checks; each device's ledger is its own file, keyed by its
     bus id, and charges exactly that process' memory; growth on one device
@@ -124,10 +143,12 @@ def two_devices_grow_and_shrink(backend: str, indices: tuple[int, int], capacity
     env = env or {}
     a = b = None
     try:
-        a = Worker(backend, indices[0], capacity,
-                   worker_env(ledger_dir, "multi-a", **env.get("a", {})))
-        b = Worker(backend, indices[1], capacity,
-                   worker_env(ledger_dir, "multi-b", **env.get("b", {})))
+        a = Worker(
+            backend, indices[0], capacity, worker_env(ledger_dir, "multi-a", **env.get("a", {}))
+        )
+        b = Worker(
+            backend, indices[1], capacity, worker_env(ledger_dir, "multi-b", **env.get("b", {}))
+        )
         ia, ib = a.ready, b.ready
         assert ia["bus_id"] != ib["bus_id"], (ia, ib)
         assert ia["ledger"] != ib["ledger"]
@@ -183,9 +204,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tp_pair_agrees(backend: str, index_base: int, dist_backend: str, ledger_dir: str,
-                   out: str, limit_pages: int = 6, rounds: int = 40,
-                   env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+def tp_pair_agrees(
+    backend: str,
+    index_base: int,
+    dist_backend: str,
+    ledger_dir: str,
+    out: str,
+    limit_pages: int = 6,
+    rounds: int = 40,
+    env_extra: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """A TP=2 pair, one process per device, under a limit on rank 1's device
     only: both ranks admit the same batches every round, rank 1 never goes
     past its limit, and rank 0 alone would have admitted more."""
@@ -193,11 +221,30 @@ def tp_pair_agrees(backend: str, index_base: int, dist_backend: str, ledger_dir:
     limit = limit_pages * page
     init = f"tcp://127.0.0.1:{free_port()}"
     env = worker_env(ledger_dir, "multi-tp", **(env_extra or {}))
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "tp", backend, str(index_base), str(rank), "2",
-         dist_backend, init, "1", str(limit), str(rounds), out],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                "tp",
+                backend,
+                str(index_base),
+                str(rank),
+                "2",
+                dist_backend,
+                init,
+                "1",
+                str(limit),
+                str(rounds),
+                out,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
     logs = []
     for p in procs:
         try:
@@ -215,6 +262,9 @@ def tp_pair_agrees(backend: str, index_base: int, dist_backend: str, ledger_dir:
     assert sum(len(x) for x in r0["admitted"]) > rounds // 2  # it did admit work
     assert r1["peak_charged"] <= limit, (r1["peak_charged"], limit)
     # The limit mattered: rank 0 alone could have admitted more at some round.
-    assert any(a0 > a1 for a0, a1 in zip(r0["alone"], r1["alone"], strict=True)), (r0["alone"], r1["alone"])
+    assert any(a0 > a1 for a0, a1 in zip(r0["alone"], r1["alone"], strict=True)), (
+        r0["alone"],
+        r1["alone"],
+    )
     assert r0["agreement"]["min_reduces"] == rounds == r1["agreement"]["min_reduces"]
     return report

@@ -64,9 +64,17 @@ def _open(backend: str, index: int, capacity: int) -> Any:
     from kvcached.control.instance import open_kv_cache
 
     driver = _driver(backend, index, capacity)
-    return open_kv_cache(_spec(), engine="test", engine_version="1.0", driver=driver,
-                         capacity_bytes=capacity, min_reserved=0, max_reserved=0,
-                         background=False, max_handle_bytes=0)
+    return open_kv_cache(
+        _spec(),
+        engine="test",
+        engine_version="1.0",
+        driver=driver,
+        capacity_bytes=capacity,
+        min_reserved=0,
+        max_reserved=0,
+        background=False,
+        max_handle_bytes=0,
+    )
 
 
 def _pattern(block: int, layer: int) -> float:
@@ -78,8 +86,9 @@ def _write(cache: Any, ids: list[int]) -> None:
     index = torch.tensor(ids, dtype=torch.long, device=cache.driver.torch_device)
     for layer in range(cache.spec.num_layers):
         view = cache.tensors.flash_attn_view(layer)  # (2, blocks, bs, heads, dim)
-        values = torch.tensor([_pattern(b, layer) for b in ids], dtype=view.dtype,
-                              device=view.device)
+        values = torch.tensor(
+            [_pattern(b, layer) for b in ids], dtype=view.dtype, device=view.device
+        )
         view[:, index] = values.view(1, -1, 1, 1, 1)
     cache.driver.synchronize()
 
@@ -89,8 +98,9 @@ def _bad_blocks(cache: Any, ids: list[int]) -> int:
     index = torch.tensor(ids, dtype=torch.long, device=cache.driver.torch_device)
     for layer in range(cache.spec.num_layers):
         view = cache.tensors.flash_attn_view(layer)
-        want = torch.tensor([_pattern(b, layer) for b in ids], dtype=view.dtype,
-                            device=view.device).view(1, -1, 1, 1, 1)
+        want = torch.tensor(
+            [_pattern(b, layer) for b in ids], dtype=view.dtype, device=view.device
+        ).view(1, -1, 1, 1, 1)
         got = view[:, index]
         bad += int((got != want).flatten(2).any(dim=2).any(dim=0).sum())
     return bad
@@ -99,13 +109,18 @@ def _bad_blocks(cache: Any, ids: list[int]) -> int:
 def _info(cache: Any) -> dict[str, Any]:
     info = cache.driver.info()
     free, total = cache.driver.mem_info()
-    return {"bus_id": info.pci_bus_id, "index": info.index,
-            "ledger": cache.budget.ledger_path,
-            "torch_device": str(cache.driver.torch_device),
-            "view_device": str(cache.tensors.flash_attn_view(0).device),
-            "free": free, "total": total, "charged": cache.budget.instance_charged(),
-            "page_bytes": cache.geometry.page_bytes,
-            "blocks_per_page": cache.blocks_per_page}
+    return {
+        "bus_id": info.pci_bus_id,
+        "index": info.index,
+        "ledger": cache.budget.ledger_path,
+        "torch_device": str(cache.driver.torch_device),
+        "view_device": str(cache.tensors.flash_attn_view(0).device),
+        "free": free,
+        "total": total,
+        "charged": cache.budget.instance_charged(),
+        "page_bytes": cache.geometry.page_bytes,
+        "blocks_per_page": cache.blocks_per_page,
+    }
 
 
 def serve(backend: str, index: int, capacity: int) -> int:
@@ -163,23 +178,33 @@ def _set_limit_here(cache: Any, limit: int) -> None:
         time.sleep(0.05)
 
 
-def tp(backend: str, index_base: int, rank: int, world: int, dist_backend: str,
-       init_method: str, limited_rank: int, limit: int, rounds: int, out: str) -> int:
+def tp(
+    backend: str,
+    index_base: int,
+    rank: int,
+    world: int,
+    dist_backend: str,
+    init_method: str,
+    limited_rank: int,
+    limit: int,
+    rounds: int,
+    out: str,
+) -> int:
     import torch.distributed as dist
 
     from kvcached.control.instance import close_kv_cache, get_instance
     from kvcached.integrations.sglang.tp_agreement import GroupReducer, RoundAgreement
 
     cache = _open(backend, index_base + rank, TP_CAPACITY)
-    dist.init_process_group(dist_backend, init_method=init_method, rank=rank,
-                            world_size=world)
+    dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world)
     device = cache.driver.torch_device if dist_backend == "nccl" else torch.device("cpu")
     dist.barrier()
     if rank == limited_rank:
         _set_limit_here(cache, limit)
     dist.barrier()
-    agreement = RoundAgreement(cache.available_size,
-                               GroupReducer([dist.group.WORLD], device=device))
+    agreement = RoundAgreement(
+        cache.available_size, GroupReducer([dist.group.WORLD], device=device)
+    )
     rng = random.Random(1234)  # the same on every rank: the same requests
     held: list[list[int]] = []
     admitted_per_round: list[list[int]] = []
@@ -209,11 +234,16 @@ def tp(backend: str, index_base: int, rank: int, world: int, dist_backend: str,
                 agreement.note_free(len(ids))
         admitted_per_round.append(admitted)
         peak_charged = max(peak_charged, cache.budget.instance_charged())
-    report = {"rank": rank, "bus_id": cache.driver.info().pci_bus_id,
-              "ledger": cache.budget.ledger_path, "admitted": admitted_per_round,
-              "alone": alone_per_round, "peak_charged": peak_charged,
-              "page_bytes": cache.geometry.page_bytes,
-              "agreement": vars(agreement.stats)}
+    report = {
+        "rank": rank,
+        "bus_id": cache.driver.info().pci_bus_id,
+        "ledger": cache.budget.ledger_path,
+        "admitted": admitted_per_round,
+        "alone": alone_per_round,
+        "peak_charged": peak_charged,
+        "page_bytes": cache.geometry.page_bytes,
+        "agreement": vars(agreement.stats),
+    }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, report)
     for ids in held:
@@ -224,8 +254,16 @@ def tp(backend: str, index_base: int, rank: int, world: int, dist_backend: str,
     get_instance().close()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"dist_backend": dist_backend, "limited_rank": limited_rank,
-                       "limit_bytes": limit, "ranks": gathered}, f, indent=1)
+            json.dump(
+                {
+                    "dist_backend": dist_backend,
+                    "limited_rank": limited_rank,
+                    "limit_bytes": limit,
+                    "ranks": gathered,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
@@ -234,10 +272,21 @@ def main(argv: list[str]) -> int:
     if mode == "serve":
         return serve(argv[1], int(argv[2]), int(argv[3]))
     if mode == "tp":
-        (backend, base, rank, world, dist_backend, init_method, limited, limit, rounds,
-         out) = argv[1:]
-        return tp(backend, int(base), int(rank), int(world), dist_backend, init_method,
-                  int(limited), int(limit), int(rounds), out)
+        (backend, base, rank, world, dist_backend, init_method, limited, limit, rounds, out) = argv[
+            1:
+        ]
+        return tp(
+            backend,
+            int(base),
+            int(rank),
+            int(world),
+            dist_backend,
+            init_method,
+            int(limited),
+            int(limit),
+            int(rounds),
+            out,
+        )
     raise SystemExit(f"mode={mode!r}: must be serve or tp")
 
 

@@ -210,8 +210,10 @@ def test_torch_kernels_read_and_write_kvcached_memory(driver, pages, G):
     a = view_as(raw, torch.float16, (n, n), offset=0)
     b = view_as(raw, torch.float16, (n, n), offset=G)
     c = view_as(raw, torch.float16, (n, n), offset=2 * G + MIB // 2)
-    dense_a, dense_b = torch.randn(n, n, device=dev, dtype=torch.float16), torch.randn(
-        n, n, device=dev, dtype=torch.float16)
+    dense_a, dense_b = (
+        torch.randn(n, n, device=dev, dtype=torch.float16),
+        torch.randn(n, n, device=dev, dtype=torch.float16),
+    )
     a.copy_(dense_a)
     b.copy_(dense_b)
     torch.matmul(a, b, out=c)
@@ -225,8 +227,9 @@ def test_torch_kernels_read_and_write_kvcached_memory(driver, pages, G):
     k = view_as(raw, torch.float16, shape, offset=2 * G - nbytes // 2)
     v = view_as(raw, torch.float16, shape, offset=3 * G + nbytes)
     out = view_as(raw, torch.float16, shape, offset=3 * G + 2 * nbytes)
-    dense_q, dense_k, dense_v = (torch.randn(shape, device=dev, dtype=torch.float16)
-                                 for _ in range(3))
+    dense_q, dense_k, dense_v = (
+        torch.randn(shape, device=dev, dtype=torch.float16) for _ in range(3)
+    )
     q.copy_(dense_q)
     k.copy_(dense_k)
     v.copy_(dense_v)
@@ -282,8 +285,9 @@ def test_both_tensor_routes_alias_the_va(driver, pages, via, G):
     t = device_tensor(p.addr(0), G, driver.torch_device, via=via)
     assert t.data_ptr() == p.addr(0) and t.device == driver.torch_device
     t.fill_(5)
-    other = device_tensor(p.addr(0), G, driver.torch_device,
-                          via="cai" if via == "storage" else "storage")
+    other = device_tensor(
+        p.addr(0), G, driver.torch_device, via="cai" if via == "storage" else "storage"
+    )
     assert other.min().item() == 5 and other.max().item() == 5
 
 
@@ -291,8 +295,8 @@ def test_a_tensor_over_unmapped_space_works_once_mapped(driver, pages, G):
     p = pages(4)
     whole = p.tensor(0, pages=4)  # made before any page exists, as KV tensors are
     p.map(1)
-    whole[G:2 * G].fill_(3)
-    assert whole[G:2 * G].sum(dtype=torch.int64).item() == 3 * G
+    whole[G : 2 * G].fill_(3)
+    assert whole[G : 2 * G].sum(dtype=torch.int64).item() == 3 * G
 
 
 def test_asking_for_more_than_the_device_has_is_out_of_memory(driver, G):

@@ -26,16 +26,30 @@ def test_processes_fill_one_gpu_without_oom(tmp_path, procs):
     out = os.environ.get("OUT") or str(tmp_path)
     report_path = os.path.join(out, f"ledger-gpu-test-{procs}.json")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "ledger_gpu.py"), "--procs",
-         str(procs), "--seconds", "20", "--out", report_path],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "ledger_gpu.py"),
+            "--procs",
+            str(procs),
+            "--seconds",
+            "20",
+            "--out",
+            report_path,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert os.path.exists(report_path), proc.stdout + proc.stderr
     with open(report_path) as f:
         run = json.load(f)["runs"][0]
     assert run["oom_errors"] == 0, run["oom_calls"]
-    assert run["agree_within_margin"], (run["min_used_minus_ledger"],
-                                        run["max_used_minus_ledger"], run["safety_margin"])
+    assert run["agree_within_margin"], (
+        run["min_used_minus_ledger"],
+        run["max_used_minus_ledger"],
+        run["safety_margin"],
+    )
     assert run["fill_phases"] > 0 and run["denials"] > 0  # it did reach the budget
     assert run["peak_fill_of_total"] > 0.8
     assert run["final_charged"] == 0 and run["final_pools"] == 0

@@ -43,8 +43,10 @@ def _gpu_count() -> int:
 
 _REQUIRED = os.environ.get("KVCACHED_REQUIRE_GPU", "") == "1"
 if _gpu_count() < 2 and not _REQUIRED:
-    pytest.skip("needs two CUDA devices (KVCACHED_REQUIRE_GPU=1 makes this a failure)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs two CUDA devices (KVCACHED_REQUIRE_GPU=1 makes this a failure)",
+        allow_module_level=True,
+    )
 
 pytestmark = [pytest.mark.gpu]
 
@@ -66,8 +68,9 @@ def test_cuda_visible_devices_selects_the_second_gpu(tmp_path):
         second_bus_id = both.ready["bus_id"]
     finally:
         assert both.close() == 0
-    only = Worker("cuda", 0, CAPACITY,
-                  worker_env(ledger_dir, "visible-1", CUDA_VISIBLE_DEVICES="1"))
+    only = Worker(
+        "cuda", 0, CAPACITY, worker_env(ledger_dir, "visible-1", CUDA_VISIBLE_DEVICES="1")
+    )
     try:
         assert only.ready["bus_id"] == second_bus_id
         assert only.ready["ledger"].endswith(second_bus_id)

@@ -50,9 +50,18 @@ def _kv(page_size: int, size: int):
     from kvcached.integrations.sglang.elastic_kv import KVShape, build_elastic_kv
     from kvcached.integrations.sglang.slots import SlotAllocator
 
-    kv = build_elastic_kv(KVShape(layers=LAYERS, page_size=page_size, size=size, heads=HEADS,
-                                  head_dim=HEAD_DIM, dtype=torch.float16),
-                          device="cuda:0", name="kv-gpu")
+    kv = build_elastic_kv(
+        KVShape(
+            layers=LAYERS,
+            page_size=page_size,
+            size=size,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            dtype=torch.float16,
+        ),
+        device="cuda:0",
+        name="kv-gpu",
+    )
     assert kv is not None, "the cuda driver must serve cuda:0"
     return kv, SlotAllocator(kv, size // page_size)
 
@@ -72,21 +81,26 @@ def test_kv_written_by_cuda_kernels_reads_back_across_pages(env, page_size):
         loc = (page_t[:, None] * page_size + torch.arange(page_size, device="cuda")).reshape(-1)
         gen = torch.Generator(device="cuda").manual_seed(0)
         for layer in range(LAYERS):
-            k = torch.randn(len(loc), HEADS, HEAD_DIM, device="cuda", dtype=torch.float16,
-                            generator=gen)
-            v = torch.randn(len(loc), HEADS, HEAD_DIM, device="cuda", dtype=torch.float16,
-                            generator=gen)
+            k = torch.randn(
+                len(loc), HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen
+            )
+            v = torch.randn(
+                len(loc), HEADS, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen
+            )
             k_buf[layer][loc] = k  # index_put: a CUDA kernel writing into mapped pages
             v_buf[layer][loc] = v
             torch.cuda.synchronize()
             assert torch.equal(k_buf[layer][loc], k) and torch.equal(v_buf[layer][loc], v)
             # Attention over the gathered slots equals attention over plain tensors.
-            q = torch.randn(1, HEADS, 4, HEAD_DIM, device="cuda", dtype=torch.float16,
-                            generator=gen)
+            q = torch.randn(
+                1, HEADS, 4, HEAD_DIM, device="cuda", dtype=torch.float16, generator=gen
+            )
             ref = torch.nn.functional.scaled_dot_product_attention(
-                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+                q, k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            )
             got = torch.nn.functional.scaled_dot_product_attention(
-                q, k_buf[layer][loc].transpose(0, 1)[None], v_buf[layer][loc].transpose(0, 1)[None])
+                q, k_buf[layer][loc].transpose(0, 1)[None], v_buf[layer][loc].transpose(0, 1)[None]
+            )
             assert torch.equal(got, ref)
         slots.free_pages(pages)
         assert slots.clear() >= 0
@@ -117,19 +131,30 @@ def test_ledger_bounds_what_the_allocator_reports(env):
 sglang_missing = importlib.util.find_spec("sglang") is None
 
 
-@pytest.mark.skipif(sglang_missing, reason="SGLang is not installed here; on a GPU machine without a registry, install the wheels that tests/integration/sglang/gpu_wheelhouse.sh collects (benchmarks/results/h200/README.md, run 3)")
+@pytest.mark.skipif(
+    sglang_missing,
+    reason="SGLang is not installed here; on a GPU machine without a registry, install the wheels that tests/integration/sglang/gpu_wheelhouse.sh collects (benchmarks/results/h200/README.md, run 3)",
+)
 def test_sglang_classes_on_cuda_with_triton_kernels(env):
     import torch
 
     from kvcached.integrations.sglang import pools
 
     pool = pools.ElasticMHATokenToKVPool(
-        size=8192, page_size=16, dtype=torch.float16, head_num=HEADS, head_dim=HEAD_DIM,
-        layer_num=2, device="cuda", enable_memory_saver=False)
+        size=8192,
+        page_size=16,
+        dtype=torch.float16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=2,
+        device="cuda",
+        enable_memory_saver=False,
+    )
     try:
         assert pool.kvcached is not None
-        alloc = pools.paged_allocator(8192, page_size=16, dtype=torch.float16, device="cuda",
-                                      kvcache=pool, need_sort=False)
+        alloc = pools.paged_allocator(
+            8192, page_size=16, dtype=torch.float16, device="cuda", kvcache=pool, need_sort=False
+        )
         assert type(alloc) is pools.ElasticPagedTokenToKVPoolAllocator
         prefix = torch.tensor([0, 0, 0], device="cuda")
         seq = torch.tensor([17, 3, 40], device="cuda")
@@ -146,8 +171,9 @@ def test_sglang_classes_on_cuda_with_triton_kernels(env):
         assert torch.equal(pool.get_key_buffer(1)[out], k)
         assert torch.equal(pool.get_value_buffer(1)[out], v)
         ends = torch.tensor([rows[16], rows[19], rows[59]], device="cuda")
-        dec = alloc.alloc_decode(torch.tensor([18, 4, 41], device="cuda"),
-                                 torch.tensor([18, 4, 41]), ends)
+        dec = alloc.alloc_decode(
+            torch.tensor([18, 4, 41], device="cuda"), torch.tensor([18, 4, 41]), ends
+        )
         assert dec.tolist() == [rows[16] + 1, rows[19] + 1, rows[59] + 1]
         alloc.free(torch.cat([out, dec]))
         assert alloc.available_size() == 8192

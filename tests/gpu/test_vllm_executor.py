@@ -44,18 +44,21 @@ def shape_of(layout: str) -> TensorShape:
     """vLLM's strides for one KVCacheTensor of every layer (compute_layout_strides)."""
     inner = (TOKENS * CELL, CELL, 1)  # H, N, C
     if layout == "LBHNC":
-        return TensorShape(0, (LAYERS, NUM_BLOCKS, KV_HEADS, TOKENS, CELL),
-                           (NUM_BLOCKS * PAGE, PAGE, *inner), PAGE)
+        return TensorShape(
+            0, (LAYERS, NUM_BLOCKS, KV_HEADS, TOKENS, CELL), (NUM_BLOCKS * PAGE, PAGE, *inner), PAGE
+        )
     if layout == "BLHNC":
-        return TensorShape(0, (LAYERS, NUM_BLOCKS, KV_HEADS, TOKENS, CELL),
-                           (PAGE, LAYERS * PAGE, *inner), PAGE)
+        return TensorShape(
+            0, (LAYERS, NUM_BLOCKS, KV_HEADS, TOKENS, CELL), (PAGE, LAYERS * PAGE, *inner), PAGE
+        )
     raise ValueError(layout)
 
 
 def vllm_views(buf: torch.Tensor, t: TensorShape) -> list[torch.Tensor]:
     """What create_kv_cache_views returns: per layer, ``[B, H, N, C]`` of DTYPE."""
-    view5 = torch.as_strided(buf, size=t.shape, stride=t.strides,
-                             storage_offset=buf.storage_offset() + t.offset)
+    view5 = torch.as_strided(
+        buf, size=t.shape, stride=t.strides, storage_offset=buf.storage_offset() + t.offset
+    )
     return [view5[layer].view(DTYPE) for layer in range(t.shape[0])]
 
 
@@ -72,15 +75,19 @@ class Request:
     def __init__(self, rng: random.Random, length: int, pages: list[int], bpp: int) -> None:
         self.length = length
         n = -(-length // TOKENS)
-        self.pages = pages[:-(-n // bpp)]
-        del pages[:len(self.pages)]
+        self.pages = pages[: -(-n // bpp)]
+        del pages[: len(self.pages)]
         blocks = [b for p in self.pages for b in range(p * bpp, (p + 1) * bpp)]
         rng.shuffle(blocks)
         self.table = blocks[:n]
-        self.k = [torch.randn(length, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-                  for _ in range(LAYERS)]
-        self.v = [torch.randn(length, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-                  for _ in range(LAYERS)]
+        self.k = [
+            torch.randn(length, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+            for _ in range(LAYERS)
+        ]
+        self.v = [
+            torch.randn(length, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+            for _ in range(LAYERS)
+        ]
         self.q = torch.randn(1, Q_HEADS, 8, HEAD_DIM, device="cuda", dtype=DTYPE)
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +104,7 @@ class Request:
         """K and V as ``(1, KV_HEADS, length, HEAD_DIM)``, read through the block table."""
         table = torch.tensor(self.table, device="cuda")
         kv = view[table].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, 2 * HEAD_DIM)
-        kv = kv[:, :self.length]
+        kv = kv[:, : self.length]
         return kv[None, ..., :HEAD_DIM], kv[None, ..., HEAD_DIM:]
 
     def check(self, views: list[torch.Tensor]) -> None:
@@ -106,8 +113,9 @@ class Request:
             dense_k = self.k[layer].transpose(0, 1)[None]
             dense_v = self.v[layer].transpose(0, 1)[None]
             assert torch.equal(k, dense_k) and torch.equal(v, dense_v), layer
-            got = F.scaled_dot_product_attention(self.q, k.contiguous(), v.contiguous(),
-                                                 enable_gqa=True)
+            got = F.scaled_dot_product_attention(
+                self.q, k.contiguous(), v.contiguous(), enable_gqa=True
+            )
             want = F.scaled_dot_product_attention(self.q, dense_k, dense_v, enable_gqa=True)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 

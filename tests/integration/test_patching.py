@@ -84,9 +84,14 @@ def test_undo_restores_own_entries_newest_first_and_add_only_adds() -> None:
     p.undo()
 
 
-@pytest.mark.parametrize(("owner", "name", "error"), [
-    (Child, "not a name", ValueError), (Child, 3, ValueError), (3, "real", TypeError),
-])
+@pytest.mark.parametrize(
+    ("owner", "name", "error"),
+    [
+        (Child, "not a name", ValueError),
+        (Child, 3, ValueError),
+        (3, "real", TypeError),
+    ],
+)
 def test_misuse_names_the_argument(owner, name, error) -> None:
     with pytest.raises(error, match="name=|owner="):
         Patcher().replace(owner, name, lambda: None)
@@ -109,10 +114,18 @@ def test_check_params_reads_through_wrappers() -> None:
         p.undo()
 
 
-@pytest.mark.parametrize(("version", "ok"), [
-    ("0.32.0", True), ("0.32.0+cpu", True), (" 0.31.0 ", True), ("0.32.1", False),
-    ("0.32", False), ("0.32.0rc1", False), ("0.32.0.post1", False),
-])
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.32.0", True),
+        ("0.32.0+cpu", True),
+        (" 0.31.0 ", True),
+        ("0.32.1", False),
+        ("0.32", False),
+        ("0.32.0rc1", False),
+        ("0.32.0.post1", False),
+    ],
+)
 def test_the_version_gate_is_exact(version: str, ok: bool) -> None:
     assert supported(version, ("0.31.0", "0.32.0")) is ok
     assert release("0.5.23+cu130") == "0.5.23"
@@ -146,9 +159,15 @@ def _groups(fail: str):
         p.replace(m, "f", lambda: "half")
         raise LookupError("moved")
 
-    return (PatchGroup("good", "kv_test_good", good),
-            PatchGroup("bad", "kv_test_bad", bad if fail == "install" else good,
-                       check=(lambda m: "f changed") if fail == "check" else None))
+    return (
+        PatchGroup("good", "kv_test_good", good),
+        PatchGroup(
+            "bad",
+            "kv_test_bad",
+            bad if fail == "install" else good,
+            check=(lambda m: "f changed") if fail == "check" else None,
+        ),
+    )
 
 
 @pytest.mark.parametrize("fail", ["install", "check"])
@@ -165,8 +184,9 @@ def test_switch_off_turns_the_process_off(monkeypatch, fresh_hooks, fail) -> Non
         assert bad.f() == "native", "the failing group is undone"
     assert not patches.active and "bad" in patches.off_reason
     assert patches.states()["bad"].startswith("failed:")
-    assert not patches.install(_groups("")[0], types.ModuleType("kv_test_good")), \
+    assert not patches.install(_groups("")[0], types.ModuleType("kv_test_good")), (
         "nothing more installs once off"
+    )
 
 
 @pytest.mark.parametrize("fail", ["install", "check"])

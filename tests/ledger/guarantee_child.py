@@ -39,8 +39,9 @@ def main() -> None:
 
         index, capacity, nbytes = (int(a) for a in sys.argv[3:6])
         driver = HostDriver(index, capacity)
-        ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=directory,
-                             gpu_utilization=0.9)
+        ledger = Ledger.open(
+            driver.info().pci_bus_id, driver, directory=directory, gpu_utilization=0.9
+        )
         pool = ledger.register_pool("grower")
         assert pool.grant(nbytes), "the grower's grant was refused"
         handle = driver.create(nbytes)

@@ -35,8 +35,25 @@ TOTAL = 640 * MIB  # with gpu_utilization 0.9: margin 64 MiB
 SIZES = (2 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB, 64 * MIB, 96 * MIB)
 SLEEP_IN_LOCK_P = 0.002  # sometimes linger inside the data lock, to be killed there
 
-(PID, STATE, HELD, PENDING_GRANT, PENDING_REFUND, IN_LOCK, OPS, VIOLATIONS, LOCKS, SLOT, TOKEN,
- STAGE, CALIBRATIONS, DENIALS, STOP, EXIT, CHECKS) = range(17)
+(
+    PID,
+    STATE,
+    HELD,
+    PENDING_GRANT,
+    PENDING_REFUND,
+    IN_LOCK,
+    OPS,
+    VIOLATIONS,
+    LOCKS,
+    SLOT,
+    TOKEN,
+    STAGE,
+    CALIBRATIONS,
+    DENIALS,
+    STOP,
+    EXIT,
+    CHECKS,
+) = range(17)
 WORDS = 32
 STARTING, RUNNING, QUIESCED = 0, 1, 2
 

@@ -74,7 +74,11 @@ def test_version_goes_with_the_layout_fingerprint():
 
 def test_sizes_and_regions():
     assert layout.MAGIC == b"KVCLEDGR"
-    assert (layout.HEADER_SIZE, layout.POOL_RECORD_SIZE, layout.INSTANCE_RECORD_SIZE) == (256, 64, 128)
+    assert (layout.HEADER_SIZE, layout.POOL_RECORD_SIZE, layout.INSTANCE_RECORD_SIZE) == (
+        256,
+        64,
+        128,
+    )
     assert (layout.POOL_SLOTS, layout.INSTANCE_SLOTS) == (256, 64)
     assert layout.POOLS_OFFSET == 256
     assert layout.INSTANCES_OFFSET == 256 + 256 * 64

@@ -399,11 +399,18 @@ def test_snapshot_describes_pools_and_instances(ledger):
     ledger.set_limit("inst-b", GIB, 1)
     snap = ledger.snapshot()
     assert [(p.slot, p.instance, p.charged, p.pid, p.alive) for p in snap.pools] == [
-        (0, "inst-a", 10 * MIB, os.getpid(), True), (1, "inst-b", 20 * MIB, os.getpid(), True)]
+        (0, "inst-a", 10 * MIB, os.getpid(), True),
+        (1, "inst-b", 20 * MIB, os.getpid(), True),
+    ]
     assert all(p.start_time > 0 and p.token and p.registered_ns for p in snap.pools)
     inst = snap.instance("inst-b")
     assert (inst.limit, inst.revision, inst.charged, inst.pools, inst.pid) == (
-        GIB, 1, 20 * MIB, 1, os.getpid())
+        GIB,
+        1,
+        20 * MIB,
+        1,
+        os.getpid(),
+    )
     assert snap.header.charged == 30 * MIB
     assert snap.header.headroom == BUDGET - 30 * MIB
 
@@ -541,6 +548,7 @@ def test_ofd_lock_errors_are_sorted(monkeypatch, ledger):
     def fail(code):
         def fcntl_(*a):
             raise OSError(code, os.strerror(code))
+
         return fcntl_
 
     monkeypatch.setattr(fcntl, "fcntl", fail(errno.EAGAIN))
@@ -581,7 +589,9 @@ def test_open_pool_budget_on_the_host_backend(ledger_dir):
         driver.free_reservation(va, 64 * MIB)
         snap = ledger.snapshot()
         assert [(p.instance, p.charged, p.released) for p in snap.pools] == [
-            ("host-test", 2 * MIB, 2 * MIB), ("host-test", 0, 0)]
+            ("host-test", 2 * MIB, 2 * MIB),
+            ("host-test", 0, 0),
+        ]
         util = __import__("kvcached.config").config.get_config().gpu_utilization
         assert snap.header.safety_margin == round(256 * MIB * (1 - util))
         pool.close()

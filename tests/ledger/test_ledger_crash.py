@@ -29,10 +29,16 @@ BUDGET = 7 * GIB
 
 def run_child(directory: str, action: str, point: str = "-") -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, KVCACHED_LOG_LEVEL="ERROR")
-    proc = subprocess.run([sys.executable, CHILD, directory, action, point], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, CHILD, directory, action, point],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -signal.SIGKILL, (
-        f"{action}@{point}: exit {proc.returncode}, the point was not reached\n{proc.stderr}")
+        f"{action}@{point}: exit {proc.returncode}, the point was not reached\n{proc.stderr}"
+    )
 
 
 def data_lock_is_free(ledger) -> bool:
@@ -43,13 +49,16 @@ def data_lock_is_free(ledger) -> bool:
         os.close(fd)
 
 
-@pytest.mark.parametrize("action,point,charge", [
-    ("grant", "data-locked", 10 * MIB),      # killed inside the lock, before the write
-    ("grant", "grant-charged", 16 * MIB),    # written, not yet returned to the caller
-    ("refund", "data-locked", 100 * MIB),
-    ("refund", "refund-flushed", 36 * MIB),
-    ("register", "register-written", 0),
-])
+@pytest.mark.parametrize(
+    "action,point,charge",
+    [
+        ("grant", "data-locked", 10 * MIB),  # killed inside the lock, before the write
+        ("grant", "grant-charged", 16 * MIB),  # written, not yet returned to the caller
+        ("refund", "data-locked", 100 * MIB),
+        ("refund", "refund-flushed", 36 * MIB),
+        ("register", "register-written", 0),
+    ],
+)
 def test_killed_owner_is_retired_exactly(ledger, ledger_dir, action, point, charge):
     run_child(ledger_dir, action, point)
     assert data_lock_is_free(ledger)
@@ -115,8 +124,7 @@ def test_a_limit_write_killed_before_its_revision(ledger, ledger_dir):
     assert (inst.limit, inst.revision) == (5 * MIB, 0)
 
 
-def test_a_calibrator_killed_between_budget_and_sequence_leaves_neither_half(ledger,
-                                                                             ledger_dir):
+def test_a_calibrator_killed_between_budget_and_sequence_leaves_neither_half(ledger, ledger_dir):
     """Publication is journaled: killed after its commit and before it applied it,
     the calibrator leaves the old pair (budget 7 GiB, sequence 1) until the next
     holder of the data lock applies the new pair, both words together."""

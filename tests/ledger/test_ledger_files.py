@@ -28,8 +28,12 @@ def make_ledger(directory: str, device_id: str = "fake-0") -> str:
     return path
 
 
-def refused(directory: str, match: str, device_id: str = "fake-0",
-            error: type[Exception] = LedgerLayoutError) -> None:
+def refused(
+    directory: str,
+    match: str,
+    device_id: str = "fake-0",
+    error: type[Exception] = LedgerLayoutError,
+) -> None:
     path = ledger_path(directory, device_id)
     before = file_bytes(path) if os.path.lexists(path) and os.path.isfile(path) else None
     with pytest.raises(error, match=match):
@@ -66,8 +70,17 @@ def test_another_layout_version_is_refused(ledger_dir):
     refused(ledger_dir, r"layout version 99; this kvcached uses version 2.*stop every kvcached")
 
 
-@pytest.mark.parametrize("field", ["header_size", "pool_record_size", "pool_slots",
-                                   "instance_record_size", "instance_slots", "file_size"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "header_size",
+        "pool_record_size",
+        "pool_slots",
+        "instance_record_size",
+        "instance_slots",
+        "file_size",
+    ],
+)
 def test_other_record_sizes_are_refused(ledger_dir, field):
     path = make_ledger(ledger_dir)
     patch_header(path, field, 12345)
@@ -129,10 +142,13 @@ def _as_nobody(directory: str) -> dict:
             Ledger.open("fake-0", FakeDevice(), directory=directory).close()
             out["error"] = None
         except BaseException as exc:
-            out = {"error": type(exc).__name__, "message": str(exc),
-                   "permission": isinstance(exc, PermissionError),
-                   "errno": getattr(exc, "errno", None),
-                   "filename": getattr(exc, "filename", None)}
+            out = {
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "permission": isinstance(exc, PermissionError),
+                "errno": getattr(exc, "errno", None),
+                "filename": getattr(exc, "filename", None),
+            }
         os.write(write, json.dumps(out).encode())
         os._exit(0)
     os.close(write)
@@ -195,8 +211,15 @@ def test_racing_creators_all_open_the_same_complete_file(ledger_dir):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
     start = str(__import__("time").time() + 1.5)
-    procs = [subprocess.Popen([sys.executable, "-c", code, ledger_dir, start], env=env,
-                              stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, ledger_dir, start],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(6)
+    ]
     outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert len({tuple(o) for o in outs}) == 1, outs

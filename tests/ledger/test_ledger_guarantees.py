@@ -43,9 +43,14 @@ def env() -> dict[str, str]:
 
 class Child:
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, CHILD, *args], env=env(),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, CHILD, *args],
+            env=env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def line(self, timeout: float) -> str | None:
         """The child's next line, or None if it says nothing within ``timeout``."""
@@ -129,8 +134,9 @@ def test_no_budget_is_ever_published_above_total_minus_margin(ledger, device):
 
 
 # -- 3: liveness read under the lock ---------------------------------------------------------
-def test_a_snapshot_never_shows_a_reclaimed_slot_alive_with_the_old_charge(ledger, ledger_dir,
-                                                                           monkeypatch):
+def test_a_snapshot_never_shows_a_reclaimed_slot_alive_with_the_old_charge(
+    ledger, ledger_dir, monkeypatch
+):
     from .test_ledger_crash import run_child
 
     run_child(ledger_dir, "hold")  # dies holding 10 MiB in slot 0
@@ -156,7 +162,8 @@ def test_a_snapshot_never_shows_a_reclaimed_slot_alive_with_the_old_charge(ledge
         assert shown == [(0, 10 * MIB, False)]
         assert newcomer[0].line(30) == "registered"
         assert [(p.instance, p.charged, p.alive) for p in ledger.snapshot().pools] == [
-            ("newcomer", 0, True)]
+            ("newcomer", 0, True)
+        ]
     finally:
         for child in newcomer:
             child.stop()
@@ -189,16 +196,25 @@ def test_a_holder_stopped_in_the_data_lock_stalls_nobody_for_long(ledger, ledger
         assert sum("data lock is held by pid" in r.message for r in caplog.records) == 1
 
         t0 = time.monotonic()
-        out = subprocess.run([*KVCTL, "gpus", "--ledger-dir", ledger_dir, "--timeout", "1"],
-                             env=env(), capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [*KVCTL, "gpus", "--ledger-dir", ledger_dir, "--timeout", "1"],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         took = time.monotonic() - t0
         assert out.returncode == 0, out.stderr
         assert "fake-0" in out.stdout and "1.00 GiB" in out.stdout  # what it could read
         assert f"held by pid {stopper.proc.pid} (stopped)" in out.stderr
         assert took < 30  # a Python start on a loaded machine, plus the 1 s timeout
-        out = subprocess.run([*KVCTL, "limit", "engine", "512M", "--ledger-dir", ledger_dir,
-                              "--timeout", "1"], env=env(), capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [*KVCTL, "limit", "engine", "512M", "--ledger-dir", ledger_dir, "--timeout", "1"],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and f"held by pid {stopper.proc.pid}" in out.stderr, out
 
         stopper.proc.send_signal(signal.SIGCONT)
@@ -218,11 +234,14 @@ def _scribble(path: str, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("field,value,what", [
-    ("charged", (7_464_639 << 40).to_bytes(8, "little", signed=True), "charges"),
-    ("charged", (-569_899 << 40).to_bytes(8, "little", signed=True), "charges"),
-    ("instance", (9_999).to_bytes(4, "little"), "instance record"),
-])
+@pytest.mark.parametrize(
+    "field,value,what",
+    [
+        ("charged", (7_464_639 << 40).to_bytes(8, "little", signed=True), "charges"),
+        ("charged", (-569_899 << 40).to_bytes(8, "little", signed=True), "charges"),
+        ("instance", (9_999).to_bytes(4, "little"), "instance record"),
+    ],
+)
 def test_a_corrupt_record_is_refused_and_left_untouched(ledger, ledger_dir, field, value, what):
     pool = ledger.register_pool("a")
     assert pool.grant(GIB)
@@ -230,22 +249,35 @@ def test_a_corrupt_record_is_refused_and_left_untouched(ledger, ledger_dir, fiel
     _scribble(ledger.path, offset, value)
     before = file_bytes(ledger.path)
 
-    out = subprocess.run([*KVCTL, "gpus", "--ledger-dir", ledger_dir], env=env(),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*KVCTL, "gpus", "--ledger-dir", ledger_dir],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and ledger.path in lines[0] and "is corrupt" in lines[0]
     assert what in lines[0] and "remove the file" in lines[0]
     for command in ("list", "metrics"):  # no crash: the ledger is skipped with a warning
-        out = subprocess.run([*KVCTL, command, "--ledger-dir", ledger_dir], env=env(),
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [*KVCTL, command, "--ledger-dir", ledger_dir],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert "Traceback" not in out.stderr and "is corrupt" in out.stderr, out.stderr
 
-    code = ("from kvcached.ledger import Ledger\n"
-            "class D:\n    def mem_info(self): return 8 << 30, 10 << 30\n"
-            f"Ledger.open('fake-0', D(), directory={ledger_dir!r}, gpu_utilization=0.9)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True,
-                         text=True, timeout=60)
+    code = (
+        "from kvcached.ledger import Ledger\n"
+        "class D:\n    def mem_info(self): return 8 << 30, 10 << 30\n"
+        f"Ledger.open('fake-0', D(), directory={ledger_dir!r}, gpu_utilization=0.9)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0 and "LedgerCorruptError" in out.stderr, out.stderr
     assert "IndexError" not in out.stderr
     assert file_bytes(ledger.path) == before  # nobody wrote a byte
@@ -269,15 +301,21 @@ def test_kvctl_list_still_lists_instances_beside_a_corrupt_ledger(tmp_path):
     inst = Instance(str(good), unique_index(), name="survivor")
     try:
         assert inst.cmd("alloc 4")["ok"]
-        led = Ledger.open("fake-0", type("D", (), {"mem_info": lambda s: (8 << 30, 10 << 30)})(),
-                          directory=str(bad), gpu_utilization=0.9)
+        led = Ledger.open(
+            "fake-0",
+            type("D", (), {"mem_info": lambda s: (8 << 30, 10 << 30)})(),
+            directory=str(bad),
+            gpu_utilization=0.9,
+        )
         pool = led.register_pool("victim")
         assert pool.grant(GIB)
-        _scribble(led.path, layout.pool_offset(pool.slot) + PoolRecord.charged.offset,
-                  (1 << 62).to_bytes(8, "little"))
+        _scribble(
+            led.path,
+            layout.pool_offset(pool.slot) + PoolRecord.charged.offset,
+            (1 << 62).to_bytes(8, "little"),
+        )
         e = child_env(str(bad), None)
-        out = subprocess.run([*KVCTL, "list"], env=e, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run([*KVCTL, "list"], env=e, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "survivor" in out.stdout
         assert "is corrupt" in out.stderr and "Traceback" not in out.stderr

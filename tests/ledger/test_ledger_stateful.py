@@ -39,8 +39,8 @@ class _Pool:
     def __init__(self, real, instance: str) -> None:
         self.real = real
         self.instance = instance
-        self.charged = 0   # what its ledger record charges
-        self.pending = 0   # refunds batched in the process
+        self.charged = 0  # what its ledger record charges
+        self.pending = 0  # refunds batched in the process
         self.alive = True
 
 
@@ -51,8 +51,9 @@ class LedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.TemporaryDirectory(prefix="kvcached-ledger-")
         self.device = FakeDevice(free=2 * GIB + MARGIN, total=10 * MIB * 1024)
-        self.ledger = Ledger.open("model-0", self.device, directory=self.dir.name,
-                                  gpu_utilization=0.9)
+        self.ledger = Ledger.open(
+            "model-0", self.device, directory=self.dir.name, gpu_utilization=0.9
+        )
         self.budget = 2 * GIB
         self.model: list[_Pool] = []  # registered and not retired
         self.limits: dict[str, tuple[int, int]] = {}
@@ -127,8 +128,9 @@ class LedgerMachine(RuleBasedStateMachine):
         if not pool.alive or pool not in self.model or pool.charged == pool.pending:
             return
         held = pool.charged - pool.pending
-        nbytes = data.draw(st.integers(1, held // MIB).map(lambda k: k * MIB) if held >= MIB
-                           else st.just(held))
+        nbytes = data.draw(
+            st.integers(1, held // MIB).map(lambda k: k * MIB) if held >= MIB else st.just(held)
+        )
         before = pool.real.headroom()
         pool.real.refund(nbytes)
         pool.pending += nbytes
@@ -145,9 +147,11 @@ class LedgerMachine(RuleBasedStateMachine):
         pool.charged -= pool.pending
         pool.pending = 0
 
-    @rule(instance=st.sampled_from(INSTANCES),
-          limit=st.sampled_from([None, 0, 4 * MIB, 64 * MIB, 300 * MIB, GIB, 3 * GIB]),
-          bump=st.integers(-1, 2))
+    @rule(
+        instance=st.sampled_from(INSTANCES),
+        limit=st.sampled_from([None, 0, 4 * MIB, 64 * MIB, 300 * MIB, GIB, 3 * GIB]),
+        bump=st.integers(-1, 2),
+    )
     def set_limit(self, instance, limit, bump):
         if instance not in self.limits:
             try:
@@ -247,6 +251,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerModel = LedgerMachine.TestCase
 TestLedgerModel.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None,
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -63,7 +63,9 @@ class Supervisor:
             f.write(bytes(W.WORDS * 8))
         proc = subprocess.Popen(
             [sys.executable, WORKER, os.path.join(self.dir, "ledger"), path, str(self.seq)],
-            env=self.env, stderr=subprocess.PIPE)
+            env=self.env,
+            stderr=subprocess.PIPE,
+        )
         mm, j = W.open_journal(path)
         self.workers[proc.pid] = (proc, path, mm, j)
 
@@ -73,9 +75,14 @@ class Supervisor:
         j.release()
         mm.close()
         os.unlink(path)
-        for key, word in (("ops", W.OPS), ("locks", W.LOCKS), ("violations", W.VIOLATIONS),
-                          ("calibrations", W.CALIBRATIONS), ("denials", W.DENIALS),
-                          ("checks", W.CHECKS)):
+        for key, word in (
+            ("ops", W.OPS),
+            ("locks", W.LOCKS),
+            ("violations", W.VIOLATIONS),
+            ("calibrations", W.CALIBRATIONS),
+            ("denials", W.DENIALS),
+            ("checks", W.CHECKS),
+        ):
             self.totals[key] += words[word]
         return words
 
@@ -93,8 +100,7 @@ class Supervisor:
             deadline = time.monotonic() + 10
             while not running and time.monotonic() < deadline:
                 time.sleep(0.005)
-                running = [pid for pid, w in self.workers.items()
-                           if w[3][W.STATE] == W.RUNNING]
+                running = [pid for pid, w in self.workers.items() if w[3][W.STATE] == W.RUNNING]
         pid = self.rng.choice(running if mode < 0.7 and running else list(self.workers))
         proc, _path, _mm, j = self.workers[pid]
         deadline = time.monotonic() + 0.2
@@ -164,8 +170,7 @@ def test_sigkill_stress_keeps_charges_exact(tmp_path):
                 revision += 1
                 for name in ("inst0", "inst1", "inst2"):
                     with contextlib.suppress(LookupError):  # no live worker of it now
-                        ledger.set_limit(name, sup.rng.choice([0, 128 * MIB, 384 * MIB]),
-                                         revision)
+                        ledger.set_limit(name, sup.rng.choice([0, 128 * MIB, 384 * MIB]), revision)
         elapsed = time.monotonic() - start
 
         # Quiesce the live workers: each finishes its step, flushes, and waits.
@@ -201,9 +206,14 @@ def test_sigkill_stress_keeps_charges_exact(tmp_path):
             proc.wait()
         ledger.close()
 
-    report = dict(sup.kills, seconds=round(elapsed, 1), retired_at_end=retired_at_end,
-                  supervisor_checks=supervisor_checks,
-                  supervisor_saw_budget_below_charges=supervisor_over, **sup.totals)
+    report = dict(
+        sup.kills,
+        seconds=round(elapsed, 1),
+        retired_at_end=retired_at_end,
+        supervisor_checks=supervisor_checks,
+        supervisor_saw_budget_below_charges=supervisor_over,
+        **sup.totals,
+    )
     print("ledger stress:", report)
     assert sup.totals["violations"] == 0 and sup.totals["checks"] > 10_000, report
     assert sup.kills["total"] >= MIN_KILLS, report

@@ -23,19 +23,32 @@ def small_spec(layers: int = 1, buffers: int = 1) -> KVCacheSpec:
     return KVCacheSpec.of_bytes(layers, SMALL_BLOCK, kv_buffers=buffers)
 
 
-def make_cache(driver, spec: KVCacheSpec, *, pages: int = 8, budget_pages: int | None = None,
-               **kw) -> tuple[KVCache, ExactBudget]:
+def make_cache(
+    driver, spec: KVCacheSpec, *, pages: int = 8, budget_pages: int | None = None, **kw
+) -> tuple[KVCache, ExactBudget]:
     from kvcached.memory import KVLayout, plan_pages
 
     layout = kw.pop("layout", KVLayout.PER_LAYER)
-    g = plan_pages(spec, layout=layout, granularity=driver.granularity,
-                   page_size=kw.pop("page_size", 2 * MIB), num_blocks=1)
+    g = plan_pages(
+        spec,
+        layout=layout,
+        granularity=driver.granularity,
+        page_size=kw.pop("page_size", 2 * MIB),
+        num_blocks=1,
+    )
     budget = ExactBudget((budget_pages if budget_pages is not None else pages) * g.page_bytes)
     kw.setdefault("background", False)
     kw.setdefault("min_reserved", 0)
     kw.setdefault("max_reserved", 0)
-    cache = KVCache(spec, driver=driver, budget=budget, layout=layout,
-                    num_blocks=pages * g.blocks_per_page, page_size=2 * MIB, **kw)
+    cache = KVCache(
+        spec,
+        driver=driver,
+        budget=budget,
+        layout=layout,
+        num_blocks=pages * g.blocks_per_page,
+        page_size=2 * MIB,
+        **kw,
+    )
     return cache, budget
 
 
@@ -65,19 +78,22 @@ def check_pattern(cache: KVCache, blocks: list[int], *, full: bool = False) -> N
         for buf in range(cache.geometry.num_buffers):
             raw = t.raw_buffer(layer, buf)
             ids = torch.tensor(blocks, dtype=torch.long, device=raw.device)
-            want = torch.tensor([pattern(b, layer, buf) for b in blocks], dtype=torch.uint8,
-                                device=raw.device)
+            want = torch.tensor(
+                [pattern(b, layer, buf) for b in blocks], dtype=torch.uint8, device=raw.device
+            )
             parts = [raw[ids]] if full else [raw[ids, :64], raw[ids, -64:]]
             for got in parts:
                 bad = (got != want[:, None]).any(dim=1)
                 if bad.any():
                     lost = [blocks[i] for i in bad.nonzero().flatten().tolist()]
                     raise AssertionError(
-                        f"layer {layer} buffer {buf}: blocks {lost} lost their data")
+                        f"layer {layer} buffer {buf}: blocks {lost} lost their data"
+                    )
 
 
-def run_integrity(cache: KVCache, *, steps: int, seed: int, full_every: int = 10,
-                  max_alloc: int = 12) -> int:
+def run_integrity(
+    cache: KVCache, *, steps: int, seed: int, full_every: int = 10, max_alloc: int = 12
+) -> int:
     """A random sequence of allocs, frees, trims, resizes and limits; every
     live block keeps its pattern (written through the layer views) through
     all of it. Returns the most blocks that were live at once."""

@@ -19,8 +19,16 @@ from kvcached.units import MIB
 G = 2 * MIB
 
 
-def _parts(driver, *, pages=8, layers=2, buffers=2, budget_pages=None, max_handle=0,
-           layout=KVLayout.PER_LAYER):
+def _parts(
+    driver,
+    *,
+    pages=8,
+    layers=2,
+    buffers=2,
+    budget_pages=None,
+    max_handle=0,
+    layout=KVLayout.PER_LAYER,
+):
     spec = small_spec(layers, buffers)
     g = plan_pages(spec, layout=layout, granularity=G, page_size=G, num_blocks=pages * 4)
     budget = ExactBudget((budget_pages if budget_pages is not None else pages) * g.page_bytes)
@@ -47,8 +55,14 @@ def test_map_runs_maps_every_span_behind_one_grant(host, layout):
 def test_map_runs_misuse_changes_nothing(host):
     t, m, budget = _parts(host, max_handle=64 * MIB)
     assert m.map_run(3, 1)
-    for spans in ([(0, 1), (3, 1)], [(0, 2), (1, 1)], [(0, 1), (7, 2)], [(0, 1), (-1, 1)],
-                  [(0, 1), (1, 0)], [(0, 1), (1.0, 1)]):
+    for spans in (
+        [(0, 1), (3, 1)],
+        [(0, 2), (1, 1)],
+        [(0, 1), (7, 2)],
+        [(0, 1), (-1, 1)],
+        [(0, 1), (1, 0)],
+        [(0, 1), (1.0, 1)],
+    ):
         with pytest.raises(MappingError):
             m.map_runs(spans)
         assert m.mapped_pages == 1 and budget.used == m.page_bytes, spans

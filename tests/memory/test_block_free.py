@@ -19,8 +19,12 @@ def cache(host, request):
 
 def _snapshot(kv):
     bm = kv.blocks
-    return ([bm.is_live(b) for b in range(kv.num_blocks)], kv.available_size(),
-            kv.usage().as_dict(), [list(lst) if lst is not None else None for lst in bm._free])
+    return (
+        [bm.is_live(b) for b in range(kv.num_blocks)],
+        kv.available_size(),
+        kv.usage().as_dict(),
+        [list(lst) if lst is not None else None for lst in bm._free],
+    )
 
 
 def test_interleaved_pages_free_and_come_back(cache):
@@ -40,8 +44,10 @@ def test_interleaved_pages_free_and_come_back(cache):
 
 
 @pytest.mark.parametrize("where", range(7))
-@pytest.mark.parametrize("bad", ["float", "bool", "negative", "past_end", "null", "freed",
-                                 "dup_same_page", "dup_other_page"])
+@pytest.mark.parametrize(
+    "bad",
+    ["float", "bool", "negative", "past_end", "null", "freed", "dup_same_page", "dup_other_page"],
+)
 def test_a_bad_id_anywhere_changes_nothing(cache, where, bad):
     ids = cache.alloc(3 + 4 + 4)  # the rest of page 0, then pages 1 and 2
     assert ids is not None

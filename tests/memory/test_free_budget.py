@@ -72,8 +72,9 @@ def test_cache_defaults_to_the_driver_budget_and_respects_the_margin():
     d = FixedFree(HOST_INDEX, capacity=1000 * MIB)
     d.free = 110 * MIB
     spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=1, head_dim=64, dtype=torch.float16)
-    with KVCache(spec, driver=d, num_blocks=64 * 1024, background=False, min_reserved=0,
-                 max_reserved=0) as kv:
+    with KVCache(
+        spec, driver=d, num_blocks=64 * 1024, background=False, min_reserved=0, max_reserved=0
+    ) as kv:
         assert isinstance(kv.budget, DriverFreeBudget)
         # 110 MiB free - 50 MiB margin (utilization 0.95) = 60 MiB: 15 pages of
         # 4 MiB (K and V), one of which already holds the null block

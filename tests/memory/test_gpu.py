@@ -37,9 +37,18 @@ def cuda():
 def test_integrity_on_gpu(cuda, layout, coalesce):
     spec = KVCacheSpec.of_bytes(num_layers=4, block_bytes=64 * KIB, kv_buffers=2)
     budget = ExactBudget(64 * 16 * MIB)
-    with KVCache(spec, driver=cuda, budget=budget, layout=layout, num_blocks=64 * 32,
-                 page_size=2 * MIB, background=True, min_reserved=2, max_reserved=4,
-                 max_handle_bytes=64 * MIB if coalesce else 0) as kv:
+    with KVCache(
+        spec,
+        driver=cuda,
+        budget=budget,
+        layout=layout,
+        num_blocks=64 * 32,
+        page_size=2 * MIB,
+        background=True,
+        min_reserved=2,
+        max_reserved=4,
+        max_handle_bytes=64 * MIB if coalesce else 0,
+    ) as kv:
         assert kv.tensors.raw_buffer(0).is_cuda
         peak = run_integrity(kv, steps=300, seed=7, max_alloc=80)
         assert peak > kv.blocks_per_page
@@ -54,9 +63,18 @@ def test_runs_of_pages_keep_their_data_on_gpu(cuda, layers):
     intact, and the pages grow back as a run."""
     spec = KVCacheSpec.of_bytes(num_layers=layers, block_bytes=64 * KIB, kv_buffers=2)
     budget = ExactBudget(64 * 2 * layers * 2 * MIB)
-    with KVCache(spec, driver=cuda, budget=budget, layout=KVLayout.PER_LAYER,
-                 num_blocks=64 * 32, page_size=2 * MIB, background=False, min_reserved=0,
-                 max_reserved=0, max_handle_bytes=0) as kv:
+    with KVCache(
+        spec,
+        driver=cuda,
+        budget=budget,
+        layout=KVLayout.PER_LAYER,
+        num_blocks=64 * 32,
+        page_size=2 * MIB,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+        max_handle_bytes=0,
+    ) as kv:
         bpp = kv.blocks_per_page
         ids = kv.alloc(32 * bpp - 1)  # pages 0-31 full (page 0 holds the null block)
         assert ids is not None
@@ -82,10 +100,16 @@ def test_driver_free_budget_on_gpu(cuda):
     free, total = cuda.mem_info()
     budget = DriverFreeBudget(cuda)
     assert 0 < budget.headroom() <= free
-    spec = KVCacheSpec(num_layers=2, block_size=16, num_heads=8, head_dim=128,
-                       dtype=torch.bfloat16)
-    with KVCache(spec, driver=cuda, budget=budget, num_blocks=4096,
-                 background=False, min_reserved=0, max_reserved=0) as kv:
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_heads=8, head_dim=128, dtype=torch.bfloat16)
+    with KVCache(
+        spec,
+        driver=cuda,
+        budget=budget,
+        num_blocks=4096,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    ) as kv:
         ids = kv.alloc(2000)
         assert ids is not None
         write_pattern(kv, ids)
@@ -99,8 +123,9 @@ def test_driver_free_budget_on_gpu(cuda):
     budget.close()
 
 
-def _write_dense(kv: KVCache, table: torch.Tensor, lens: list[int], k: torch.Tensor,
-                 v: torch.Tensor, layer: int) -> None:
+def _write_dense(
+    kv: KVCache, table: torch.Tensor, lens: list[int], k: torch.Tensor, v: torch.Tensor, layer: int
+) -> None:
     """Scatter dense K/V ``(B, H, T, D)`` into the cache through the FA view."""
     fa = kv.tensors.flash_attn_view(layer)
     bs = kv.spec.block_size
@@ -124,11 +149,19 @@ def test_sdpa_over_kvcached_blocks_equals_dense(cuda, layout):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     layers, hkv, hq, d, bs = 3, 4, 16, 128, 16
-    spec = KVCacheSpec(num_layers=layers, block_size=bs, num_heads=hkv, head_dim=d,
-                       dtype=torch.bfloat16)
+    spec = KVCacheSpec(
+        num_layers=layers, block_size=bs, num_heads=hkv, head_dim=d, dtype=torch.bfloat16
+    )
     lens = [100, 37, 513, 16, 1024]
-    with KVCache(spec, driver=cuda, layout=layout, num_blocks=2048, background=False,
-                 min_reserved=0, max_reserved=0) as kv:
+    with KVCache(
+        spec,
+        driver=cuda,
+        layout=layout,
+        num_blocks=2048,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    ) as kv:
         nblk = [-(-n // bs) for n in lens]
         ids = kv.alloc(sum(nblk))
         assert ids is not None
@@ -137,7 +170,7 @@ def test_sdpa_over_kvcached_blocks_equals_dense(cuda, layout):
         table = torch.zeros(len(lens), max(nblk), dtype=torch.long)
         at = 0
         for b, m in enumerate(nblk):
-            table[b, :m] = torch.tensor(ids[at:at + m])
+            table[b, :m] = torch.tensor(ids[at : at + m])
             at += m
         table = table.to(dev)
         T = max(lens)
@@ -149,14 +182,18 @@ def test_sdpa_over_kvcached_blocks_equals_dense(cuda, layout):
             key, value = kv.tensors.key_view(layer), kv.tensors.value_view(layer)
             fi = kv.tensors.flashinfer_view(layer)
             for b, n in enumerate(lens):
-                row = table[b, :nblk[b]]
+                row = table[b, : nblk[b]]
                 kg, vg = _gather(key, row, n), _gather(value, row, n)
                 assert torch.equal(kg[0], k[b, :, :n])
                 assert torch.equal(_gather(fi[:, 1], row, n)[0], v[b, :, :n])
                 paged = torch.nn.functional.scaled_dot_product_attention(
-                    q[b:b + 1], kg, vg, enable_gqa=True)
+                    q[b : b + 1], kg, vg, enable_gqa=True
+                )
                 dense = torch.nn.functional.scaled_dot_product_attention(
-                    q[b:b + 1], k[b:b + 1, :, :n].contiguous(), v[b:b + 1, :, :n].contiguous(),
-                    enable_gqa=True)
+                    q[b : b + 1],
+                    k[b : b + 1, :, :n].contiguous(),
+                    v[b : b + 1, :, :n].contiguous(),
+                    enable_gqa=True,
+                )
                 torch.testing.assert_close(paged, dense, rtol=0, atol=0)
         kv.free(ids)

@@ -10,17 +10,28 @@ from kvcached.memory import KVCacheSpec, KVLayout
 from kvcached.units import KIB, MIB
 
 
-@pytest.mark.parametrize("layout, coalesce, seed", [
-    (KVLayout.PER_LAYER, False, 1),
-    (KVLayout.PER_LAYER, True, 2),
-    (KVLayout.CONTIGUOUS, True, 3),
-], ids=["per_layer-page_handles", "per_layer-coalesced", "contiguous-coalesced"])
+@pytest.mark.parametrize(
+    "layout, coalesce, seed",
+    [
+        (KVLayout.PER_LAYER, False, 1),
+        (KVLayout.PER_LAYER, True, 2),
+        (KVLayout.CONTIGUOUS, True, 3),
+    ],
+    ids=["per_layer-page_handles", "per_layer-coalesced", "contiguous-coalesced"],
+)
 def test_live_blocks_keep_their_data(host, layout, coalesce, seed):
     # Every newly mapped host page is faulted in on first write: keep the
     # cache small (2 layers x K/V of 2 MiB pages) so the test stays quick.
     spec = KVCacheSpec.of_bytes(num_layers=2, block_bytes=64 * KIB, kv_buffers=2)
-    cache, budget = make_cache(host, spec, pages=5, layout=layout, min_reserved=1,
-                               max_reserved=2, max_handle_bytes=64 * MIB if coalesce else 0)
+    cache, budget = make_cache(
+        host,
+        spec,
+        pages=5,
+        layout=layout,
+        min_reserved=1,
+        max_reserved=2,
+        max_handle_bytes=64 * MIB if coalesce else 0,
+    )
     peak = run_integrity(cache, steps=80, seed=seed)
     assert peak > cache.blocks_per_page, "the sequence never spanned two pages"
     cache.close()

@@ -16,8 +16,17 @@ from kvcached.units import MIB
 G = 2 * MIB
 
 
-def _mapper(driver, *, layers=2, buffers=2, pages=8, layout=KVLayout.PER_LAYER,
-            max_handle=64 * MIB, budget_pages=None, hook=None):
+def _mapper(
+    driver,
+    *,
+    layers=2,
+    buffers=2,
+    pages=8,
+    layout=KVLayout.PER_LAYER,
+    max_handle=64 * MIB,
+    budget_pages=None,
+    hook=None,
+):
     spec = small_spec(layers, buffers)
     g = plan_pages(spec, layout=layout, granularity=G, page_size=G, num_blocks=pages * 4)
     budget = ExactBudget((budget_pages or pages) * g.page_bytes)
@@ -70,8 +79,10 @@ def test_overlap_and_range_are_misuse(host):
     assert m.unmap_all()
 
 
-@pytest.mark.parametrize("call, nth", [("create", 1), ("create", 3), ("map", 2), ("map", 4),
-                                       ("set_access", 1), ("set_access", 4)])
+@pytest.mark.parametrize(
+    "call, nth",
+    [("create", 1), ("create", 3), ("map", 2), ("map", 4), ("set_access", 1), ("set_access", 4)],
+)
 def test_failed_growth_is_undone_in_reverse(host, call, nth):
     faulty = FaultyDriver(host, fail_nth={call: nth})
     m, budget = _mapper(faulty)

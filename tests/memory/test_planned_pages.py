@@ -25,14 +25,24 @@ G = 2 * MIB
 def two_layer_lanes(num_pages: int = 8, bpp: int = 4) -> PageLanes:
     """Two layer regions of ``num_pages`` pages of 2 MiB, back to back."""
     region = num_pages * G
-    return PageLanes(size=2 * region, lanes=((0, G), (region, G)), num_pages=num_pages,
-                     blocks_per_page=bpp, granularity=G)
+    return PageLanes(
+        size=2 * region,
+        lanes=((0, G), (region, G)),
+        num_pages=num_pages,
+        blocks_per_page=bpp,
+        granularity=G,
+    )
 
 
 def geometry(num_pages: int = 8, bpp: int = 4, page_bytes: int = 2 * G) -> PageGeometry:
-    return PageGeometry(layout=KVLayout.CONTIGUOUS, num_layers=1,
-                        buffer_block_bytes=(page_bytes // bpp,), blocks_per_page=bpp,
-                        num_pages=num_pages, granularity=G)
+    return PageGeometry(
+        layout=KVLayout.CONTIGUOUS,
+        num_layers=1,
+        buffer_block_bytes=(page_bytes // bpp,),
+        blocks_per_page=bpp,
+        num_pages=num_pages,
+        granularity=G,
+    )
 
 
 def test_page_lanes_validate_alignment_overlap_and_bounds() -> None:
@@ -42,11 +52,13 @@ def test_page_lanes_validate_alignment_overlap_and_bounds() -> None:
     with pytest.raises(ConfigError, match="multiples of the granularity"):
         PageLanes(size=16 * G, lanes=((1, G),), num_pages=2, blocks_per_page=1, granularity=G)
     with pytest.raises(ConfigError, match="do not overlap"):
-        PageLanes(size=16 * G, lanes=((0, G), (G, G)), num_pages=2, blocks_per_page=1,
-                  granularity=G)
+        PageLanes(
+            size=16 * G, lanes=((0, G), (G, G)), num_pages=2, blocks_per_page=1, granularity=G
+        )
     with pytest.raises(ConfigError, match="past the"):
-        PageLanes(size=3 * G, lanes=((0, G), (2 * G, G)), num_pages=2, blocks_per_page=1,
-                  granularity=G)
+        PageLanes(
+            size=3 * G, lanes=((0, G), (2 * G, G)), num_pages=2, blocks_per_page=1, granularity=G
+        )
     with pytest.raises(MappingError):
         lanes.run_ranges(7, 2)
 
@@ -61,7 +73,7 @@ def test_range_tensors_map_pages_under_one_buffer(host) -> None:
     assert buf.numel() == lanes.size and buf.data_ptr() == tensors.va
     assert mapper.map_run(1, 2)
     for off, n in lanes.run_ranges(1, 2):
-        buf[off:off + n].fill_(7)
+        buf[off : off + n].fill_(7)
     assert int(buf[lanes.run_ranges(1, 1)[1][0]]) == 7
     assert int(buf[0]) == 0  # page 0 is not mapped: zeros
     used = host.own_bytes()
@@ -74,8 +86,9 @@ def test_range_tensors_map_pages_under_one_buffer(host) -> None:
 
 
 def test_range_tensors_refuse_a_plan_finer_than_the_driver(host) -> None:
-    lanes = PageLanes(size=4096 * 4, lanes=((0, 4096),), num_pages=4, blocks_per_page=1,
-                      granularity=4096)
+    lanes = PageLanes(
+        size=4096 * 4, lanes=((0, 4096),), num_pages=4, blocks_per_page=1, granularity=4096
+    )
     with pytest.raises(ConfigError, match="granularity"):
         RangeKVTensors(host, lanes)
 
@@ -108,13 +121,19 @@ def test_precharged_budget_always_grants_and_counts() -> None:
     assert (b.granted, b.released) == (12, 5) and b.headroom() > 1 << 40
 
 
-def planned_stack(num_pages: int = 16, budget_pages: int = 16, min_reserved: int = 0,
-                  max_reserved: int = 0, max_run: int = 4):
+def planned_stack(
+    num_pages: int = 16,
+    budget_pages: int = 16,
+    min_reserved: int = 0,
+    max_reserved: int = 0,
+    max_run: int = 4,
+):
     g = geometry(num_pages)
     budget = ExactBudget(budget_pages * g.page_bytes)
     backend = PlannedPages(g, budget, max_run_pages=max_run)
-    pages = PageAllocator(backend, min_reserved=min_reserved, max_reserved=max_reserved,
-                          background=False)
+    pages = PageAllocator(
+        backend, min_reserved=min_reserved, max_reserved=max_reserved, background=False
+    )
     blocks = BlockManager(pages, thread_safe=False)
     return g, budget, backend, pages, blocks
 
@@ -186,8 +205,9 @@ def test_replayed_ops_keep_a_real_mapper_in_step(host) -> None:
     tensors = RangeKVTensors(host, lanes)
     real = PageMapper(tensors, PrechargedBudget(), max_handle_bytes=16 * G)
     assert real.map_run(0, 1)
-    g, budget, backend, pages, blocks = planned_stack(num_pages=16, budget_pages=12,
-                                                      min_reserved=2, max_reserved=3)
+    g, budget, backend, pages, blocks = planned_stack(
+        num_pages=16, budget_pages=12, min_reserved=2, max_reserved=3
+    )
     rng = random.Random(5)
     live: list[int] = []
     for _ in range(300):

@@ -18,12 +18,15 @@ from kvcached.units import GIB, MIB
 SPEC = KVCacheSpec(num_layers=1, block_size=16, num_heads=8, head_dim=128, dtype=torch.float16)
 
 
-@pytest.mark.parametrize("total, expect", [
-    (64 * MIB, (1 * MIB, 0, 0)),  # a handle under a page: coalescing and the pool off
-    (1 * GIB, (16 * MIB, 4, 4)),
-    (4 * GIB, (64 * MIB, 5, 10)),  # from 4 GiB up the defaults stand
-    (141 * GIB, (64 * MIB, 5, 10)),
-])
+@pytest.mark.parametrize(
+    "total, expect",
+    [
+        (64 * MIB, (1 * MIB, 0, 0)),  # a handle under a page: coalescing and the pool off
+        (1 * GIB, (16 * MIB, 4, 4)),
+        (4 * GIB, (64 * MIB, 5, 10)),  # from 4 GiB up the defaults stand
+        (141 * GIB, (64 * MIB, 5, 10)),
+    ],
+)
 def test_defaults_hold_at_most_a_sixty_fourth_of_the_device(total, expect):
     got = sized_for_device(total, 4 * MIB, DEFAULT_MAX_HANDLE_BYTES, 5, 10)
     assert got == expect
@@ -48,7 +51,14 @@ def test_a_cache_on_a_small_device_does_not_coalesce_or_keep_a_pool():
 
 def test_explicit_settings_are_kept_on_a_small_device():
     driver = HostDriver(index=310_000 + os.getpid(), capacity=64 * MIB)
-    with KVCache(SPEC, driver=driver, capacity_bytes=64 * MIB, background=False,
-                 max_handle_bytes=16 * MIB, min_reserved=1, max_reserved=2) as kv:
+    with KVCache(
+        SPEC,
+        driver=driver,
+        capacity_bytes=64 * MIB,
+        background=False,
+        max_handle_bytes=16 * MIB,
+        min_reserved=1,
+        max_reserved=2,
+    ) as kv:
         assert kv.mapper.max_run_pages == 8  # per-layer: 2 MiB handles
         assert (kv.pages.min_reserved, kv.pages.max_reserved) == (1, 2)

@@ -48,8 +48,9 @@ def test_page_grows_to_the_smallest_tiling_span():
 
 
 def test_k_and_v_of_different_head_dims_share_block_ids():
-    spec = KVCacheSpec(num_layers=2, block_size=16, num_heads=8, head_dim=192,
-                       dtype=torch.bfloat16, v_head_dim=128)
+    spec = KVCacheSpec(
+        num_layers=2, block_size=16, num_heads=8, head_dim=192, dtype=torch.bfloat16, v_head_dim=128
+    )
     g = _plan(spec)
     assert spec.buffer_block_bytes == (49152, 32768)
     assert all(s % G == 0 for s in g.span_bytes)
@@ -69,11 +70,14 @@ def test_capacity_in_bytes_or_blocks():
     assert g.num_blocks >= 1000 and g.num_pages == 2
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(num_blocks=10, capacity_bytes=10), "num_blocks/capacity_bytes"),
-    (dict(num_blocks=None, capacity_bytes=MIB), "capacity_bytes"),
-    (dict(page_size=3 * MIB), "page_size"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(num_blocks=10, capacity_bytes=10), "num_blocks/capacity_bytes"),
+        (dict(num_blocks=None, capacity_bytes=MIB), "capacity_bytes"),
+        (dict(page_size=3 * MIB), "page_size"),
+    ],
+)
 def test_plan_rejects_bad_input_by_name(kw, name):
     spec = KVCacheSpec(num_layers=2, block_size=16, num_heads=2, head_dim=64, dtype=torch.float16)
     with pytest.raises(ConfigError) as err:
@@ -81,13 +85,16 @@ def test_plan_rejects_bad_input_by_name(kw, name):
     assert err.value.variable == name
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(num_layers=0), "num_layers"),
-    (dict(kv_buffers=3), "kv_buffers"),
-    (dict(v_head_dim=64, kv_buffers=1), "v_head_dim"),
-    (dict(dtype="fp16"), "dtype"),
-    (dict(block_size=True), "block_size"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(num_layers=0), "num_layers"),
+        (dict(kv_buffers=3), "kv_buffers"),
+        (dict(v_head_dim=64, kv_buffers=1), "v_head_dim"),
+        (dict(dtype="fp16"), "dtype"),
+        (dict(block_size=True), "block_size"),
+    ],
+)
 def test_spec_rejects_bad_input_by_name(kw, name):
     args = dict(num_layers=2, block_size=16, num_heads=2, head_dim=64, dtype=torch.float16)
     args.update(kw)
@@ -105,9 +112,17 @@ def test_auto_layout_is_per_layer_until_measured():
 @pytest.fixture(params=LAYOUTS, ids=lambda x: x.value)
 def cache(request, host):
     spec = KVCacheSpec(num_layers=3, block_size=4, num_heads=2, head_dim=8, dtype=torch.float32)
-    kv = KVCache(spec, driver=host, budget=ExactBudget(256 * MIB), layout=request.param,
-                 num_blocks=3 * 8192, page_size=G, background=False, min_reserved=0,
-                 max_reserved=0)
+    kv = KVCache(
+        spec,
+        driver=host,
+        budget=ExactBudget(256 * MIB),
+        layout=request.param,
+        num_blocks=3 * 8192,
+        page_size=G,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    )
     yield kv
     kv.close()
 
@@ -175,10 +190,18 @@ def test_unmapped_blocks_read_zero_and_layer_bytes(cache):
 
 
 def test_mla_and_hybrid_state_views(host):
-    spec = KVCacheSpec(num_layers=2, block_size=16, num_heads=1, head_dim=576,
-                       dtype=torch.bfloat16, kv_buffers=1)
-    with KVCache(spec, driver=host, budget=ExactBudget(64 * MIB), num_blocks=512,
-                 background=False, min_reserved=0, max_reserved=0) as kv:
+    spec = KVCacheSpec(
+        num_layers=2, block_size=16, num_heads=1, head_dim=576, dtype=torch.bfloat16, kv_buffers=1
+    )
+    with KVCache(
+        spec,
+        driver=host,
+        budget=ExactBudget(64 * MIB),
+        num_blocks=512,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    ) as kv:
         mla = kv.tensors.mla_view(1)
         assert mla.shape == (kv.num_blocks, 16, 576)
         b = kv.alloc(1)[0]
@@ -195,9 +218,16 @@ def test_mla_and_hybrid_state_views(host):
 
 def test_raw_byte_spec_for_integrations(host):
     spec = KVCacheSpec.of_bytes(num_layers=2, block_bytes=8192)
-    with KVCache(spec, driver=host, budget=ExactBudget(64 * MIB), num_blocks=1024,
-                 layout=KVLayout.CONTIGUOUS, background=False, min_reserved=0,
-                 max_reserved=0) as kv:
+    with KVCache(
+        spec,
+        driver=host,
+        budget=ExactBudget(64 * MIB),
+        num_blocks=1024,
+        layout=KVLayout.CONTIGUOUS,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    ) as kv:
         raw = kv.tensors.raw_buffer(1)
         assert raw.dtype == torch.uint8 and raw.shape == (kv.num_blocks, 8192)
         assert raw.stride() == (2 * 8192, 1)  # block-major: both layers per block
@@ -206,8 +236,15 @@ def test_raw_byte_spec_for_integrations(host):
 
 def test_views_refuse_after_close(host):
     spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=1, head_dim=64, dtype=torch.float16)
-    kv = KVCache(spec, driver=host, budget=ExactBudget(16 * MIB), num_blocks=64,
-                 background=False, min_reserved=0, max_reserved=0)
+    kv = KVCache(
+        spec,
+        driver=host,
+        budget=ExactBudget(16 * MIB),
+        num_blocks=64,
+        background=False,
+        min_reserved=0,
+        max_reserved=0,
+    )
     live = kv.alloc(2)
     kv.close()
     assert kv.alloc(1) is None, "a closed cache handed out a block of unmapped memory"

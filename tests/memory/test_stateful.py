@@ -55,17 +55,23 @@ class BlockMachine(RuleBasedStateMachine):
         fault_p=st.sampled_from([0.05, 0.15, 0.3]),
         thread_safe=st.booleans(),
     )
-    def setup(self, layout, layers, buffers, reserve, coalesce, budget_pages, fault_p,
-              thread_safe):
+    def setup(self, layout, layers, buffers, reserve, coalesce, budget_pages, fault_p, thread_safe):
         self.host = HostDriver(HOST_INDEX, capacity=512 * MIB)
         self.driver = self.host
         if self.faulty:
             self.driver = FaultyDriver(self.host, seed=budget_pages * 31 + layers)
             self.fault_p = fault_p
         self.cache, self.budget = make_cache(
-            self.driver, small_spec(layers, buffers), pages=PAGES, budget_pages=budget_pages,
-            layout=layout, min_reserved=reserve[0], max_reserved=reserve[1],
-            max_handle_bytes=64 * MIB if coalesce else 0, thread_safe=thread_safe)
+            self.driver,
+            small_spec(layers, buffers),
+            pages=PAGES,
+            budget_pages=budget_pages,
+            layout=layout,
+            min_reserved=reserve[0],
+            max_reserved=reserve[1],
+            max_handle_bytes=64 * MIB if coalesce else 0,
+            thread_safe=thread_safe,
+        )
         self.bm = self.cache.blocks
         self.pa = self.cache.pages
         self.bpp = self.cache.blocks_per_page
@@ -79,8 +85,12 @@ class BlockMachine(RuleBasedStateMachine):
         return not self.faulty or not self.driver.enabled
 
     def _snapshot(self):
-        return (self.cache.usage(), self.pa.counts(), self.budget.used,
-                sorted(b for b in range(self.cache.num_blocks) if self.bm.is_live(b)))
+        return (
+            self.cache.usage(),
+            self.pa.counts(),
+            self.budget.used,
+            sorted(b for b in range(self.cache.num_blocks) if self.bm.is_live(b)),
+        )
 
     # -- rules ----------------------------------------------------------------------------------
     @rule(n=st.integers(0, 10))
@@ -141,8 +151,11 @@ class BlockMachine(RuleBasedStateMachine):
                 return
             bad = [data.draw(st.sampled_from(sorted(self.freed)))]
         elif kind == "never":
-            never = [b for b in range(1, self.cache.num_blocks)
-                     if b not in self.live and b not in self.freed]
+            never = [
+                b
+                for b in range(1, self.cache.num_blocks)
+                if b not in self.live and b not in self.freed
+            ]
             if not never:
                 return
             bad = [data.draw(st.sampled_from(never))]
@@ -167,8 +180,9 @@ class BlockMachine(RuleBasedStateMachine):
             for p in range(PAGES):
                 if self.pa.state_of(p) == IDLE:
                     first, count = self.pa.run_of(p)
-                    assert any(self.pa.state_of(q) == USED for q in range(first, first + count)), \
+                    assert any(self.pa.state_of(q) == USED for q in range(first, first + count)), (
                         f"idle page {p} survived trim in an idle run"
+                    )
             assert self.pa.n_quarantined == 0
 
     @rule(pages=st.none() | st.integers(0, PAGES))
@@ -194,8 +208,9 @@ class BlockMachine(RuleBasedStateMachine):
             assert self.pa.state_of(p) == USED
         held = self.cache.mapper.held_bytes()
         assert self.budget.used == held, f"charged {self.budget.used} != held {held}"
-        assert self.host.own_bytes() == held, \
+        assert self.host.own_bytes() == held, (
             f"device holds {self.host.own_bytes()} != {held} (a leaked handle)"
+        )
         c = self.pa.counts()
         assert sum(v for k, v in c.items() if k != "cap") == PAGES
         mapped = PAGES - c["unmapped"]
@@ -237,8 +252,12 @@ class FaultyBlockMachine(BlockMachine):
         assert self.cache.mapper.quarantined_pages == 0
 
 
-_settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestBlockManagerModel = BlockMachine.TestCase
 TestBlockManagerModel.settings = _settings
 TestBlockManagerFaults = FaultyBlockMachine.TestCase

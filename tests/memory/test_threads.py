@@ -20,11 +20,17 @@ JOIN_S = 30.0
 
 
 def test_pool_thread_engine_threads_and_control_under_contention(host):
-    faulty = FaultyDriver(host, seed=5,
-                          delay_s={"create": 0.0003, "map": 0.0002, "unmap": 0.0003})
-    cache, budget = make_cache(faulty, small_spec(2, 2), pages=24, budget_pages=18,
-                               background=True, min_reserved=2, max_reserved=4,
-                               max_handle_bytes=64 * MIB)
+    faulty = FaultyDriver(host, seed=5, delay_s={"create": 0.0003, "map": 0.0002, "unmap": 0.0003})
+    cache, budget = make_cache(
+        faulty,
+        small_spec(2, 2),
+        pages=24,
+        budget_pages=18,
+        background=True,
+        min_reserved=2,
+        max_reserved=4,
+        max_handle_bytes=64 * MIB,
+    )
     for call in ("create", "map", "set_access", "unmap", "release"):
         faulty.set_probability(call, 0.03)
     stop = threading.Event()
@@ -124,8 +130,7 @@ class _GrowWatch(FaultyDriver):
     set_access) at once."""
 
     def __init__(self, inner, delay_s: dict[str, float] | None = None) -> None:
-        super().__init__(inner, seed=0,
-                         delay_s=delay_s or {"create": 0.0004, "set_access": 0.0002})
+        super().__init__(inner, seed=0, delay_s=delay_s or {"create": 0.0004, "set_access": 0.0002})
         self._inside = 0
         self._guard = threading.Lock()
         self.most_at_once = 0
@@ -164,8 +169,15 @@ def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
     pool's refill share one grow lock, and a take that waited finds the pool's
     pages."""
     watch = _GrowWatch(host)
-    cache, budget = make_cache(watch, small_spec(1, 1), pages=48, background=True,
-                               min_reserved=4, max_reserved=8, max_handle_bytes=0)
+    cache, budget = make_cache(
+        watch,
+        small_spec(1, 1),
+        pages=48,
+        background=True,
+        min_reserved=4,
+        max_reserved=8,
+        max_handle_bytes=0,
+    )
     per_page = cache.geometry.blocks_per_page
     held: list[int] = []
 
@@ -198,8 +210,15 @@ def test_a_take_behind_a_refill_waits_for_one_step_not_the_whole_refill(host, mo
     monkeypatch.setattr("kvcached.memory.pages.REFILL_STEP_HANDLES", 2)  # 2 pages a step
     page_s = 0.1  # a slow create, so that one step and the whole refill stand apart
     watch = _GrowWatch(host, delay_s={"create": page_s})
-    cache, budget = make_cache(watch, small_spec(1, 1), pages=16, background=True,
-                               min_reserved=8, max_reserved=8, max_handle_bytes=0)
+    cache, budget = make_cache(
+        watch,
+        small_spec(1, 1),
+        pages=16,
+        background=True,
+        min_reserved=8,
+        max_reserved=8,
+        max_handle_bytes=0,
+    )
     per_page = cache.geometry.blocks_per_page
     first = cache.alloc(per_page)  # grows its own page, then wakes the refill of 8
     assert first is not None
@@ -209,7 +228,9 @@ def test_a_take_behind_a_refill_waits_for_one_step_not_the_whole_refill(host, mo
     second = cache.alloc(per_page)
     waited = time.monotonic() - t0
     assert second is not None
-    assert watch.creates_by["MainThread"] == before, "the take grew instead of taking the pool's page"
+    assert watch.creates_by["MainThread"] == before, (
+        "the take grew instead of taking the pool's page"
+    )
     assert waited < page_s * 4, f"waited {waited:.3f}s for the refill (8 pages: {8 * page_s}s)"
     deadline = time.monotonic() + JOIN_S
     while cache.pages.n_idle < 8 and time.monotonic() < deadline:
@@ -224,9 +245,18 @@ def test_two_caches_on_one_driver_never_grow_at_once(host):
     """The grow gate is per driver: two caches of one process (a hybrid
     model's full and sliding-window pools, say) take turns too."""
     watch = _GrowWatch(host)
-    caches = [make_cache(watch, small_spec(1, 1), pages=24, background=True,
-                         min_reserved=3, max_reserved=6, max_handle_bytes=0)[0]
-              for _ in range(2)]
+    caches = [
+        make_cache(
+            watch,
+            small_spec(1, 1),
+            pages=24,
+            background=True,
+            min_reserved=3,
+            max_reserved=6,
+            max_handle_bytes=0,
+        )[0]
+        for _ in range(2)
+    ]
     assert caches[0].pages._gate is caches[1].pages._gate
     held: list[list[int]] = [[], []]
 

@@ -32,10 +32,18 @@ def main() -> None:
 
     def record(request: web.Request, body: bytes) -> None:
         with open(log_path, "a") as f:
-            f.write(json.dumps({"method": request.method, "path": request.path,
-                                "query": request.query_string,
-                                "body": body.decode(errors="replace"),
-                                "t": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "method": request.method,
+                        "path": request.path,
+                        "query": request.query_string,
+                        "body": body.decode(errors="replace"),
+                        "t": time.time(),
+                    }
+                )
+                + "\n"
+            )
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({})
@@ -45,9 +53,16 @@ def main() -> None:
         record(request, body)
         doc = json.loads(body)
         if doc.get("fail"):
-            return web.json_response({"object": "error", "message": "asked to fail",
-                                      "type": "BadRequestError", "code": doc["fail"]},
-                                     status=int(doc["fail"]), headers={"X-Fake": "1"})
+            return web.json_response(
+                {
+                    "object": "error",
+                    "message": "asked to fail",
+                    "type": "BadRequestError",
+                    "code": doc["fail"],
+                },
+                status=int(doc["fail"]),
+                headers={"X-Fake": "1"},
+            )
         if state["sleeping"]:
             return web.json_response({"message": "asleep"}, status=500)
         if not doc.get("stream"):
@@ -75,15 +90,18 @@ def main() -> None:
         return web.json_response({"is_sleeping": state["sleeping"]})
 
     app = web.Application()
-    app.add_routes([
-        web.get("/health", health),
-        web.post("/v1/completions", completions),
-        web.post("/v1/chat/completions", completions),
-        web.post("/sleep", sleep), web.post("/wake_up", wake),
-        web.get("/is_sleeping", is_sleeping),
-        web.post("/release_memory_occupation", sleep),
-        web.post("/resume_memory_occupation", wake),
-    ])
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.post("/v1/completions", completions),
+            web.post("/v1/chat/completions", completions),
+            web.post("/sleep", sleep),
+            web.post("/wake_up", wake),
+            web.get("/is_sleeping", is_sleeping),
+            web.post("/release_memory_occupation", sleep),
+            web.post("/resume_memory_occupation", wake),
+        ]
+    )
     time.sleep(slow_start)
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 

@@ -20,16 +20,19 @@ FAKE = str(Path(__file__).with_name("fake_engine.py"))
 def fake_model(name: str, log: Path, **keys: Any) -> dict[str, Any]:  # noqa: ANN401
     """A model entry served by the fake engine (``extra``: its options)."""
     extra = keys.pop("extra", [])
-    entry: dict[str, Any] = {"name": name, "engine": "command",
-                             "command": [sys.executable, FAKE, "{port}", str(log), *extra],
-                             "startup_timeout": 60, "stop_timeout": 10}
+    entry: dict[str, Any] = {
+        "name": name,
+        "engine": "command",
+        "command": [sys.executable, FAKE, "{port}", str(log), *extra],
+        "startup_timeout": 60,
+        "stop_timeout": 10,
+    }
     entry.update(keys)
     return entry
 
 
 def config(tmp_path: Path, models: list[dict[str, Any]], **top: Any) -> ServeConfig:  # noqa: ANN401
-    doc = {"port": 0, "state_dir": str(tmp_path / "state"), "idle_check_s": 0.05,
-           "models": models}
+    doc = {"port": 0, "state_dir": str(tmp_path / "state"), "idle_check_s": 0.05, "models": models}
     doc.update(top)
     return parse_config(doc)
 
@@ -40,8 +43,11 @@ def calls(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line]
 
 
-async def until(check: Callable[[], Any], timeout_s: float = 60.0,  # noqa: ANN401
-                what: str = "condition") -> Any:  # noqa: ANN401
+async def until(
+    check: Callable[[], Any],
+    timeout_s: float = 60.0,  # noqa: ANN401
+    what: str = "condition",
+) -> Any:  # noqa: ANN401
     deadline = time.monotonic() + timeout_s
     while True:
         got = check()
@@ -70,11 +76,16 @@ class Client:
             except ValueError:
                 return r.status, text
 
-    async def post(self, path: str, body: Any = None, raw: bytes | None = None  # noqa: ANN401
-                   ) -> tuple[int, Any, dict[str, str]]:
+    async def post(
+        self,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,  # noqa: ANN401
+    ) -> tuple[int, Any, dict[str, str]]:
         data = raw if raw is not None else json.dumps(body).encode()
-        async with self.session.post(self.base + path, data=data,
-                                     headers={"Content-Type": "application/json"}) as r:
+        async with self.session.post(
+            self.base + path, data=data, headers={"Content-Type": "application/json"}
+        ) as r:
             text = await r.text()
             try:
                 doc = json.loads(text)

@@ -30,8 +30,15 @@ def instance(tmp_path, monkeypatch):
     driver = HostDriver(index=33, capacity=512 * MIB)
     ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
     budget = ledger.register_pool(NAME)
-    cache = KVCache(SPEC, driver=driver, budget=budget, capacity_bytes=128 * MIB,
-                    min_reserved=2, max_reserved=4, max_handle_bytes=0)
+    cache = KVCache(
+        SPEC,
+        driver=driver,
+        budget=budget,
+        capacity_bytes=128 * MIB,
+        min_reserved=2,
+        max_reserved=4,
+        max_handle_bytes=0,
+    )
     inst = Instance(NAME, engine="test", tick_s=0.05)
     inst.add_pool(KVCachePool(cache), budget)
     yield cache

@@ -8,20 +8,39 @@ from kvcached.control.view import instance_rows, render_status, render_table, re
 
 
 def engine(name: str, pid: int, used: int) -> Snapshot:
-    return Snapshot(name, pid, True, {"engine": "vllm", "started_at": 0, "pools": [
-        {"gpu": "host-9", "backend": "host", "bytes_mapped": used}]},
-        f"/kvcached.snap.{name}.{pid}")
+    return Snapshot(
+        name,
+        pid,
+        True,
+        {
+            "engine": "vllm",
+            "started_at": 0,
+            "pools": [{"gpu": "host-9", "backend": "host", "bytes_mapped": used}],
+        },
+        f"/kvcached.snap.{name}.{pid}",
+    )
 
 
 def served(name: str, state: str, pid: int = 7, alive: bool = True) -> Snapshot:
-    return Snapshot(name, pid, alive, {"engine": "kvcached-serve", "pools": [],
-                                       "serve": {"state": state, "engine_pid": 0}},
-                    f"/kvcached.snap.{name}.{pid}")
+    return Snapshot(
+        name,
+        pid,
+        alive,
+        {"engine": "kvcached-serve", "pools": [], "serve": {"state": state, "engine_pid": 0}},
+        f"/kvcached.snap.{name}.{pid}",
+    )
 
 
 def test_serve_state_joins_the_engines_rows_and_stopped_models_get_one():
-    rows = instance_rows([engine("a", 11, 0), served("a", "sleeping"), served("b", "stopped"),
-                          engine("c", 12, 5), served("c", "ready", alive=False)])
+    rows = instance_rows(
+        [
+            engine("a", 11, 0),
+            served("a", "sleeping"),
+            served("b", "stopped"),
+            engine("c", 12, 5),
+            served("c", "ready", alive=False),
+        ]
+    )
     by = {r.name: r for r in rows}
     assert by["a"].serve_state == "sleeping" and by["a"].gpu == "host-9"
     assert by["b"].serve_state == "stopped" and by["b"].gpu == "-" and by["b"].used_bytes == 0

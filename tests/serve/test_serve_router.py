@@ -17,8 +17,7 @@ from tests.serve.serve_helpers import Client, calls, config, fake_model, run, un
 
 def test_routing_pass_through_and_openai_errors(tmp_path):
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
-    cfg = config(tmp_path, [fake_model("alpha", log_a, aliases=["a"]),
-                            fake_model("beta", log_b)])
+    cfg = config(tmp_path, [fake_model("alpha", log_a, aliases=["a"]), fake_model("beta", log_b)])
 
     async def body() -> None:
         async with Serve(cfg) as serve:
@@ -28,22 +27,31 @@ def test_routing_pass_through_and_openai_errors(tmp_path):
                 status, models = await c.get("/v1/models")
                 assert status == 200 and models["object"] == "list"
                 assert [(m["id"], m["root"], m["object"]) for m in models["data"]] == [
-                    ("alpha", "alpha", "model"), ("a", "alpha", "model"),
-                    ("beta", "beta", "model")]
+                    ("alpha", "alpha", "model"),
+                    ("a", "alpha", "model"),
+                    ("beta", "beta", "model"),
+                ]
                 assert (await c.get("/v1/models/a"))[1]["root"] == "alpha"
-                status, doc, headers = await c.post("/v1/completions",
-                                                    {"model": "a", "prompt": "hi"})
+                status, doc, headers = await c.post(
+                    "/v1/completions", {"model": "a", "prompt": "hi"}
+                )
                 assert status == 200 and doc["echo"] == {"model": "alpha", "prompt": "hi"}
                 assert headers["X-Fake"] == "1"
-                status, doc, _ = await c.post("/v1/chat/completions",
-                                              {"model": "beta", "messages": []})
+                status, doc, _ = await c.post(
+                    "/v1/chat/completions", {"model": "beta", "messages": []}
+                )
                 assert status == 200 and doc["echo"]["model"] == "beta"
                 assert [x["path"] for x in calls(log_a)] == ["/v1/completions"]
                 # the engine's own error: status, body and headers unchanged
-                status, doc, headers = await c.post("/v1/completions",
-                                                    {"model": "beta", "fail": 418})
-                assert status == 418 and doc == {"object": "error", "message": "asked to fail",
-                                                 "type": "BadRequestError", "code": 418}
+                status, doc, headers = await c.post(
+                    "/v1/completions", {"model": "beta", "fail": 418}
+                )
+                assert status == 418 and doc == {
+                    "object": "error",
+                    "message": "asked to fail",
+                    "type": "BadRequestError",
+                    "code": 418,
+                }
                 assert headers["X-Fake"] == "1"
                 status, doc, _ = await c.post("/v1/completions", {"model": "gamma"})
                 assert status == 404 and doc["error"]["code"] == "model_not_found"
@@ -72,9 +80,13 @@ def test_streams_pass_chunk_by_chunk(tmp_path):
     async def body() -> None:
         async with Serve(cfg) as serve:
             await until(lambda: serve.models[0].state == "ready", what="ready")
-            async with aiohttp.ClientSession() as s, s.post(
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
                     f"http://127.0.0.1:{serve.port}/v1/completions",
-                    json={"model": "alpha", "stream": True, "chunk_delay": 0.5}) as r:
+                    json={"model": "alpha", "stream": True, "chunk_delay": 0.5},
+                ) as r,
+            ):
                 assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
                 start = time.monotonic()
                 arrivals = []
@@ -112,8 +124,10 @@ def test_api_key(tmp_path):
 def test_idle_counts_from_the_end_of_the_last_request_and_one_wake_serves_all(tmp_path):
     """A stream longer than idle_after is not put to sleep under it; 16 requests to a
     sleeping model join one wake and all succeed."""
-    cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log",
-                                       sleep={"level": "kv", "idle_after": 0.6})])
+    cfg = config(
+        tmp_path,
+        [fake_model("alpha", tmp_path / "a.log", sleep={"level": "kv", "idle_after": 0.6})],
+    )
 
     async def body() -> None:
         async with Serve(cfg) as serve:
@@ -122,17 +136,18 @@ def test_idle_counts_from_the_end_of_the_last_request_and_one_wake_serves_all(tm
             try:
                 await until(lambda: m.state == "ready", what="ready")
                 await until(lambda: m.state == "sleeping", what="first sleep")
-                status, _, _ = await c.post("/v1/completions",
-                                            {"model": "alpha", "stream": True,
-                                             "chunk_delay": 0.5})  # 1.5 s of stream
+                status, _, _ = await c.post(
+                    "/v1/completions", {"model": "alpha", "stream": True, "chunk_delay": 0.5}
+                )  # 1.5 s of stream
                 assert status == 200
                 assert m.counters.sleeps == 1 and m.counters.wakes == 1
                 assert m.state == "ready"  # not slept during the stream
                 await until(lambda: m.state == "sleeping", what="sleep after the stream")
                 assert time.monotonic() - m.last_end >= 0.6
                 wakes = m.counters.wakes
-                results = await asyncio.gather(*[
-                    c.post("/v1/completions", {"model": "alpha", "n": i}) for i in range(16)])
+                results = await asyncio.gather(
+                    *[c.post("/v1/completions", {"model": "alpha", "n": i}) for i in range(16)]
+                )
                 assert [r[0] for r in results] == [200] * 16
                 assert m.counters.wakes == wakes + 1
                 assert (await c.state("alpha"))["wakes"] == wakes + 1
@@ -145,11 +160,18 @@ def test_idle_counts_from_the_end_of_the_last_request_and_one_wake_serves_all(tm
 def test_weights_level_uses_each_engines_documented_endpoints(tmp_path):
     """vLLM reads the sleep level from the query string; SGLang has its own pair."""
     log_v, log_s = tmp_path / "v.log", tmp_path / "s.log"
-    cfg = config(tmp_path, [
-        fake_model("v", log_v, engine="vllm",
-                   sleep={"level": "weights", "idle_after": 3600, "weights_level": 2}),
-        fake_model("s", log_s, engine="sglang", sleep={"level": "weights", "idle_after": 3600}),
-    ])
+    cfg = config(
+        tmp_path,
+        [
+            fake_model(
+                "v",
+                log_v,
+                engine="vllm",
+                sleep={"level": "weights", "idle_after": 3600, "weights_level": 2},
+            ),
+            fake_model("s", log_s, engine="sglang", sleep={"level": "weights", "idle_after": 3600}),
+        ],
+    )
     assert "VLLM_SERVER_DEV_MODE" in cfg.models[0].environment({})
 
     async def body() -> None:
@@ -168,16 +190,26 @@ def test_weights_level_uses_each_engines_documented_endpoints(tmp_path):
         v = [(x["method"], x["path"], x["query"], x["body"]) for x in calls(log_v)]
         assert v[:2] == [("POST", "/sleep", "level=2", ""), ("POST", "/wake_up", "", "")]
         s = [(x["method"], x["path"], x["body"]) for x in calls(log_s)]
-        assert s[:2] == [("POST", "/release_memory_occupation", "{}"),
-                         ("POST", "/resume_memory_occupation", "{}")]
+        assert s[:2] == [
+            ("POST", "/release_memory_occupation", "{}"),
+            ("POST", "/resume_memory_occupation", "{}"),
+        ]
 
     run(body())
 
 
 def test_stop_level_and_lazy_start(tmp_path):
-    cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log", start="lazy",
-                                       sleep={"level": "stop", "idle_after": 0.3,
-                                              "stop_after": 0.3})])
+    cfg = config(
+        tmp_path,
+        [
+            fake_model(
+                "alpha",
+                tmp_path / "a.log",
+                start="lazy",
+                sleep={"level": "stop", "idle_after": 0.3, "stop_after": 0.3},
+            )
+        ],
+    )
 
     async def body() -> None:
         async with Serve(cfg) as serve:
@@ -201,9 +233,16 @@ def test_stop_level_and_lazy_start(tmp_path):
 
 
 def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
-    cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log",
-                                       restart={"policy": "on-failure", "backoff_s": 0.2,
-                                                "max_restarts": 1})])
+    cfg = config(
+        tmp_path,
+        [
+            fake_model(
+                "alpha",
+                tmp_path / "a.log",
+                restart={"policy": "on-failure", "backoff_s": 0.2, "max_restarts": 1},
+            )
+        ],
+    )
 
     async def body() -> None:
         async with Serve(cfg) as serve:
@@ -231,8 +270,18 @@ def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
 
 
 def test_wake_timeout_is_a_503_with_retry_after_then_it_serves(tmp_path):
-    cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log", start="lazy",
-                                       wake_timeout=0.3, extra=["--slow-start", "2"])])
+    cfg = config(
+        tmp_path,
+        [
+            fake_model(
+                "alpha",
+                tmp_path / "a.log",
+                start="lazy",
+                wake_timeout=0.3,
+                extra=["--slow-start", "2"],
+            )
+        ],
+    )
 
     async def body() -> None:
         async with Serve(cfg) as serve:
@@ -265,8 +314,12 @@ def test_pressure_sleeps_the_least_recently_used_idle_model_on_that_gpu(tmp_path
 
     models = [fake_model(n, tmp_path / f"{n}.log") for n in ("busy", "old", "new", "elsewhere")]
     cfg = config(tmp_path, models, pressure="sleep-lru", idle_check_s=3600)
-    reading = {"busy": (0, ("gpu0",), 0, 1 << 20), "old": (0, ("gpu0",), 0, 1 << 20),
-               "new": (0, ("gpu0",), 0, 1 << 20), "elsewhere": (0, ("gpu1",), 1 << 30, 1 << 20)}
+    reading = {
+        "busy": (0, ("gpu0",), 0, 1 << 20),
+        "old": (0, ("gpu0",), 0, 1 << 20),
+        "new": (0, ("gpu0",), 0, 1 << 20),
+        "elsewhere": (0, ("gpu1",), 1 << 30, 1 << 20),
+    }
     monkeypatch.setattr(app_module, "_pressure_view", lambda names: dict(reading))
 
     async def body() -> None:

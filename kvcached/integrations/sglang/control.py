@@ -53,8 +53,13 @@ class SGLangPoolSource:
         u = self.kv.cache.usage()
         cached = self.prefix_cache_tokens() if self.prefix_cache_tokens is not None else 0
         return PoolUsage.of_cache(
-            self.name, self.gpu, self.backend, u, prefix_cache_bytes=cached * self.token_bytes,
-            misses=self.slots.misses if self.slots is not None else 0)
+            self.name,
+            self.gpu,
+            self.backend,
+            u,
+            prefix_cache_bytes=cached * self.token_bytes,
+            misses=self.slots.misses if self.slots is not None else 0,
+        )
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.kv.cache.set_limit(limit_bytes or None)

@@ -73,10 +73,15 @@ class KVShape:
 
     def spec(self) -> KVCacheSpec:
         v_head_dim = self.v_head_dim if self.v_head_dim not in (None, self.head_dim) else None
-        return KVCacheSpec(num_layers=self.layers, block_size=self.page_size,
-                           num_heads=self.heads, head_dim=self.head_dim, dtype=self.dtype,
-                           kv_buffers=self.kv_buffers,
-                           v_head_dim=v_head_dim if self.kv_buffers == 2 else None)
+        return KVCacheSpec(
+            num_layers=self.layers,
+            block_size=self.page_size,
+            num_heads=self.heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            kv_buffers=self.kv_buffers,
+            v_head_dim=v_head_dim if self.kv_buffers == 2 else None,
+        )
 
 
 class ElasticKV:
@@ -99,9 +104,17 @@ class ElasticKV:
     back the address space and retires the ledger account.
     """
 
-    def __init__(self, shape: KVShape, *, name: str = "kv", driver: Any = None,
-                 budget: PhysicalBudget | None = None, engine_version: str = "",
-                 register: bool = True, **cache_kwargs: Any) -> None:
+    def __init__(
+        self,
+        shape: KVShape,
+        *,
+        name: str = "kv",
+        driver: Any = None,
+        budget: PhysicalBudget | None = None,
+        engine_version: str = "",
+        register: bool = True,
+        **cache_kwargs: Any,
+    ) -> None:
         from kvcached.driver import get_driver
 
         self.shape = shape
@@ -116,8 +129,13 @@ class ElasticKV:
             budget = owned_budget = open_pool_budget(self.driver, instance.name)
         try:
             cache_kwargs.setdefault("layout", KVLayout.PER_LAYER)
-            self.cache = KVCache(shape.spec(), driver=self.driver, budget=budget,
-                                 num_blocks=shape.pages, **cache_kwargs)
+            self.cache = KVCache(
+                shape.spec(),
+                driver=self.driver,
+                budget=budget,
+                num_blocks=shape.pages,
+                **cache_kwargs,
+            )
         except BaseException:
             if owned_budget is not None:
                 owned_budget.close()
@@ -126,9 +144,12 @@ class ElasticKV:
             self.cache.close()
             if owned_budget is not None:
                 owned_budget.close()
-            raise ConfigError("layout", cache_kwargs["layout"],
-                              "per_layer: SGLang indexes a layer's K and V as uniformly "
-                              "strided token rows, which the contiguous layout is not")
+            raise ConfigError(
+                "layout",
+                cache_kwargs["layout"],
+                "per_layer: SGLang indexes a layer's K and V as uniformly "
+                "strided token rows, which the contiguous layout is not",
+            )
         self.budget = budget
         self._owned_budget = owned_budget
         self.blocks = self.cache.blocks
@@ -167,8 +188,9 @@ class ElasticKV:
         if s.kv_buffers != 1:
             raise ConfigError("kv_buffers", s.kv_buffers, "1 for MLA buffers")
         t = self.cache.tensors
-        return [t.mla_view(layer).view(self.rows, 1, s.heads * s.head_dim)
-                for layer in range(s.layers)]
+        return [
+            t.mla_view(layer).view(self.rows, 1, s.heads * s.head_dim) for layer in range(s.layers)
+        ]
 
     # -- lifetime --------------------------------------------------------------------------
     @property
@@ -191,12 +213,15 @@ class ElasticKV:
 
     def __repr__(self) -> str:
         s = self.shape
-        return (f"<ElasticKV {self.name} layers={s.layers} page_size={s.page_size} "
-                f"rows={self.rows} {self.cache!r}>")
+        return (
+            f"<ElasticKV {self.name} layers={s.layers} page_size={s.page_size} "
+            f"rows={self.rows} {self.cache!r}>"
+        )
 
 
-def build_elastic_kv(shape: KVShape, *, device: Any, name: str,
-                     engine_version: str = "") -> ElasticKV | None:
+def build_elastic_kv(
+    shape: KVShape, *, device: Any, name: str, engine_version: str = ""
+) -> ElasticKV | None:
     """An :class:`ElasticKV` for a pool on ``device``, or ``None`` (logged) when
     kvcached's driver does not serve that device, so the pool stays native."""
     from kvcached.driver import get_driver
@@ -207,8 +232,12 @@ def build_elastic_kv(shape: KVShape, *, device: Any, name: str,
         index = torch.cuda.current_device()
     driver = get_driver(index or 0)
     if driver.torch_device.type != dev.type:
-        log.warning("SGLang pool %s is on %s but kvcached's %s driver serves %s; the pool "
-                    "stays native", name, dev, driver.info().backend, driver.torch_device)
+        log.warning(
+            "SGLang pool %s is on %s but kvcached's %s driver serves %s; the pool stays native",
+            name,
+            dev,
+            driver.info().backend,
+            driver.torch_device,
+        )
         return None
     return ElasticKV(shape, name=name, driver=driver, engine_version=engine_version)
-

@@ -62,7 +62,10 @@ def _configurator_supported(conf: Any, module: ModuleType) -> str | None:
     except Exception as exc:  # global server args not set: not a real engine
         return f"SGLang's global arguments are not readable ({exc})"
     checks = [
-        (getattr(conf, "is_draft_worker", False), "a draft worker (it shares the target's allocator)"),
+        (
+            getattr(conf, "is_draft_worker", False),
+            "a draft worker (it shares the target's allocator)",
+        ),
         (getattr(conf, "is_hybrid_swa", False), "hybrid SWA pools"),
         (getattr(conf, "kv_shard_rank", None) is not None, "KV cache sharding"),
         (getattr(parallel, "dcp_enabled", False), "decode context parallelism"),
@@ -84,8 +87,10 @@ def _install_pools(p: Patcher, module: ModuleType) -> None:
     conf_cls = module.KVCacheConfigurator
     resolve = original(conf_cls._resolve_kv_pool_class)
     profile = original(conf_cls._profile_available_bytes)
-    elastic_for = {module.MHATokenToKVPool: pools.ElasticMHATokenToKVPool,
-                   module.MLATokenToKVPool: pools.ElasticMLATokenToKVPool}
+    elastic_for = {
+        module.MHATokenToKVPool: pools.ElasticMHATokenToKVPool,
+        module.MLATokenToKVPool: pools.ElasticMLATokenToKVPool,
+    }
 
     @functools.wraps(resolve)
     def _resolve_kv_pool_class(self: Any, *, kind: str, default: type) -> type:
@@ -137,9 +142,11 @@ def _virtual_budget(conf: Any, module: ModuleType, native: Any, pre_model_load_m
         budget = int(conf._handle_max_mamba_cache(budget / (1 << 30)) * (1 << 30))
     if budget <= 0:
         return native(conf, pre_model_load_memory)  # SGLang's own error message
-    _log_once(f"KV cache sized from a virtual budget of {budget / (1 << 30):.2f} GiB "
-              f"(total x {fraction} - {resident / (1 << 30):.2f} GiB resident); "
-              "physical memory is mapped on demand")
+    _log_once(
+        f"KV cache sized from a virtual budget of {budget / (1 << 30):.2f} GiB "
+        f"(total x {fraction} - {resident / (1 << 30):.2f} GiB resident); "
+        "physical memory is mapped on demand"
+    )
     return budget
 
 
@@ -147,7 +154,8 @@ def _install_startup_runner(p: Patcher, module: ModuleType) -> None:
     import importlib
 
     runtime = importlib.import_module(
-        "sglang.srt.model_executor.model_runner_components.kv_pool_runtime")
+        "sglang.srt.model_executor.model_runner_components.kv_pool_runtime"
+    )
 
     def is_post_capture_kv_active(*args: Any, **kwargs: Any) -> bool:
         return False  # kvcached owns the KV address range
@@ -179,8 +187,10 @@ def _bind_scheduler(scheduler: Any, slots: Any) -> None:
     """First round of this scheduler: the TP reducer, the radix-cache hooks."""
     from kvcached.integrations.sglang.tp_agreement import GroupReducer
 
-    groups = [getattr(scheduler, "attn_tp_cpu_group", None),
-              getattr(scheduler, "attn_cp_cpu_group", None)]
+    groups = [
+        getattr(scheduler, "attn_tp_cpu_group", None),
+        getattr(scheduler, "attn_cp_cpu_group", None),
+    ]
     slots.attach(GroupReducer([g for g in groups if g is not None]))
     tree = scheduler.tree_cache
     slots.evictor = functools.partial(evict_tokens, tree)
@@ -341,7 +351,6 @@ def _log_once(message: str) -> None:
 GROUPS: tuple[PatchGroup, ...] = (
     PatchGroup("pools", "sglang.srt.mem_cache.kv_cache_configurator", _install_pools),
     PatchGroup("startup-args", "sglang.srt.arg_groups.memory_hook", _install_startup_args),
-    PatchGroup("startup-runner", "sglang.srt.model_executor.model_runner",
-               _install_startup_runner),
+    PatchGroup("startup-runner", "sglang.srt.model_executor.model_runner", _install_startup_runner),
     PatchGroup("scheduler", "sglang.srt.managers.scheduler", _install_scheduler),
 )

@@ -108,7 +108,9 @@ def _apply(groups: tuple[PatchGroup, ...]) -> ApplyResult:
             log.warning(
                 "SGLang %s is not supported by kvcached %s (supported: %s); "
                 "SGLang runs with its own KV cache",
-                version, kvcached_version, supported,
+                version,
+                kvcached_version,
+                supported,
             )
             return _result
 
@@ -118,7 +120,9 @@ def _apply(groups: tuple[PatchGroup, ...]) -> ApplyResult:
         _result = ApplyResult(True, version, "patched", names)
         log.info(
             "SGLang %s: kvcached %s patch on (groups: %s)",
-            version, kvcached_version, ", ".join(names) if names else "none yet",
+            version,
+            kvcached_version,
+            ", ".join(names) if names else "none yet",
         )
     # Outside the lock: a trigger already imported installs right here, and an
     # installing group may itself import modules.

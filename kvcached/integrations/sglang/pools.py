@@ -80,12 +80,21 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
             why = "a custom memory pool (PD over NVLink)"
         kv = None
         if why is None:
-            shape = KVShape(layers=self.layer_num, page_size=self.page_size, size=self.size,
-                            heads=self.head_num, head_dim=self.head_dim,
-                            v_head_dim=self.v_head_dim, dtype=self.store_dtype)
-            kv = build_elastic_kv(shape, device=self.device,
-                                  name=self.allocation_label or "kv",
-                                  engine_version=_sglang_version())
+            shape = KVShape(
+                layers=self.layer_num,
+                page_size=self.page_size,
+                size=self.size,
+                heads=self.head_num,
+                head_dim=self.head_dim,
+                v_head_dim=self.v_head_dim,
+                dtype=self.store_dtype,
+            )
+            kv = build_elastic_kv(
+                shape,
+                device=self.device,
+                name=self.allocation_label or "kv",
+                engine_version=_sglang_version(),
+            )
             why = None if kv is not None else "device not served by kvcached's driver"
         if kv is None:
             _native_once(self, why or "not supported")
@@ -114,11 +123,18 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
             why = "DSA sparse attention"
         kv = None
         if why is None:
-            shape = KVShape(layers=self.layer_num, page_size=self.page_size, size=self.size,
-                            heads=1, head_dim=self.kv_cache_dim, dtype=self.store_dtype,
-                            kv_buffers=1)
-            kv = build_elastic_kv(shape, device=self.device, name="mla",
-                                  engine_version=_sglang_version())
+            shape = KVShape(
+                layers=self.layer_num,
+                page_size=self.page_size,
+                size=self.size,
+                heads=1,
+                head_dim=self.kv_cache_dim,
+                dtype=self.store_dtype,
+                kv_buffers=1,
+            )
+            kv = build_elastic_kv(
+                shape, device=self.device, name="mla", engine_version=_sglang_version()
+            )
             why = None if kv is not None else "device not served by kvcached's driver"
         if kv is None:
             _native_once(self, why or "not supported")
@@ -159,8 +175,9 @@ class _ElasticAllocator:
     def get_all_free_pages(self) -> None:
         return None  # no page free list (SGLang's invariant checker skips its census)
 
-    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
-                              spec_algorithm: Any = None) -> bool:
+    def check_decode_capacity(
+        self, *, num_tokens: int, tree_cache: Any, requests: Any = None, spec_algorithm: Any = None
+    ) -> bool:
         """Evict as SGLang does, then *reserve* the step's pages: a ``True``
         here means the decode allocation that follows is served from mapped
         pages, whatever other processes do meanwhile. ``False`` (on every TP
@@ -181,10 +198,10 @@ class _ElasticAllocator:
 class ElasticTokenToKVPoolAllocator(_ElasticAllocator, TokenToKVPoolAllocator):
     """SGLang's page-size-1 allocator over kvcached (see the module docstring)."""
 
-    def __init__(self, size: int, dtype: torch.dtype, device: str, kvcache: Any,
-                 need_sort: bool) -> None:
-        _base.BaseTokenToKVPoolAllocator.__init__(self, size, 1, dtype, device, kvcache,
-                                                  need_sort)
+    def __init__(
+        self, size: int, dtype: torch.dtype, device: str, kvcache: Any, need_sort: bool
+    ) -> None:
+        _base.BaseTokenToKVPoolAllocator.__init__(self, size, 1, dtype, device, kvcache, need_sort)
         self._init_slots(kvcache, size)
         self.clear()
 
@@ -218,10 +235,18 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocator, TokenToKVPoolAllocator):
 class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAllocator):
     """SGLang's paged allocator over kvcached (see the module docstring)."""
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str,
-                 kvcache: Any, need_sort: bool) -> None:
-        _base.BaseTokenToKVPoolAllocator.__init__(self, size, page_size, dtype, device,
-                                                  kvcache, need_sort)
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: Any,
+        need_sort: bool,
+    ) -> None:
+        _base.BaseTokenToKVPoolAllocator.__init__(
+            self, size, page_size, dtype, device, kvcache, need_sort
+        )
         self.num_pages = size // page_size
         self.debug_mode = _paged.get_bool_env_var("SGLANG_DEBUG_MEMORY_POOL")
         self.use_triton_kernels = _paged.current_platform.capabilities.supports_triton
@@ -246,8 +271,9 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         if ids is None:
             return None
         pages = self._ids_tensor(ids)
-        return (pages[:, None] * self.page_size
-                + torch.arange(self.page_size, device=self.device)).reshape(-1)
+        return (
+            pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)
+        ).reshape(-1)
 
     def _new_pages(self, num_new_pages: int) -> torch.Tensor | None:
         ids = self.kvcached_slots.alloc_pages(num_new_pages)
@@ -257,15 +283,22 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
             ids = [0]  # a valid pointer for the kernel; no lane reads it
         return self._ids_tensor(ids)
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
-                     seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                     last_loc: torch.Tensor, extend_num_tokens: int,
-                     num_new_pages: int | None = None) -> torch.Tensor | None:
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> torch.Tensor | None:
         if self.debug_mode:
             assert torch.all((last_loc + 1) % self.page_size == prefix_lens % self.page_size)
         if num_new_pages is None:
             num_new_pages = _paged.get_num_new_pages(
-                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu)
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
         free_pages = self._new_pages(int(num_new_pages))
         if free_pages is None:
             return None
@@ -273,21 +306,30 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         if self.use_triton_kernels:
             bs = len(prefix_lens)
             _paged.alloc_extend_kernel[(bs,)](
-                prefix_lens, seq_lens, last_loc, free_pages, out,
-                _paged.next_power_of_2(bs), self.page_size)
+                prefix_lens,
+                seq_lens,
+                last_loc,
+                free_pages,
+                out,
+                _paged.next_power_of_2(bs),
+                self.page_size,
+            )
         else:
-            _paged.alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_pages, out,
-                                      self.page_size, self.device)
+            _paged.alloc_extend_naive(
+                prefix_lens, seq_lens, last_loc, free_pages, out, self.page_size, self.device
+            )
         if self.debug_mode:
             assert len(torch.unique(out)) == len(out)
         return out
 
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                     last_loc: torch.Tensor) -> torch.Tensor | None:
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
         if self.debug_mode:
             assert torch.all((last_loc + 2) % self.page_size == seq_lens % self.page_size)
-        num_new_pages = int(_paged.get_num_new_pages(
-            seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
+        num_new_pages = int(
+            _paged.get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True)
+        )
         free_pages = self._new_pages(num_new_pages)
         if free_pages is None:
             return None
@@ -295,11 +337,12 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         out = torch.empty((bs,), dtype=torch.int64, device=self.device)
         if self.use_triton_kernels:
             _paged.alloc_decode_kernel[(bs,)](
-                seq_lens, last_loc, free_pages, out, _paged.next_power_of_2(bs),
-                self.page_size)
+                seq_lens, last_loc, free_pages, out, _paged.next_power_of_2(bs), self.page_size
+            )
         else:
-            _paged.alloc_decode_naive(seq_lens, last_loc, free_pages, out, self.page_size,
-                                      num_new_pages)
+            _paged.alloc_decode_naive(
+                seq_lens, last_loc, free_pages, out, self.page_size, num_new_pages
+            )
         if self.debug_mode:
             assert len(torch.unique(out)) == len(out)
         return out
@@ -337,6 +380,9 @@ def token_allocator(*args: Any, **kwargs: Any) -> Any:
 def paged_allocator(*args: Any, **kwargs: Any) -> Any:
     """``PagedTokenToKVPoolAllocator(...)`` likewise."""
     kvcache = kwargs.get("kvcache", args[4] if len(args) > 4 else None)
-    cls = (ElasticPagedTokenToKVPoolAllocator if elastic_kv_of(kvcache)
-           else PagedTokenToKVPoolAllocator)
+    cls = (
+        ElasticPagedTokenToKVPoolAllocator
+        if elastic_kv_of(kvcache)
+        else PagedTokenToKVPoolAllocator
+    )
     return cls(*args, **kwargs)

@@ -51,9 +51,14 @@ class SlotAllocator:
 
     def __init__(self, kv: ElasticKV, capacity: int) -> None:
         usable = kv.cache.num_blocks - 1  # block 0 is the padding page
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity <= usable:
-            raise ConfigError("capacity", capacity,
-                              f"a page count in [0, {usable}] (the pool's usable pages)")
+        if (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, int)
+            or not 0 <= capacity <= usable
+        ):
+            raise ConfigError(
+                "capacity", capacity, f"a page count in [0, {usable}] (the pool's usable pages)"
+            )
         self.kv = kv
         self.blocks = kv.blocks
         self.page_size = kv.shape.page_size
@@ -63,8 +68,9 @@ class SlotAllocator:
         self._stash: list[int] = []
         self._evict_wanted = 0
         self.evictor: Callable[[int], int] | None = None
-        self.agreement = RoundAgreement(self.local_available_tokens, None,
-                                        local_request=lambda: self._evict_wanted)
+        self.agreement = RoundAgreement(
+            self.local_available_tokens, None, local_request=lambda: self._evict_wanted
+        )
         self.misses = 0  # allocations and reservations that returned None / False
         self.local_failures = 0  # of which this rank's block manager said no
         self.evicted_tokens = 0
@@ -115,8 +121,8 @@ class SlotAllocator:
             self.misses += 1
             return None
         if take:
-            ids = stash[len(stash) - take:]
-            del stash[len(stash) - take:]
+            ids = stash[len(stash) - take :]
+            del stash[len(stash) - take :]
             ids += got
         else:
             ids = got
@@ -139,8 +145,10 @@ class SlotAllocator:
             if not (0 <= b < len(live)) or not live[b]:
                 from kvcached.errors import BlockError
 
-                raise BlockError(f"free: page {b} is not held by SGLang (never allocated, "
-                                 "freed already, or the padding page)")
+                raise BlockError(
+                    f"free: page {b} is not held by SGLang (never allocated, "
+                    "freed already, or the padding page)"
+                )
         self.blocks.free(ids)
         for b in ids:
             live[b] = 0

@@ -89,8 +89,7 @@ class GroupReducer:
         """Both values MIN-reduced in one collective (a two-element tensor)."""
         import torch
 
-        tensor = torch.tensor([int(first), int(second)], dtype=torch.int64,
-                              device=self._device)
+        tensor = torch.tensor([int(first), int(second)], dtype=torch.int64, device=self._device)
         for group in self._groups:
             self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MIN, group=group)
         first_out, second_out = tensor.tolist()
@@ -133,8 +132,12 @@ class RoundAgreement:
       stays one collective): :attr:`request` is the same on every rank.
     """
 
-    def __init__(self, local_available: Callable[[], int], reducer: Reducer | None,
-                 local_request: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        local_available: Callable[[], int],
+        reducer: Reducer | None,
+        local_request: Callable[[], int] | None = None,
+    ) -> None:
         if not callable(local_available):
             raise TypeError(
                 f"local_available={local_available!r}: must be a callable returning "

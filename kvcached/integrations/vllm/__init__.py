@@ -57,44 +57,124 @@ def groups() -> tuple:
     from kvcached.integrations.patching import PatchGroup as G
     from kvcached.integrations.vllm import engine, older, worker
 
-    new, old, oldest = (frozenset({"0.32.0"}), frozenset({"0.30.0", "0.31.0"}),
-                        frozenset({"0.30.0"}))
+    new, old, oldest = (
+        frozenset({"0.32.0"}),
+        frozenset({"0.30.0", "0.31.0"}),
+        frozenset({"0.30.0"}),
+    )
     return (
-        G("worker_utils", "vllm.v1.worker.utils", worker.install_utils, worker.check_utils,
-          versions=new),
-        G("worker_utils", "vllm.v1.worker.utils", older.install_utils, older.check_utils,
-          versions=old),
-        G("worker_base", "vllm.v1.worker.worker_base", worker.install_worker_base,
-          worker.check_worker_base),
-        G("gpu_model_runner", "vllm.v1.worker.gpu_model_runner", worker.install_runner,
-          worker.check_runner),
-        G("gpu_attn_utils", "vllm.v1.worker.gpu.attn_utils", worker.install_runner,
-          worker.check_runner),
-        G("gpu_worker", "vllm.v1.worker.gpu_worker", worker.install_gpu_worker,
-          worker.check_gpu_worker, versions=new),
-        G("gpu_worker", "vllm.v1.worker.gpu_worker", older.install_gpu_worker,
-          older.check_gpu_worker, versions=old),
-        G("xpu_worker", "vllm.v1.worker.xpu_worker", worker.install_request_memory,
-          worker.check_request_memory, versions=new),
-        G("xpu_worker", "vllm.v1.worker.xpu_worker", older.install_request_memory,
-          older.check_request_memory, versions=old),
-        G("cpu_worker", "vllm.v1.worker.cpu_worker", worker.install_cpu_worker,
-          worker.check_cpu_worker),
-        G("kv_cache_utils", "vllm.v1.core.kv_cache_utils", engine.install_kv_cache_utils,
-          engine.check_kv_cache_utils),
-        G("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
-          engine.install_coordinator, engine.check_coordinator,
-          versions=frozenset({"0.31.0", "0.32.0"})),
-        G("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator",
-          engine.install_coordinator, older.check_coordinator, versions=oldest),
-        G("kv_cache_manager", "vllm.v1.core.kv_cache_manager", engine.install_kv_cache_manager,
-          engine.check_kv_cache_manager, versions=new),
-        G("kv_cache_manager", "vllm.v1.core.kv_cache_manager", older.install_kv_cache_manager,
-          older.check_kv_cache_manager, versions=old),
-        G("scheduler", "vllm.v1.core.sched.scheduler", engine.install_scheduler,
-          engine.check_scheduler),
-        G("engine_core", "vllm.v1.engine.core", engine.install_engine_core,
-          engine.check_engine_core),
+        G(
+            "worker_utils",
+            "vllm.v1.worker.utils",
+            worker.install_utils,
+            worker.check_utils,
+            versions=new,
+        ),
+        G(
+            "worker_utils",
+            "vllm.v1.worker.utils",
+            older.install_utils,
+            older.check_utils,
+            versions=old,
+        ),
+        G(
+            "worker_base",
+            "vllm.v1.worker.worker_base",
+            worker.install_worker_base,
+            worker.check_worker_base,
+        ),
+        G(
+            "gpu_model_runner",
+            "vllm.v1.worker.gpu_model_runner",
+            worker.install_runner,
+            worker.check_runner,
+        ),
+        G(
+            "gpu_attn_utils",
+            "vllm.v1.worker.gpu.attn_utils",
+            worker.install_runner,
+            worker.check_runner,
+        ),
+        G(
+            "gpu_worker",
+            "vllm.v1.worker.gpu_worker",
+            worker.install_gpu_worker,
+            worker.check_gpu_worker,
+            versions=new,
+        ),
+        G(
+            "gpu_worker",
+            "vllm.v1.worker.gpu_worker",
+            older.install_gpu_worker,
+            older.check_gpu_worker,
+            versions=old,
+        ),
+        G(
+            "xpu_worker",
+            "vllm.v1.worker.xpu_worker",
+            worker.install_request_memory,
+            worker.check_request_memory,
+            versions=new,
+        ),
+        G(
+            "xpu_worker",
+            "vllm.v1.worker.xpu_worker",
+            older.install_request_memory,
+            older.check_request_memory,
+            versions=old,
+        ),
+        G(
+            "cpu_worker",
+            "vllm.v1.worker.cpu_worker",
+            worker.install_cpu_worker,
+            worker.check_cpu_worker,
+        ),
+        G(
+            "kv_cache_utils",
+            "vllm.v1.core.kv_cache_utils",
+            engine.install_kv_cache_utils,
+            engine.check_kv_cache_utils,
+        ),
+        G(
+            "kv_cache_coordinator",
+            "vllm.v1.core.kv_cache_coordinator",
+            engine.install_coordinator,
+            engine.check_coordinator,
+            versions=frozenset({"0.31.0", "0.32.0"}),
+        ),
+        G(
+            "kv_cache_coordinator",
+            "vllm.v1.core.kv_cache_coordinator",
+            engine.install_coordinator,
+            older.check_coordinator,
+            versions=oldest,
+        ),
+        G(
+            "kv_cache_manager",
+            "vllm.v1.core.kv_cache_manager",
+            engine.install_kv_cache_manager,
+            engine.check_kv_cache_manager,
+            versions=new,
+        ),
+        G(
+            "kv_cache_manager",
+            "vllm.v1.core.kv_cache_manager",
+            older.install_kv_cache_manager,
+            older.check_kv_cache_manager,
+            versions=old,
+        ),
+        G(
+            "scheduler",
+            "vllm.v1.core.sched.scheduler",
+            engine.install_scheduler,
+            engine.check_scheduler,
+        ),
+        G(
+            "engine_core",
+            "vllm.v1.engine.core",
+            engine.install_engine_core,
+            engine.check_engine_core,
+        ),
     )
 
 
@@ -121,8 +201,11 @@ def apply() -> bool:
         STATE.off_reason = f"vLLM {version} is not supported"
         # One line per server, not per process: its children inherit it silently.
         level = log.warning if _top_level_process() else log.debug
-        level("vLLM %s is not supported (supported: %s); vLLM runs without kvcached", version,
-              ", ".join(SUPPORTED_VERSIONS))
+        level(
+            "vLLM %s is not supported (supported: %s); vLLM runs without kvcached",
+            version,
+            ", ".join(SUPPORTED_VERSIONS),
+        )
         return False
     from kvcached.control.naming import instance_name
 

@@ -47,15 +47,30 @@ _logger = _vllm_block_pool.logger  # vLLM's own log lines keep their source
 class KvcachedBlockPool(BlockPool):
     """See the module docstring. ``cap_blocks < 0``: no cap on idle cached blocks."""
 
-    def __init__(self, planner: StepPlanner, num_gpu_blocks: int, enable_caching: bool,
-                 hash_block_size: int, enable_kv_cache_events: bool = False,
-                 metrics_collector=None, medium: str | None = None, *,
-                 cap_blocks: int = -1) -> None:
+    def __init__(
+        self,
+        planner: StepPlanner,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+        metrics_collector=None,
+        medium: str | None = None,
+        *,
+        cap_blocks: int = -1,
+    ) -> None:
         kwargs = {} if medium is None else {"medium": medium}
-        super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
-                         enable_kv_cache_events, metrics_collector, **kwargs)
+        super().__init__(
+            num_gpu_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            metrics_collector,
+            **kwargs,
+        )
         assert num_gpu_blocks == planner.num_blocks, (
-            f"invariant: vLLM's {num_gpu_blocks} blocks are the planner's {planner.num_blocks}")
+            f"invariant: vLLM's {num_gpu_blocks} blocks are the planner's {planner.num_blocks}"
+        )
         for block in self.blocks:  # the native queue held every block; ours only idle cached ones
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
@@ -90,8 +105,10 @@ class KvcachedBlockPool(BlockPool):
         without growth if memory allows (see the planner); when neither that
         nor the idle cached blocks cover it, the check fails: a miss."""
         planner = self.planner
-        if not planner.reserve(target) and \
-                planner.ready_blocks() + self.free_block_queue.num_free_blocks < target:
+        if (
+            not planner.reserve(target)
+            and planner.ready_blocks() + self.free_block_queue.num_free_blocks < target
+        ):
             planner.note_miss()
 
     # -- allocation ----------------------------------------------------------------------
@@ -116,7 +133,8 @@ class KvcachedBlockPool(BlockPool):
         metrics = self.metrics_collector
         for block in ret:
             assert block.ref_cnt == 0 and block.block_hash is None, (
-                f"invariant: a planner block is free and unhashed: {block}")
+                f"invariant: a planner block is free and unhashed: {block}"
+            )
             block.ref_cnt = 1
             if metrics:
                 metrics.on_block_allocated(block)
@@ -170,18 +188,21 @@ class KvcachedBlockPool(BlockPool):
                 raise KVCachedError(
                     f"touch(): free block {block.block_id} lies in a page that cannot be mapped "
                     "now (the budget, the instance limit or the device is full); vLLM's own "
-                    "pool would have handed it out")
+                    "pool would have handed it out"
+                )
             planner.pages.trim()
 
-    def unpin_blocks(self, blocks: Iterable[KVCacheBlock],
-                     on_reuse: Callable[[KVCacheBlock], None]) -> None:
+    def unpin_blocks(
+        self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]
+    ) -> None:
         """As vLLM's: released blocks join the tail of the queue of idle
         blocks (last to be evicted), count as free and stay readable until the
         pool reuses them or drops them to the planner, when ``on_reuse`` fires."""
         released: list[KVCacheBlock] = []
         for block in blocks:
             assert block.ref_cnt > 0 and not block.is_null, (
-                f"invariant: only a held block can be unpinned: {block}")
+                f"invariant: only a held block can be unpinned: {block}"
+            )
             block.ref_cnt -= 1
             self._reuse_watchers[block.block_id] = on_reuse
             if block.ref_cnt == 0:
@@ -205,8 +226,9 @@ class KvcachedBlockPool(BlockPool):
     def reset_prefix_cache(self) -> bool:
         in_use = self.planner.live_blocks() - self.free_block_queue.num_free_blocks
         if in_use != 0:
-            _logger.warning("Failed to reset prefix cache because some blocks (%d) are not "
-                            "freed yet", in_use)
+            _logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet", in_use
+            )
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
@@ -254,7 +276,7 @@ class KvcachedBlockPool(BlockPool):
 
     def _page_newest(self, page: int) -> int:
         first = page * self._bpp
-        return max(self._idle_seq[first:first + self._bpp])
+        return max(self._idle_seq[first : first + self._bpp])
 
     def _rebuild_heap(self) -> None:
         pages = {i // self._bpp for i, s in enumerate(self._idle_seq) if s >= 0}

@@ -63,8 +63,16 @@ class EngineContext:
     """Everything kvcached keeps in one vLLM engine core. Built by the engine
     patch once the workers described their KV buffers."""
 
-    def __init__(self, planner: StepPlanner, *, instance: Any, devices: Sequence[str],
-                 backend: str, pools: Sequence[Any], ledgers: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        planner: StepPlanner,
+        *,
+        instance: Any,
+        devices: Sequence[str],
+        backend: str,
+        pools: Sequence[Any],
+        ledgers: Sequence[Any],
+    ) -> None:
         self.planner = planner
         self.instance = instance
         self.devices = list(devices)  # per rank
@@ -155,10 +163,18 @@ class EngineContext:
         if planner.null_parked:
             if self._null_allowed():
                 planner.unpark_null()
-        elif (self.park_null_ok and not self._null_allowed() and self.idle()
-              and planner.live_blocks() == 0 and planner.park_null()):
-            log.info("instance %s: held at zero; the null block's page is released "
-                     "until the limit allows a page again", self.instance.name)
+        elif (
+            self.park_null_ok
+            and not self._null_allowed()
+            and self.idle()
+            and planner.live_blocks() == 0
+            and planner.park_null()
+        ):
+            log.info(
+                "instance %s: held at zero; the null block's page is released "
+                "until the limit allows a page again",
+                self.instance.name,
+            )
 
     def _cap_bytes(self) -> int | None:
         """The smallest limit over devices, in bytes per rank (``None``: none)."""
@@ -227,13 +243,19 @@ class VllmPoolSource:
         block = page // planner.blocks_per_page
         cached = pool.num_idle_cached if pool is not None else 0
         return PoolUsage(
-            name="vllm-kv", gpu=self.device, backend=ctx.backend,
+            name="vllm-kv",
+            gpu=self.device,
+            backend=ctx.backend,
             blocks_used=max(0, planner.live_blocks() - cached),
-            blocks_total=planner.num_blocks - 1, block_bytes=block * r,
-            pages_mapped=planner.backend.mapped_pages, pages_reserved=pa.n_idle,
+            blocks_total=planner.num_blocks - 1,
+            block_bytes=block * r,
+            pages_mapped=planner.backend.mapped_pages,
+            pages_reserved=pa.n_idle,
             bytes_mapped=planner.backend.mapped_pages * page * r,
-            bytes_reserved=pa.n_idle * page * r, prefix_cache_bytes=cached * block * r,
-            virtual_bytes=planner.geometry.num_pages * page * r, misses=planner.misses,
+            bytes_reserved=pa.n_idle * page * r,
+            prefix_cache_bytes=cached * block * r,
+            virtual_bytes=planner.geometry.num_pages * page * r,
+            misses=planner.misses,
         )
 
     def apply_limit(self, limit_bytes: int | None) -> None:

@@ -47,13 +47,30 @@ class _Engine:
 
 ENGINE = _Engine()
 _NATIVE_BLOCK_POOL: Any = None
-_POOL_PARAMS = ("self", "num_gpu_blocks", "enable_caching", "hash_block_size",
-                "enable_kv_cache_events", "metrics_collector", "medium")
+_POOL_PARAMS = (
+    "self",
+    "num_gpu_blocks",
+    "enable_caching",
+    "hash_block_size",
+    "enable_kv_cache_events",
+    "metrics_collector",
+    "medium",
+)
 ALLOCATE_SLOTS_PARAMS = (
-    "self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
-    "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
-    "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs",
-    "skip_zeroing_group_ids")
+    "self",
+    "request",
+    "num_new_tokens",
+    "num_new_computed_tokens",
+    "new_computed_blocks",
+    "num_lookahead_tokens",
+    "num_external_computed_tokens",
+    "delay_cache_blocks",
+    "num_encoder_tokens",
+    "full_sequence_must_fit",
+    "reserved_blocks",
+    "has_scheduled_reqs",
+    "skip_zeroing_group_ids",
+)
 
 
 class _ReportedMemInfo:
@@ -74,8 +91,9 @@ def _context_of(scheduler: Any) -> Any:
 
 
 # -- sizing ----------------------------------------------------------------------------------
-def _get_kv_cache_config_from_groups(vllm_config: Any, kv_cache_groups: Any,
-                                     available_memory: int) -> Any:
+def _get_kv_cache_config_from_groups(
+    vllm_config: Any, kv_cache_groups: Any, available_memory: int
+) -> Any:
     orig = original(_get_kv_cache_config_from_groups)
     config = orig(vllm_config, kv_cache_groups, available_memory)
     page_size = ENGINE.rounding_page_size
@@ -103,8 +121,9 @@ def _may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
     return num_blocks if forced is None else forced
 
 
-def _resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]],
-                             kv_cache_specs: Any = None) -> Any:
+def _resolve_kv_cache_layout(
+    vllm_config: Any, supported_layouts: list[list[str]], kv_cache_specs: Any = None
+) -> Any:
     """vLLM's layout choice, with ``KVCACHED_CONTIGUOUS_LAYOUT`` as a preference:
     ``true`` takes the attention backends' most preferred block-outermost layout
     (every layer of a block side by side, one handle per page), ``false`` their
@@ -117,13 +136,21 @@ def _resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]
     from kvcached.config import get_config
 
     want = get_config().contiguous_layout
-    if (not STATE.active or want is None or envs.VLLM_KV_CACHE_LAYOUT is not None
-            or vllm_config.cache_config.kv_cache_layout is not None or not supported_layouts):
+    if (
+        not STATE.active
+        or want is None
+        or envs.VLLM_KV_CACHE_LAYOUT is not None
+        or vllm_config.cache_config.kv_cache_layout is not None
+        or not supported_layouts
+    ):
         return orig(vllm_config, supported_layouts, kv_cache_specs)
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    names = [n for n in supported_layouts[0] if n in KVCacheLayout.__members__
-             and KVCacheLayout[n].is_block_outermost == want]
+    names = [
+        n
+        for n in supported_layouts[0]
+        if n in KVCacheLayout.__members__ and KVCacheLayout[n].is_block_outermost == want
+    ]
     for name in names:  # the backends' order of preference
         filtered = [[n for n in per_worker if n == name] for per_worker in supported_layouts]
         if all(filtered):
@@ -132,10 +159,14 @@ def _resolve_kv_cache_layout(vllm_config: Any, supported_layouts: list[list[str]
             except ValueError:  # vLLM's own constraints (mixed page sizes, ...) refuse it
                 vllm_config.cache_config.kv_cache_layout = None
     layout = orig(vllm_config, supported_layouts, kv_cache_specs)
-    log.info("KVCACHED_CONTIGUOUS_LAYOUT=%s: the attention backends support no %s KV "
-             "layout (%s); keeping vLLM's %s", str(want).lower(),
-             "block-outermost" if want else "layer-outermost", ", ".join(supported_layouts[0]),
-             layout.name)
+    log.info(
+        "KVCACHED_CONTIGUOUS_LAYOUT=%s: the attention backends support no %s KV "
+        "layout (%s); keeping vLLM's %s",
+        str(want).lower(),
+        "block-outermost" if want else "layer-outermost",
+        ", ".join(supported_layouts[0]),
+        layout.name,
+    )
     return layout
 
 
@@ -145,8 +176,12 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
         return orig(self, vllm_config)
     reason = refusal_reason(vllm_config)
     if reason is not None:
-        log.warning("vLLM %s engine core: kvcached does not serve this configuration (%s); "
-                    "vLLM runs with its own KV cache", STATE.version, reason)
+        log.warning(
+            "vLLM %s engine core: kvcached does not serve this configuration (%s); "
+            "vLLM runs with its own KV cache",
+            STATE.version,
+            reason,
+        )
         return orig(self, vllm_config)
     from kvcached.config import get_config
 
@@ -158,8 +193,12 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     descs = self.collective_rpc("kvcached_describe")
     oks = [bool(d.get("ok")) for d in descs]
     if not any(oks):
-        log.warning("vLLM %s engine core: the workers keep native KV caches (%s); vLLM runs "
-                    "with its own KV cache", STATE.version, descs[0].get("reason"))
+        log.warning(
+            "vLLM %s engine core: the workers keep native KV caches (%s); vLLM runs "
+            "with its own KV cache",
+            STATE.version,
+            descs[0].get("reason"),
+        )
         return kv_cache_config
     if not all(oks):
         raise KVCachedError(f"kvcached holds the KV cache of some workers only: {descs}")
@@ -170,8 +209,7 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     parallel = getattr(vllm_config, "parallel_config", None)
     context.park_null_ok = int(getattr(parallel, "data_parallel_size", 1) or 1) <= 1
     context.bind_engine(self)
-    context.planner.rpc = lambda ops: self.collective_rpc("kvcached_apply_page_ops",
-                                                          args=(ops,))
+    context.planner.rpc = lambda ops: self.collective_rpc("kvcached_apply_page_ops", args=(ops,))
     ENGINE.pending = context
     return kv_cache_config
 
@@ -193,7 +231,8 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
     if first["num_pages"] * first["blocks_per_page"] != kv_cache_config.num_blocks:
         raise KVCachedError(
             f"the workers' {first['num_pages']} pages of {first['blocks_per_page']} blocks are "
-            f"not vLLM's {kv_cache_config.num_blocks} blocks")
+            f"not vLLM's {kv_cache_config.num_blocks} blocks"
+        )
     config = get_config()
     instance = get_instance(engine="vllm", engine_version=STATE.version)
     ledgers: dict[str, Any] = {}
@@ -205,21 +244,33 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
                 ledgers[device] = Ledger.open(device, _ReportedMemInfo(d["free"], d["total"]))
             pools.append(ledgers[device].register_pool(instance.name))
         budget = CompositeBudget(pools, devices=[d["device_id"] for d in descs])
-        geometry = planner_geometry(first["num_pages"], first["blocks_per_page"],
-                                    first["page_bytes"], first["granularity"])
-        planner = StepPlanner(geometry, budget, world_size=len(descs),
-                              min_reserved=config.min_reserved_pages,
-                              max_reserved=config.max_reserved_pages)
+        geometry = planner_geometry(
+            first["num_pages"], first["blocks_per_page"], first["page_bytes"], first["granularity"]
+        )
+        planner = StepPlanner(
+            geometry,
+            budget,
+            world_size=len(descs),
+            min_reserved=config.min_reserved_pages,
+            max_reserved=config.max_reserved_pages,
+        )
     except BaseException:
         for pool in pools:
             try:
                 pool.close()
             except Exception:  # the setup's own error is the one to raise
-                log.warning("closing a ledger pool after a failed engine setup failed",
-                            exc_info=True)
+                log.warning(
+                    "closing a ledger pool after a failed engine setup failed", exc_info=True
+                )
         raise
-    return EngineContext(planner, instance=instance, devices=[d["device_id"] for d in descs],
-                         backend=first["backend"], pools=pools, ledgers=list(ledgers.values()))
+    return EngineContext(
+        planner,
+        instance=instance,
+        devices=[d["device_id"] for d in descs],
+        backend=first["backend"],
+        pools=pools,
+        ledgers=list(ledgers.values()),
+    )
 
 
 # -- the block pool ------------------------------------------------------------------------------
@@ -252,10 +303,19 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
         "vLLM %s engine core: block pool, allocate_slots, schedule, update_from_output, "
         "reset_prefix_cache patched; %d blocks of %d tokens, %d pages of %d blocks (%s per "
         "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, instance %s",
-        STATE.version, planner.num_blocks, ENGINE.block_size, g.num_pages,
-        g.blocks_per_page, format_bytes(g.page_bytes), format_bytes(g.num_pages * g.page_bytes),
-        len(context.devices), "" if len(context.devices) == 1 else "s", ",".join(devices),
-        "unlimited" if cap < 0 else cap * ENGINE.block_size, context.instance.name)
+        STATE.version,
+        planner.num_blocks,
+        ENGINE.block_size,
+        g.num_pages,
+        g.blocks_per_page,
+        format_bytes(g.page_bytes),
+        format_bytes(g.num_pages * g.page_bytes),
+        len(context.devices),
+        "" if len(context.devices) == 1 else "s",
+        ",".join(devices),
+        "unlimited" if cap < 0 else cap * ENGINE.block_size,
+        context.instance.name,
+    )
     return pool
 
 
@@ -279,25 +339,45 @@ def hold_back(manager: Any, request: Any, reserved_blocks: int, has_scheduled_re
         return False
     # vLLM applies the watermark only to waiting or preempted requests, and
     # only when others are scheduled (kv_cache_manager.allocate_slots).
-    watermark = manager.watermark_blocks if has_scheduled_reqs and \
-        request.status in _WAITING else 0
+    watermark = manager.watermark_blocks if has_scheduled_reqs and request.status in _WAITING else 0
     pool.alloc_extra = reserved_blocks + watermark
     return True
 
 
-def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
-                    new_computed_blocks=None, num_lookahead_tokens=0,
-                    num_external_computed_tokens=0, delay_cache_blocks=False,
-                    num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
-                    has_scheduled_reqs=True, skip_zeroing_group_ids=()):  # noqa: ANN001, ANN202
+def _allocate_slots(
+    self,
+    request,
+    num_new_tokens,
+    num_new_computed_tokens=0,
+    new_computed_blocks=None,
+    num_lookahead_tokens=0,
+    num_external_computed_tokens=0,
+    delay_cache_blocks=False,
+    num_encoder_tokens=0,
+    full_sequence_must_fit=False,
+    reserved_blocks=0,
+    has_scheduled_reqs=True,
+    skip_zeroing_group_ids=(),
+):  # noqa: ANN001, ANN202
     orig = original(_allocate_slots)
     pool = self.block_pool
     kvcached = hold_back(self, request, reserved_blocks, has_scheduled_reqs)
     try:
-        return orig(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                    num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                    num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                    has_scheduled_reqs, skip_zeroing_group_ids)
+        return orig(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        )
     finally:
         if kvcached:
             pool.alloc_extra = None
@@ -373,9 +453,11 @@ def _shutdown(self: Any) -> None:
 
 # -- patch groups --------------------------------------------------------------------------------
 def check_kv_cache_utils(module: ModuleType) -> str | None:
-    return check_params(module, "get_kv_cache_config_from_groups",
-                        ("vllm_config", "kv_cache_groups", "available_memory")) or \
-        check_params(module, "may_override_num_blocks", ("vllm_config", "num_blocks"))
+    return check_params(
+        module,
+        "get_kv_cache_config_from_groups",
+        ("vllm_config", "kv_cache_groups", "available_memory"),
+    ) or check_params(module, "may_override_num_blocks", ("vllm_config", "num_blocks"))
 
 
 def install_kv_cache_utils(patcher: Patcher, module: ModuleType) -> None:
@@ -388,17 +470,29 @@ def check_coordinator(module: ModuleType) -> str | None:
     if pool is None:
         return "kv_cache_coordinator has no BlockPool"
     return check_params(original(pool), "__init__", _POOL_PARAMS) or check_params(
-        module.KVCacheCoordinator, "get_num_blocks_to_allocate",
-        ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens",
-         "total_computed_tokens", "num_local_computed_tokens", "num_tokens_main_model",
-         "apply_admission_cap", "prefill_end"))
+        module.KVCacheCoordinator,
+        "get_num_blocks_to_allocate",
+        (
+            "self",
+            "request_id",
+            "num_tokens",
+            "new_computed_blocks",
+            "num_encoder_tokens",
+            "total_computed_tokens",
+            "num_local_computed_tokens",
+            "num_tokens_main_model",
+            "apply_admission_cap",
+            "prefill_end",
+        ),
+    )
 
 
 def install_coordinator(patcher: Patcher, module: ModuleType) -> None:
     global _NATIVE_BLOCK_POOL
     _NATIVE_BLOCK_POOL = patcher.replace(module, "BlockPool", _make_block_pool)
-    patcher.replace(module.KVCacheCoordinator, "get_num_blocks_to_allocate",
-                    _get_num_blocks_to_allocate)
+    patcher.replace(
+        module.KVCacheCoordinator, "get_num_blocks_to_allocate", _get_num_blocks_to_allocate
+    )
 
 
 def check_kv_cache_manager(module: ModuleType) -> str | None:
@@ -424,7 +518,8 @@ def install_kv_cache_manager(patcher: Patcher, module: ModuleType) -> None:
 def check_scheduler(module: ModuleType) -> str | None:
     cls = module.Scheduler
     return check_params(cls, "schedule", ("self", "throttle_prefills")) or check_params(
-        cls, "update_from_output", ("self", "scheduler_output", "model_runner_output"))
+        cls, "update_from_output", ("self", "scheduler_output", "model_runner_output")
+    )
 
 
 def install_scheduler(patcher: Patcher, module: ModuleType) -> None:
@@ -434,14 +529,20 @@ def install_scheduler(patcher: Patcher, module: ModuleType) -> None:
 
 def check_engine_core(module: ModuleType) -> str | None:
     core, proc = module.EngineCore, module.EngineCoreProc
-    return (check_params(core, "_initialize_kv_caches", ("self", "vllm_config"))
-            or check_params(core, "reset_prefix_cache",
-                            ("self", "reset_running_requests", "reset_connector"))
-            or check_params(core, "shutdown", ("self",))
-            or check_params(proc, "_handle_client_request", ("self", "request_type", "request"))
-            or check_params(proc, "_process_input_queue", ("self",))
-            or check_params(module, "resolve_kv_cache_layout",
-                            ("vllm_config", "supported_layouts", "kv_cache_specs")))
+    return (
+        check_params(core, "_initialize_kv_caches", ("self", "vllm_config"))
+        or check_params(
+            core, "reset_prefix_cache", ("self", "reset_running_requests", "reset_connector")
+        )
+        or check_params(core, "shutdown", ("self",))
+        or check_params(proc, "_handle_client_request", ("self", "request_type", "request"))
+        or check_params(proc, "_process_input_queue", ("self",))
+        or check_params(
+            module,
+            "resolve_kv_cache_layout",
+            ("vllm_config", "supported_layouts", "kv_cache_specs"),
+        )
+    )
 
 
 def install_engine_core(patcher: Patcher, module: ModuleType) -> None:

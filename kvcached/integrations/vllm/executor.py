@@ -49,8 +49,11 @@ class PageExecutor:
         self.lanes = lanes
         self.tensors = RangeKVTensors(driver, lanes)
         self.budget = PrechargedBudget()
-        self.mapper = PageMapper(self.tensors, self.budget,
-                                 max_handle_bytes=lanes.num_pages * lanes.handle_bytes_per_page)
+        self.mapper = PageMapper(
+            self.tensors,
+            self.budget,
+            max_handle_bytes=lanes.num_pages * lanes.handle_bytes_per_page,
+        )
         self.calibrator = None
         self.failed_maps = 0
         self.maps = 0
@@ -59,7 +62,8 @@ class PageExecutor:
             if not self.mapper.map_run(0, 1):
                 raise CapacityError(
                     f"kvcached could not map the first page of the KV cache "
-                    f"({lanes.page_bytes / MIB:.1f} MiB, the null block's) on {driver!r}")
+                    f"({lanes.page_bytes / MIB:.1f} MiB, the null block's) on {driver!r}"
+                )
             if calibrate:
                 from kvcached.ledger import open_ledger
 
@@ -89,8 +93,9 @@ class PageExecutor:
                     i += 1
                 for (f, c), ok in zip(spans, mapper.unmap_runs(spans), strict=True):
                     if not ok:
-                        log.warning("pages [%d, %d) could not be released; kept quarantined",
-                                    f, f + c)
+                        log.warning(
+                            "pages [%d, %d) could not be released; kept quarantined", f, f + c
+                        )
                 self.unmaps += len(spans)
                 continue
             assert kind == MAP, f"invariant: a page op is map or unmap, not {kind!r}"
@@ -119,9 +124,13 @@ class PageExecutor:
             self.failed_maps += 1
             if time.monotonic() >= deadline:
                 first, count = spans[0]
-                log.error("device refused %.1f MiB the ledger granted (pages [%d, %d)) for "
-                          "%.0f s", count * self.lanes.page_bytes / MIB, first, first + count,
-                          MAP_RETRY_S)
+                log.error(
+                    "device refused %.1f MiB the ledger granted (pages [%d, %d)) for %.0f s",
+                    count * self.lanes.page_bytes / MIB,
+                    first,
+                    first + count,
+                    MAP_RETRY_S,
+                )
                 return False
             time.sleep(0.05)
 
@@ -131,11 +140,18 @@ class PageExecutor:
         free, total = self.driver.mem_info()
         lanes = self.lanes
         return {
-            "ok": True, "device_id": info.pci_bus_id, "backend": info.backend,
-            "index": info.index, "free": int(free), "total": int(total),
-            "granularity": lanes.granularity, "num_pages": lanes.num_pages,
-            "blocks_per_page": lanes.blocks_per_page, "page_bytes": lanes.page_bytes,
-            "lanes": len(lanes.lanes), "size": lanes.size,
+            "ok": True,
+            "device_id": info.pci_bus_id,
+            "backend": info.backend,
+            "index": info.index,
+            "free": int(free),
+            "total": int(total),
+            "granularity": lanes.granularity,
+            "num_pages": lanes.num_pages,
+            "blocks_per_page": lanes.blocks_per_page,
+            "page_bytes": lanes.page_bytes,
+            "lanes": len(lanes.lanes),
+            "size": lanes.size,
             "handle_bytes_per_page": lanes.handle_bytes_per_page,
         }
 

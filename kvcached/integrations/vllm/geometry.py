@@ -44,7 +44,9 @@ class PlanError(KVCachedError):
     """vLLM's KV cache config cannot be cut into kvcached pages."""
 
 
-def strided_runs(offset: int, shape: Sequence[int], strides: Sequence[int]) -> list[tuple[int, int]]:
+def strided_runs(
+    offset: int, shape: Sequence[int], strides: Sequence[int]
+) -> list[tuple[int, int]]:
     """The contiguous byte runs ``(start, length)`` of a strided byte array.
 
     Axes of size 1 are ignored; the innermost axes whose strides chain (each
@@ -91,8 +93,9 @@ class TensorShape:
 
     __slots__ = ("offset", "shape", "strides", "layer_block_bytes")
 
-    def __init__(self, offset: int, shape: tuple[int, ...], strides: tuple[int, ...],
-                 layer_block_bytes: int) -> None:
+    def __init__(
+        self, offset: int, shape: tuple[int, ...], strides: tuple[int, ...], layer_block_bytes: int
+    ) -> None:
         self.offset = offset
         self.shape = shape
         self.strides = strides
@@ -136,15 +139,20 @@ def tensor_shapes(kv_cache_config: Any, layout: Any) -> list[TensorShape]:
         num_layers = len(tensor.layers)
         shape = (num_layers, *compute_layer_kv_cache_shape_bytes(spec, num_blocks))
         strides = compute_layout_strides(
-            spec, num_blocks, num_layers, layout,
-            fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None))
+            spec,
+            num_blocks,
+            num_layers,
+            layout,
+            fixed_strides=(tensor.layer_stride, tensor.block_stride, None, None, None),
+        )
         layer_block = getattr(spec, "page_size_padded", None) or spec.page_size_bytes
         out.append(TensorShape(tensor.offset, shape, tuple(strides), layer_block))
     return out
 
 
-def blocks_per_page(shapes: Sequence[TensorShape], page_size: int,
-                    granularity: int = PLAN_GRANULARITY) -> int:
+def blocks_per_page(
+    shapes: Sequence[TensorShape], page_size: int, granularity: int = PLAN_GRANULARITY
+) -> int:
     """Blocks per page: the fewest that make ``bpp * block_stride`` a multiple
     of ``granularity`` for every tensor, times as many as fit in ``page_size``
     bytes of the largest per-layer block."""
@@ -158,8 +166,9 @@ def blocks_per_page(shapes: Sequence[TensorShape], page_size: int,
     return max(step, page_size // unit // step * step)
 
 
-def plan_lanes(kv_cache_config: Any, layout: Any, page_size: int,
-               granularity: int = PLAN_GRANULARITY) -> PageLanes:
+def plan_lanes(
+    kv_cache_config: Any, layout: Any, page_size: int, granularity: int = PLAN_GRANULARITY
+) -> PageLanes:
     """The :class:`PageLanes` of a vLLM ``KVCacheConfig`` (see the module
     docstring). Raises :class:`PlanError` when the config cannot be paged."""
     tensors = kv_cache_config.kv_cache_tensors
@@ -168,13 +177,24 @@ def plan_lanes(kv_cache_config: Any, layout: Any, page_size: int,
     sizes = {t.size for t in tensors}
     if len(sizes) != 1:
         raise PlanError(f"KV tensors of different sizes {sorted(sizes)}")
-    return lanes_of(tensor_shapes(kv_cache_config, layout), sizes.pop(),
-                    kv_cache_config.num_blocks, page_size, granularity,
-                    layout_name=getattr(layout, "name", str(layout)))
+    return lanes_of(
+        tensor_shapes(kv_cache_config, layout),
+        sizes.pop(),
+        kv_cache_config.num_blocks,
+        page_size,
+        granularity,
+        layout_name=getattr(layout, "name", str(layout)),
+    )
 
 
-def lanes_of(shapes: Sequence[TensorShape], size: int, num_blocks: int, page_size: int,
-             granularity: int = PLAN_GRANULARITY, layout_name: str = "") -> PageLanes:
+def lanes_of(
+    shapes: Sequence[TensorShape],
+    size: int,
+    num_blocks: int,
+    page_size: int,
+    granularity: int = PLAN_GRANULARITY,
+    layout_name: str = "",
+) -> PageLanes:
     """The :class:`PageLanes` of tensors laid out as ``shapes`` in a buffer of
     ``size`` bytes holding ``num_blocks`` blocks (no vLLM needed)."""
     bpp = blocks_per_page(shapes, page_size, granularity)
@@ -189,13 +209,20 @@ def lanes_of(shapes: Sequence[TensorShape], size: int, num_blocks: int, page_siz
     if num_pages > 1:
         second = page(1)
         if len(second) != len(first) or any(
-                n0 != n1 or s1 - s0 != n0 for (s0, n0), (s1, n1) in zip(first, second, strict=True)):
+            n0 != n1 or s1 - s0 != n0 for (s0, n0), (s1, n1) in zip(first, second, strict=True)
+        ):
             raise PlanError(
                 f"pages do not repeat at a fixed stride in every lane ({first[:4]} then "
-                f"{second[:4]}): layout {layout_name} is not paged")
+                f"{second[:4]}): layout {layout_name} is not paged"
+            )
     try:
-        lanes = PageLanes(size=size, lanes=tuple(first), num_pages=num_pages,
-                          blocks_per_page=bpp, granularity=granularity)
+        lanes = PageLanes(
+            size=size,
+            lanes=tuple(first),
+            num_pages=num_pages,
+            blocks_per_page=bpp,
+            granularity=granularity,
+        )
     except KVCachedError as exc:
         raise PlanError(str(exc)) from None
     last = num_pages - 1

@@ -38,13 +38,15 @@ def _request_memory(init_snapshot: Any, cache_config: Any) -> int:
 
 
 def check_utils(module: ModuleType) -> str | None:
-    return check_params(module, "allocate_kv_cache", worker.ALLOCATE_PARAMS) or \
-        check_params(module, "request_memory", _REQUEST_MEMORY)
+    return check_params(module, "allocate_kv_cache", worker.ALLOCATE_PARAMS) or check_params(
+        module, "request_memory", _REQUEST_MEMORY
+    )
 
 
 def install_utils(patcher: Patcher, module: ModuleType) -> None:
-    worker._ORIGINAL_ALLOCATE = patcher.replace(module, "allocate_kv_cache",
-                                                worker.allocate_kv_cache)
+    worker._ORIGINAL_ALLOCATE = patcher.replace(
+        module, "allocate_kv_cache", worker.allocate_kv_cache
+    )
     patcher.replace(module, "request_memory", _request_memory)
 
 
@@ -58,13 +60,15 @@ def install_request_memory(patcher: Patcher, module: ModuleType) -> None:
 
 def check_gpu_worker(module: ModuleType) -> str | None:
     return check_request_memory(module) or check_params(
-        module.Worker, "determine_available_memory", ("self",))
+        module.Worker, "determine_available_memory", ("self",)
+    )
 
 
 def install_gpu_worker(patcher: Patcher, module: ModuleType) -> None:
     install_request_memory(patcher, module)
-    patcher.replace(module.Worker, "determine_available_memory",
-                    worker._gpu_determine_available_memory)
+    patcher.replace(
+        module.Worker, "determine_available_memory", worker._gpu_determine_available_memory
+    )
 
 
 def check_coordinator(module: ModuleType) -> str | None:
@@ -72,25 +76,54 @@ def check_coordinator(module: ModuleType) -> str | None:
     if pool is None:
         return "kv_cache_coordinator has no BlockPool"
     return check_params(original(pool), "__init__", engine._POOL_PARAMS) or check_params(
-        module.KVCacheCoordinator, "get_num_blocks_to_allocate",
-        ("self", "request_id", "num_tokens", "new_computed_blocks", "num_encoder_tokens",
-         "total_computed_tokens", "num_local_computed_tokens", "num_tokens_main_model",
-         "apply_admission_cap"))
+        module.KVCacheCoordinator,
+        "get_num_blocks_to_allocate",
+        (
+            "self",
+            "request_id",
+            "num_tokens",
+            "new_computed_blocks",
+            "num_encoder_tokens",
+            "total_computed_tokens",
+            "num_local_computed_tokens",
+            "num_tokens_main_model",
+            "apply_admission_cap",
+        ),
+    )
 
 
-def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
-                    new_computed_blocks=None, num_lookahead_tokens=0,
-                    num_external_computed_tokens=0, delay_cache_blocks=False,
-                    num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
-                    has_scheduled_reqs=True):  # noqa: ANN001, ANN202
+def _allocate_slots(
+    self,
+    request,
+    num_new_tokens,
+    num_new_computed_tokens=0,
+    new_computed_blocks=None,
+    num_lookahead_tokens=0,
+    num_external_computed_tokens=0,
+    delay_cache_blocks=False,
+    num_encoder_tokens=0,
+    full_sequence_must_fit=False,
+    reserved_blocks=0,
+    has_scheduled_reqs=True,
+):  # noqa: ANN001, ANN202
     orig = original(_allocate_slots)
     pool = self.block_pool
     kvcached = engine.hold_back(self, request, reserved_blocks, has_scheduled_reqs)
     try:
-        return orig(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                    num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                    num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                    has_scheduled_reqs)
+        return orig(
+            self,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        )
     finally:
         if kvcached:
             pool.alloc_extra = None

@@ -51,17 +51,23 @@ log = get_logger("integrations.vllm")
 MISS_LOG_S = 30.0
 
 
-def planner_geometry(num_pages: int, blocks_per_page: int, page_bytes: int,
-                     granularity: int) -> PageGeometry:
+def planner_geometry(
+    num_pages: int, blocks_per_page: int, page_bytes: int, granularity: int
+) -> PageGeometry:
     """A :class:`PageGeometry` with the planner's numbers: ``num_pages`` pages
     of ``blocks_per_page`` blocks and ``page_bytes`` bytes per rank."""
     if page_bytes % blocks_per_page:
-        raise ValueError(f"page_bytes={page_bytes} is not a whole number of "
-                         f"{blocks_per_page} blocks")
-    return PageGeometry(layout=KVLayout.CONTIGUOUS, num_layers=1,
-                        buffer_block_bytes=(page_bytes // blocks_per_page,),
-                        blocks_per_page=blocks_per_page, num_pages=num_pages,
-                        granularity=granularity)
+        raise ValueError(
+            f"page_bytes={page_bytes} is not a whole number of {blocks_per_page} blocks"
+        )
+    return PageGeometry(
+        layout=KVLayout.CONTIGUOUS,
+        num_layers=1,
+        buffer_block_bytes=(page_bytes // blocks_per_page,),
+        blocks_per_page=blocks_per_page,
+        num_pages=num_pages,
+        granularity=granularity,
+    )
 
 
 class StepPlanner:
@@ -73,10 +79,17 @@ class StepPlanner:
     applied them (set by the engine core once its executor exists).
     """
 
-    def __init__(self, geometry: PageGeometry, budget: PhysicalBudget, *,
-                 world_size: int = 1, min_reserved: int = 0, max_reserved: int = 0,
-                 max_run_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
-                 rpc: Callable[[list[PageOp]], object] | None = None) -> None:
+    def __init__(
+        self,
+        geometry: PageGeometry,
+        budget: PhysicalBudget,
+        *,
+        world_size: int = 1,
+        min_reserved: int = 0,
+        max_reserved: int = 0,
+        max_run_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
+        rpc: Callable[[list[PageOp]], object] | None = None,
+    ) -> None:
         self.geometry = geometry
         self.budget = budget
         self.world_size = world_size
@@ -84,10 +97,15 @@ class StepPlanner:
         self.num_blocks = geometry.num_blocks
         self.page_bytes = geometry.page_bytes
         self.rpc = rpc
-        self.backend = PlannedPages(geometry, budget,
-                                    max_run_pages=max(1, max_run_bytes // geometry.page_bytes))
-        self.pages = PageAllocator(self.backend, min_reserved=min_reserved,
-                                   max_reserved=max(min_reserved, max_reserved), background=False)
+        self.backend = PlannedPages(
+            geometry, budget, max_run_pages=max(1, max_run_bytes // geometry.page_bytes)
+        )
+        self.pages = PageAllocator(
+            self.backend,
+            min_reserved=min_reserved,
+            max_reserved=max(min_reserved, max_reserved),
+            background=False,
+        )
         self.blocks = BlockManager(self.pages, reserve_null_block=True, thread_safe=False)
         self.alloc = self.blocks.alloc
         self.free = self.blocks.free
@@ -119,8 +137,11 @@ class StepPlanner:
         now = time.monotonic()
         if now - self._miss_logged >= MISS_LOG_S:
             self._miss_logged = now
-            log.info("KV memory is full (budget, limit or virtual size): %d allocation misses "
-                     "so far; vLLM's scheduler makes requests wait or preempts", self.misses)
+            log.info(
+                "KV memory is full (budget, limit or virtual size): %d allocation misses "
+                "so far; vLLM's scheduler makes requests wait or preempts",
+                self.misses,
+            )
 
     def live_blocks(self) -> int:
         """Blocks handed out and not freed (the null block excluded)."""

@@ -61,15 +61,18 @@ def refusal_reason(vllm_config: Any) -> str | None:
         return "pipeline parallelism is not supported"
     if getattr(parallel, "nnodes", 1) > 1:
         return "tensor parallelism across nodes is not supported"
-    if getattr(parallel, "decode_context_parallel_size", 1) > 1 or \
-            getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+    if (
+        getattr(parallel, "decode_context_parallel_size", 1) > 1
+        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
+    ):
         return "context parallelism is not supported"
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         return "KV connectors (--kv-transfer-config) register KV memory of their own"
     if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
         return "HiSparse keeps its own host KV pool"
-    if getattr(vllm_config.model_config, "enable_sleep_mode", False) or \
-            getattr(cache, "enable_sleep_mode", False):
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False) or getattr(
+        cache, "enable_sleep_mode", False
+    ):
         return "sleep mode (--enable-sleep-mode) uses its own memory pool"
     return None
 
@@ -90,13 +93,16 @@ def _driver_for(device: Any) -> Any:
     raise KVCachedError(f"no kvcached backend for torch device {device}")
 
 
-def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
-                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
+def allocate_kv_cache(
+    kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
+) -> dict[str, Any]:
     """vLLM's ``allocate_kv_cache`` over a kvcached virtual buffer (see the
     module docstring); vLLM's own allocation whenever kvcached is not serving."""
     native = _ORIGINAL_ALLOCATE
-    if not (STATE.active and WORKER.allocating and kv_cache_config.kv_cache_tensors) \
-            or WORKER.native_reason is not None:
+    if (
+        not (STATE.active and WORKER.allocating and kv_cache_config.kv_cache_tensors)
+        or WORKER.native_reason is not None
+    ):
         return native(kv_cache_config, device, layout, kernel_block_sizes)
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
@@ -109,8 +115,9 @@ def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
         driver = _driver_for(device)
     except (PlanError, KVCachedError) as exc:
         WORKER.native_reason = str(exc)
-        log.warning("vLLM %s worker rank %d: KV cache stays native: %s", STATE.version,
-                    WORKER.rank, exc)
+        log.warning(
+            "vLLM %s worker rank %d: KV cache stays native: %s", STATE.version, WORKER.rank, exc
+        )
         return native(kv_cache_config, device, layout, kernel_block_sizes)
     if WORKER.executor is not None:  # a second real allocation (re-initialisation)
         WORKER.executor.close()
@@ -123,8 +130,10 @@ def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
         # The same walk as vLLM's allocate_kv_cache (vllm/v1/worker/utils.py).
         layer_name = tensor.layers[0]
         group_id, group = next(
-            (i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups)
-            if layer_name in g.layer_names)
+            (i, g)
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            if layer_name in g.layer_names
+        )
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = spec.kv_cache_specs[layer_name]
@@ -135,17 +144,33 @@ def allocate_kv_cache(kv_cache_config: Any, device: Any, layout: Any,
         kernel_block_size = None
         if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
             kernel_block_size = kernel_block_sizes[group_id]
-        views = create_kv_cache_views(buf, spec, kv_cache_config.num_blocks_of(tensor), layout,
-                                      tensor, kernel_block_size=kernel_block_size)
+        views = create_kv_cache_views(
+            buf,
+            spec,
+            kv_cache_config.num_blocks_of(tensor),
+            layout,
+            tensor,
+            kernel_block_size=kernel_block_size,
+        )
         kv_caches.update(zip(tensor.layers, views, strict=True))
     info = driver.info()
     n = len(kv_cache_config.kv_cache_tensors)
     log.info(
         "vLLM %s worker rank %d: allocate_kv_cache patched; %d KV tensor%s, %d layers, %s, "
-        "%d pages of %d blocks (%s each), virtual %s (%s %s)", STATE.version, WORKER.rank,
-        n, "" if n == 1 else "s", layers, getattr(layout, "name", layout), lanes.num_pages,
-        lanes.blocks_per_page, format_bytes(lanes.page_bytes), format_bytes(lanes.size),
-        info.backend, info.pci_bus_id)
+        "%d pages of %d blocks (%s each), virtual %s (%s %s)",
+        STATE.version,
+        WORKER.rank,
+        n,
+        "" if n == 1 else "s",
+        layers,
+        getattr(layout, "name", layout),
+        lanes.num_pages,
+        lanes.blocks_per_page,
+        format_bytes(lanes.page_bytes),
+        format_bytes(lanes.size),
+        info.backend,
+        info.pci_bus_id,
+    )
     return kv_caches
 
 
@@ -190,7 +215,8 @@ def _apply_ops(ops: list[Any]) -> None:
         raise KVCachedError(
             "a device refused KV memory the ledger granted; the step cannot run without it "
             "(another process took the memory outside kvcached's budget, or "
-            "KVCACHED_GPU_UTILIZATION leaves too small a safety margin)")
+            "KVCACHED_GPU_UTILIZATION leaves too small a safety margin)"
+        )
 
 
 def _execute_model(self: Any, scheduler_output: Any) -> Any:
@@ -202,8 +228,12 @@ def _execute_model(self: Any, scheduler_output: Any) -> Any:
 
 def _kvcached_describe(self: Any) -> dict[str, Any]:
     if WORKER.executor is None or not STATE.active:
-        return {"ok": False, "reason": WORKER.native_reason or STATE.off_reason
-                or "the worker's KV cache is not kvcached's"}
+        return {
+            "ok": False,
+            "reason": WORKER.native_reason
+            or STATE.off_reason
+            or "the worker's KV cache is not kvcached's",
+        }
     desc = WORKER.executor.describe()
     desc["rank"] = WORKER.rank
     return desc
@@ -232,8 +262,11 @@ def _gpu_determine_available_memory(self: Any) -> int:
     peak use, unless the user gave a KV size."""
     orig = original(_gpu_determine_available_memory)
     cache = self.cache_config
-    if not STATE.active or refusal_reason(self.vllm_config) is not None \
-            or cache.kv_cache_memory_bytes:
+    if (
+        not STATE.active
+        or refusal_reason(self.vllm_config) is not None
+        or cache.kv_cache_memory_bytes
+    ):
         return orig(self)
     import torch
 
@@ -249,13 +282,18 @@ def _gpu_determine_available_memory(self: Any) -> int:
     try:
         own = torch.cuda.max_memory_reserved(self.device)
     except Exception as e:  # no CUDA statistics: the worker's own use counts as 0
-        log.warning("torch.cuda.max_memory_reserved(%s) failed (%s); counting none",
-                    self.device, e)
+        log.warning("torch.cuda.max_memory_reserved(%s) failed (%s); counting none", self.device, e)
     return max(1, int(total * get_config().gpu_utilization) - own)
 
 
-def _cpu_worker_init(self: Any, vllm_config: Any, local_rank: int, rank: int,
-                     distributed_init_method: str, is_driver_worker: bool = False) -> None:
+def _cpu_worker_init(
+    self: Any,
+    vllm_config: Any,
+    local_rank: int,
+    rank: int,
+    distributed_init_method: str,
+    is_driver_worker: bool = False,
+) -> None:
     """Without ``VLLM_CPU_KVCACHE_SPACE`` the CPU worker sizes its cache from the
     NUMA node's free memory and refuses to start when other processes use it.
     With kvcached the size is virtual: make it the host backend's capacity
@@ -265,10 +303,12 @@ def _cpu_worker_init(self: Any, vllm_config: Any, local_rank: int, rank: int,
         from kvcached.config import get_config
         from kvcached.driver import get_driver
 
-        cache.kv_cache_memory_bytes = get_driver(get_config().host_device,
-                                                 "host").info().total_bytes
-    original(_cpu_worker_init)(self, vllm_config, local_rank, rank, distributed_init_method,
-                               is_driver_worker)
+        cache.kv_cache_memory_bytes = (
+            get_driver(get_config().host_device, "host").info().total_bytes
+        )
+    original(_cpu_worker_init)(
+        self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker
+    )
 
 
 def _cpu_determine_available_memory(self: Any) -> int:
@@ -291,7 +331,8 @@ def _cpu_determine_available_memory(self: Any) -> int:
 # -- patch groups --------------------------------------------------------------------------------
 def check_utils(module: ModuleType) -> str | None:
     return check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS) or check_params(
-        module, "request_memory", ("init_snapshot", "cache_config", "external_weight_memory"))
+        module, "request_memory", ("init_snapshot", "cache_config", "external_weight_memory")
+    )
 
 
 def install_utils(patcher: Patcher, module: ModuleType) -> None:
@@ -313,8 +354,9 @@ def install_runner(patcher: Patcher, module: ModuleType) -> None:
 
 def check_worker_base(module: ModuleType) -> str | None:
     cls = module.WorkerWrapperBase
-    return check_params(cls, "initialize_from_config", ("self", "kv_cache_configs")) or \
-        check_params(cls, "execute_model", ("self", "scheduler_output"))
+    return check_params(
+        cls, "initialize_from_config", ("self", "kv_cache_configs")
+    ) or check_params(cls, "execute_model", ("self", "scheduler_output"))
 
 
 def install_worker_base(patcher: Patcher, module: ModuleType) -> None:
@@ -326,8 +368,9 @@ def install_worker_base(patcher: Patcher, module: ModuleType) -> None:
 
 
 def check_request_memory(module: ModuleType) -> str | None:
-    return check_params(module, "request_memory",
-                        ("init_snapshot", "cache_config", "external_weight_memory"))
+    return check_params(
+        module, "request_memory", ("init_snapshot", "cache_config", "external_weight_memory")
+    )
 
 
 def install_request_memory(patcher: Patcher, module: ModuleType) -> None:
@@ -336,7 +379,8 @@ def install_request_memory(patcher: Patcher, module: ModuleType) -> None:
 
 def check_gpu_worker(module: ModuleType) -> str | None:
     return check_request_memory(module) or check_params(
-        module.Worker, "determine_available_memory", ("self",))
+        module.Worker, "determine_available_memory", ("self",)
+    )
 
 
 def install_gpu_worker(patcher: Patcher, module: ModuleType) -> None:
@@ -346,13 +390,24 @@ def install_gpu_worker(patcher: Patcher, module: ModuleType) -> None:
 
 def check_cpu_worker(module: ModuleType) -> str | None:
     cls = module.CPUWorker
-    return check_params(cls, "determine_available_memory", ("self",)) or \
-        check_params(cls, "_should_warm_up_model", ("self",)) or \
-        check_params(cls, "__init__", ("self", "vllm_config", "local_rank", "rank",
-                                       "distributed_init_method", "is_driver_worker"))
+    return (
+        check_params(cls, "determine_available_memory", ("self",))
+        or check_params(cls, "_should_warm_up_model", ("self",))
+        or check_params(
+            cls,
+            "__init__",
+            (
+                "self",
+                "vllm_config",
+                "local_rank",
+                "rank",
+                "distributed_init_method",
+                "is_driver_worker",
+            ),
+        )
+    )
 
 
 def install_cpu_worker(patcher: Patcher, module: ModuleType) -> None:
     patcher.replace(module.CPUWorker, "__init__", _cpu_worker_init)
-    patcher.replace(module.CPUWorker, "determine_available_memory",
-                    _cpu_determine_available_memory)
+    patcher.replace(module.CPUWorker, "determine_available_memory", _cpu_determine_available_memory)

@@ -17,13 +17,27 @@ from pathlib import Path
 VOCAB = 512
 SHAPES: dict[str, dict[str, int]] = {
     # hidden, layers, heads, KV heads, head_dim: two different KV geometries
-    "alpha": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
-    "beta": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
-             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64},
+    "alpha": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    },
+    "beta": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+    },
 }
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}assistant {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
 
 
 def write_model(directory: Path, shape: str) -> Path:
@@ -32,17 +46,31 @@ def write_model(directory: Path, shape: str) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "vocab_size": VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-              **SHAPES[shape]}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **SHAPES[shape],
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    )
     fast.save_pretrained(str(directory))
     return directory
 

@@ -44,9 +44,20 @@ def free_port() -> int:
 
 
 def vllm_args() -> list[str]:
-    return ["--load-format", "dummy", "--enforce-eager", "--block-size", "32",
-            "--max-model-len", "1024", "--max-num-seqs", "16", "--seed", "0",
-            "--enable-prefix-caching"]
+    return [
+        "--load-format",
+        "dummy",
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "16",
+        "--seed",
+        "0",
+        "--enable-prefix-caching",
+    ]
 
 
 @dataclass
@@ -65,13 +76,15 @@ class Served:
         return f"{model}-{self.tag}"
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none",
-                             timeout=600, max_retries=0)
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=600, max_retries=0
+        )
 
     def engine_client(self, model: str) -> openai.OpenAI:
         port = self.state(model)["port"]
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                             timeout=600, max_retries=0)
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600, max_retries=0
+        )
 
     def get(self, path: str) -> tuple[int, object]:
         import urllib.error
@@ -88,14 +101,18 @@ class Served:
         except ValueError:
             return status, body.decode()
 
-    def post(self, path: str, body: dict[str, object], port: int | None = None
-             ) -> tuple[int, object]:
+    def post(
+        self, path: str, body: dict[str, object], port: int | None = None
+    ) -> tuple[int, object]:
         import urllib.error
         import urllib.request
 
-        req = urllib.request.Request(f"http://127.0.0.1:{port or self.port}{path}",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port or self.port}{path}",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=600) as r:
                 return r.status, json.loads(r.read())
@@ -115,13 +132,20 @@ class Served:
             if doc["state"] == state:
                 return doc
             if time.monotonic() >= deadline:
-                raise AssertionError(f"{model} is {doc['state']}, not {state}, after "
-                                     f"{timeout_s:g} s; log:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"{model} is {doc['state']}, not {state}, after "
+                    f"{timeout_s:g} s; log:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def kvctl(self, *args: str) -> object:
-        out = subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", *args, "--json"],
-                             capture_output=True, text=True, env=self.env, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "kvcached.cli.kvctl", *args, "--json"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
@@ -131,9 +155,13 @@ class Served:
 
 def start_serve(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvcached", "serve", str(config)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvcached", "serve", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def wait_ready(served: Served, timeout_s: float = START_S) -> None:
@@ -157,24 +185,44 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     alpha, beta = write_model(work / "alpha", "alpha"), write_model(work / "beta", "beta")
     port = free_port()
     cfg = {
-        "port": port, "state_dir": str(work / "state"), "idle_check_s": 0.1,
+        "port": port,
+        "state_dir": str(work / "state"),
+        "idle_check_s": 0.1,
         "models": [
-            {"name": f"alpha-{tag}", "aliases": [f"a-{tag}"], "model": str(alpha),
-             "args": vllm_args(), "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-             "sleep": {"level": "kv", "idle_after": 6},
-             "restart": {"policy": "on-failure", "backoff_s": 1},
-             "startup_timeout": START_S, "wake_timeout": START_S},
-            {"name": f"beta-{tag}", "model": str(beta), "args": vllm_args(),
-             "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "start": "lazy",
-             "sleep": {"level": "stop", "idle_after": 2, "stop_after": 2},
-             "startup_timeout": START_S, "wake_timeout": START_S},
+            {
+                "name": f"alpha-{tag}",
+                "aliases": [f"a-{tag}"],
+                "model": str(alpha),
+                "args": vllm_args(),
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                "sleep": {"level": "kv", "idle_after": 6},
+                "restart": {"policy": "on-failure", "backoff_s": 1},
+                "startup_timeout": START_S,
+                "wake_timeout": START_S,
+            },
+            {
+                "name": f"beta-{tag}",
+                "model": str(beta),
+                "args": vllm_args(),
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                "start": "lazy",
+                "sleep": {"level": "stop", "idle_after": 2, "stop_after": 2},
+                "startup_timeout": START_S,
+                "wake_timeout": START_S,
+            },
         ],
     }
     config = work / "serve.yaml"
     config.write_text(json.dumps(cfg))  # JSON is YAML
     env = dict(os.environ)
-    env.update({"KVCACHED_LEDGER_DIR": str(work), "VLLM_NO_USAGE_STATS": "1",
-                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "KVCACHED_LEDGER_DIR": str(work),
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.pop("KVCACHED_IPC_NAME", None)
     log = work / "serve.log"
     s = Served(start_serve(config, env, log), port, config, env, work, log, tag)
@@ -226,17 +274,21 @@ def test_outputs_equal_the_engines_own(served):
         via = greedy(router, f"a-{served.tag}", prompt)
         direct = greedy(served.engine_client("alpha"), name, prompt)
         assert via == direct and via
-        chunks = router.completions.create(model=name, prompt=prompt, max_tokens=8,
-                                           temperature=0, stream=True)
+        chunks = router.completions.create(
+            model=name, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
         streamed = [c.choices[0].text for c in chunks if c.choices]
         assert len(streamed) >= 2 and "".join(streamed) == direct
-        chat = router.chat.completions.create(model=name, messages=messages, max_tokens=6,
-                                              temperature=0)
+        chat = router.chat.completions.create(
+            model=name, messages=messages, max_tokens=6, temperature=0
+        )
         chat_direct = served.engine_client("alpha").chat.completions.create(
-            model=name, messages=messages, max_tokens=6, temperature=0)
+            model=name, messages=messages, max_tokens=6, temperature=0
+        )
         assert chat.choices[0].message.content == chat_direct.choices[0].message.content
-        stream = router.chat.completions.create(model=name, messages=messages, max_tokens=6,
-                                                temperature=0, stream=True)
+        stream = router.chat.completions.create(
+            model=name, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == chat_direct.choices[0].message.content
 
@@ -281,12 +333,21 @@ def test_sixteen_requests_to_a_sleeping_model_cause_one_wake(served):
     wakes = served.state("alpha")["wakes"]
 
     async def burst() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{served.port}/v1",
-                                    api_key="none", timeout=600, max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{served.port}/v1",
+            api_key="none",
+            timeout=600,
+            max_retries=0,
+        )
         try:
-            outs = await asyncio.gather(*[
-                client.completions.create(model=name, prompt=words(5, 6, i + 3), max_tokens=4,
-                                          temperature=0) for i in range(16)])
+            outs = await asyncio.gather(
+                *[
+                    client.completions.create(
+                        model=name, prompt=words(5, 6, i + 3), max_tokens=4, temperature=0
+                    )
+                    for i in range(16)
+                ]
+            )
         finally:
             await client.close()
         return [o.choices[0].text for o in outs]

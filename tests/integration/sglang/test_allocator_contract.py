@@ -46,11 +46,18 @@ def _pair(page_size: int = PAGE):
     """SGLang's allocator and kvcached's, same size and page size (ample memory)."""
     ours, kv, _ = elastic_allocator(SIZE, page_size, None)
     if page_size == 1:
-        native = TokenToKVPoolAllocator(SIZE, dtype=torch.float32, device="cpu", kvcache=None,
-                                        need_sort=False)
+        native = TokenToKVPoolAllocator(
+            SIZE, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False
+        )
     else:
-        native = PagedTokenToKVPoolAllocator(SIZE, page_size=page_size, dtype=torch.float32,
-                                             device="cpu", kvcache=None, need_sort=False)
+        native = PagedTokenToKVPoolAllocator(
+            SIZE,
+            page_size=page_size,
+            dtype=torch.float32,
+            device="cpu",
+            kvcache=None,
+            need_sort=False,
+        )
     return native, ours, kv
 
 
@@ -96,8 +103,11 @@ def test_unaligned_alloc_is_asserted_in_debug_mode_only(debug) -> None:
         kv.close()
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(ops=ops)
 def test_scheduler_like_sequences_pass_sglangs_debug_checks(monkeypatch, ops) -> None:
     """The allocator model's sequences with every debug assertion on: neither
@@ -115,7 +125,7 @@ def test_scheduler_like_sequences_pass_sglangs_debug_checks(monkeypatch, ops) ->
 
 def _segments(alloc, pages: int):
     got = alloc.alloc(pages * PAGE)
-    return got, [(got[i * PAGE:(i + 1) * PAGE], i * PAGE) for i in range(pages)]
+    return got, [(got[i * PAGE : (i + 1) * PAGE], i * PAGE) for i in range(pages)]
 
 
 @pytest.mark.parametrize("page_size", [1, PAGE])
@@ -123,28 +133,51 @@ def test_every_public_method_answers_alike(debug, page_size) -> None:
     native, ours, kv = _pair(page_size)
     ps = page_size
     try:
+
         def both(fn):
             a, b = fn(native), fn(ours)
             assert a == b, (a, b)
             return a
 
         both(lambda x: (x.size, x.size_full, x.page_size, x.available_size()))
-        both(lambda x: (x.debug_print(), x.verify_byte_accounting(), x.mamba_full_cache_donor(),
-                        x.prealloc_fits_assumes_reclaim(), x.prealloc_ceiling_fits(8, 0),
-                        x.request_slot_reserve(has_req_pool_slot=True, prefill_tokens=5)))
+        both(
+            lambda x: (
+                x.debug_print(),
+                x.verify_byte_accounting(),
+                x.mamba_full_cache_donor(),
+                x.prealloc_fits_assumes_reclaim(),
+                x.prealloc_ceiling_fits(8, 0),
+                x.request_slot_reserve(has_req_pool_slot=True, prefill_tokens=5),
+            )
+        )
         both(lambda x: x.prealloc_fits(None, 8, 0, full_budget_tokens=8))
-        both(lambda x: x.max_new_tokens_for_memory(5, 100, token_capacity=SIZE,
-                                                   sliding_window_size=None, chunk_size=None))
-        both(lambda x: x.get_extend_allocation_demand(torch.tensor([0]), torch.tensor([5]),
-                                                      conservative_num_tokens=8, shard_size=1))
+        both(
+            lambda x: x.max_new_tokens_for_memory(
+                5, 100, token_capacity=SIZE, sliding_window_size=None, chunk_size=None
+            )
+        )
+        both(
+            lambda x: x.get_extend_allocation_demand(
+                torch.tensor([0]), torch.tensor([5]), conservative_num_tokens=8, shard_size=1
+            )
+        )
         both(lambda x: x.evict_to_free_tokens(None, 4))
         both(lambda x: x.check_decode_capacity(num_tokens=4, tree_cache=None))
         both(lambda x: x.translate_kv_indices_for_transfer(torch.arange(3)).tolist())
         both(lambda x: x.set_hicache_transfer_done_event("k", None))
         # Frees of every shape: free, free_full, free_segment(s), free_full_segment(s),
         # free_page_ids, and a free group; each gives back exactly what it should.
-        for how in ("free", "free_full", "segment", "segments", "full_segment",
-                    "full_segments", "page_ids", "group"):
+        for how in (
+            "free",
+            "free_full",
+            "segment",
+            "segments",
+            "full_segment",
+            "full_segments",
+            "page_ids",
+            "group",
+        ):
+
             def run(x, how=how):
                 before = x.available_size()
                 got, segs = _segments(x, 3) if ps > 1 else (x.alloc(3), [])
@@ -165,13 +198,14 @@ def test_every_public_method_answers_alike(debug, page_size) -> None:
                 elif how == "group":
                     x.free_group_begin()
                     x.free(got[: len(got) // 2])
-                    x.free(got[len(got) // 2:])
+                    x.free(got[len(got) // 2 :])
                     held = x.available_size()
                     x.free_group_end()
                     return before - held, x.available_size() - before
                 else:
                     x.free(got)
                 return x.available_size() - before
+
             both(run)
         both(lambda x: x.merge_and_sort_free())
         if ps > 1:
@@ -180,8 +214,13 @@ def test_every_public_method_answers_alike(debug, page_size) -> None:
         held = [x.alloc(2 * ps) for x in (native, ours)]
         assert [h.numel() for h in held] == [2 * ps, 2 * ps]
         both(lambda x: (x.clear(), x.available_size()))
-        both(lambda x: (x.resize(type("C", (), {"max_total_num_tokens": SIZE // 2})()),
-                        x.size, x.available_size()))
+        both(
+            lambda x: (
+                x.resize(type("C", (), {"max_total_num_tokens": SIZE // 2})()),
+                x.size,
+                x.available_size(),
+            )
+        )
         # Differs on purpose: there is no free-page tensor (SGLang's base allows None).
         assert ours.get_all_free_pages() is None and native.get_all_free_pages() is not None
         kv.blocks.check()

@@ -33,16 +33,30 @@ def env(tmp_path, monkeypatch):
     config.reload_config()
 
 
-def make(page_size: int, size: int, *, capacity_mib: int = 256, index: int = 72,
-         register: bool = False, **kw) -> tuple[ElasticKV, SlotAllocator]:
+def make(
+    page_size: int,
+    size: int,
+    *,
+    capacity_mib: int = 256,
+    index: int = 72,
+    register: bool = False,
+    **kw,
+) -> tuple[ElasticKV, SlotAllocator]:
     from kvcached.ledger import open_pool_budget
 
     driver = HostDriver(index=index, capacity=capacity_mib * MIB)
     budget = open_pool_budget(driver, "sglang-core", calibrate=False)
     kw.setdefault("min_reserved", 0)
     kw.setdefault("max_reserved", 0)
-    kv = ElasticKV(KVShape(page_size=page_size, size=size, **SHAPE), driver=driver,
-                   budget=budget, register=register, background=False, max_handle_bytes=0, **kw)
+    kv = ElasticKV(
+        KVShape(page_size=page_size, size=size, **SHAPE),
+        driver=driver,
+        budget=budget,
+        register=register,
+        background=False,
+        max_handle_bytes=0,
+        **kw,
+    )
     return kv, SlotAllocator(kv, size // page_size)
 
 
@@ -70,12 +84,36 @@ def test_separate_v_head_dim_and_mla_shapes(env):
     driver = HostDriver(index=73, capacity=256 * MIB)
     from kvcached.memory.free_budget import DriverFreeBudget
 
-    kv = ElasticKV(KVShape(layers=1, page_size=1, size=64, heads=4, head_dim=128, v_head_dim=64,
-                           dtype=torch.bfloat16), driver=driver, budget=DriverFreeBudget(driver),
-                   register=False, background=False)
-    mla = ElasticKV(KVShape(layers=3, page_size=1, size=64, heads=1, head_dim=576,
-                            dtype=torch.bfloat16, kv_buffers=1), driver=driver,
-                    budget=DriverFreeBudget(driver), register=False, background=False)
+    kv = ElasticKV(
+        KVShape(
+            layers=1,
+            page_size=1,
+            size=64,
+            heads=4,
+            head_dim=128,
+            v_head_dim=64,
+            dtype=torch.bfloat16,
+        ),
+        driver=driver,
+        budget=DriverFreeBudget(driver),
+        register=False,
+        background=False,
+    )
+    mla = ElasticKV(
+        KVShape(
+            layers=3,
+            page_size=1,
+            size=64,
+            heads=1,
+            head_dim=576,
+            dtype=torch.bfloat16,
+            kv_buffers=1,
+        ),
+        driver=driver,
+        budget=DriverFreeBudget(driver),
+        register=False,
+        background=False,
+    )
     try:
         k, v = kv.mha_buffers()
         assert k[0].shape[1:] == (4, 128) and v[0].shape[1:] == (4, 64)

@@ -83,26 +83,44 @@ class _Layer:
 def _configurator(monkeypatch, page_size: int, *, draft: bool = False) -> kc.KVCacheConfigurator:
     """A configurator as the model runner would have made it for a tiny
     model on CPU, with SGLang's global argument bags stood in for."""
-    schedule = NS(page_size=page_size, prefill_only_disable_kv_cache=False,
-                  mem_fraction_static=0.5)
+    schedule = NS(page_size=page_size, prefill_only_disable_kv_cache=False, mem_fraction_static=0.5)
     parallel = NS(attn_tp_size=1, attn_dcp_size=1, dcp_enabled=False, launch_world_size=1)
     for name, value in {
-        "get_schedule": schedule, "get_parallel": parallel,
+        "get_schedule": schedule,
+        "get_parallel": parallel,
         "get_memory": NS(enable_hisparse=False, enable_unified_memory=False),
-        "get_exec": NS(features=NS(enable_memory_saver=False), kernel=NS(attention_backend="torch_native")),
+        "get_exec": NS(
+            features=NS(enable_memory_saver=False), kernel=NS(attention_backend="torch_native")
+        ),
         "get_disagg": NS(disaggregation_mode="null", enable_pdmux=False),
         "get_spec": NS(speculative_algorithm=None),
     }.items():
         monkeypatch.setattr(kc, name, lambda value=value: value)
     conf = object.__new__(kc.KVCacheConfigurator)
-    model = NS(get_num_kv_heads=lambda tp, dcp=1: 8, head_dim=128, v_head_dim=128,
-               kv_lora_rank=64, qk_rope_head_dim=32)
+    model = NS(
+        get_num_kv_heads=lambda tp, dcp=1: 8,
+        head_dim=128,
+        v_head_dim=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=32,
+    )
     fields = dict(
-        model_config=model, device="cpu", gpu_id=0, kv_cache_dtype=torch.float16,
-        kv_cache_dtype_str="auto", page_size=page_size, is_draft_worker=draft,
-        is_hybrid_swa=False, kv_shard_rank=None, kv_shard_size=1, kv_shard_spec=None,
-        kv_shard_group=None, post_capture_kv_active=False, use_mla_backend=False,
-        mambaish_config=None, layer_info=NS(num_effective_layers=2, start_layer=0, end_layer=2),
+        model_config=model,
+        device="cpu",
+        gpu_id=0,
+        kv_cache_dtype=torch.float16,
+        kv_cache_dtype_str="auto",
+        page_size=page_size,
+        is_draft_worker=draft,
+        is_hybrid_swa=False,
+        kv_shard_rank=None,
+        kv_shard_size=1,
+        kv_shard_spec=None,
+        kv_shard_group=None,
+        post_capture_kv_active=False,
+        use_mla_backend=False,
+        mambaish_config=None,
+        layer_info=NS(num_effective_layers=2, start_layer=0, end_layer=2),
     )
     for name, value in fields.items():  # a slotted dataclass: one slot at a time
         setattr(conf, name, value)
@@ -126,13 +144,19 @@ def _build(conf: kc.KVCacheConfigurator, size: int, kind: str = "mha"):
         cls = conf._resolve_kv_pool_class(kind="mla", default=MLATokenToKVPool)
         pool = conf._build_mla_kv_pool(max_total_num_tokens=size, mla_pool_class=cls)
     allocator = conf._build_token_to_kv_pool_allocator(
-        sizes=NS(max_total_num_tokens=size), token_to_kv_pool=pool, is_dsv4_model=False,
-        req_to_token_pool=None, token_to_kv_pool_allocator=None)
+        sizes=NS(max_total_num_tokens=size),
+        token_to_kv_pool=pool,
+        is_dsv4_model=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
     return pool, allocator
 
 
-@pytest.mark.parametrize(("page_size", "allocator_cls"), [
-    (1, pools.ElasticTokenToKVPoolAllocator), (16, pools.ElasticPagedTokenToKVPoolAllocator)])
+@pytest.mark.parametrize(
+    ("page_size", "allocator_cls"),
+    [(1, pools.ElasticTokenToKVPoolAllocator), (16, pools.ElasticPagedTokenToKVPoolAllocator)],
+)
 def test_configurator_builds_elastic_mha(monkeypatch, pools_group, page_size, allocator_cls):
     conf = _configurator(monkeypatch, page_size)
     pool, allocator = _build(conf, 4096)
@@ -173,12 +197,25 @@ def test_without_the_group_or_for_a_draft_worker_sglang_builds_its_own(monkeypat
     conf = _configurator(monkeypatch, 1, draft=True)  # shares the target's allocator
     pool = conf._build_mha_kv_pool(
         max_total_num_tokens=64,
-        mha_pool_class=conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool))
+        mha_pool_class=conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool),
+    )
     assert type(pool) is MHATokenToKVPool
-    assert type(pools.token_allocator(64, dtype=torch.float16, device="cpu", kvcache=pool,
-                                      need_sort=False)) is TokenToKVPoolAllocator
-    assert type(pools.paged_allocator(64, page_size=4, dtype=torch.float16, device="cpu",
-                                      kvcache=pool, need_sort=False)) is PagedTokenToKVPoolAllocator
+    assert (
+        type(
+            pools.token_allocator(
+                64, dtype=torch.float16, device="cpu", kvcache=pool, need_sort=False
+            )
+        )
+        is TokenToKVPoolAllocator
+    )
+    assert (
+        type(
+            pools.paged_allocator(
+                64, page_size=4, dtype=torch.float16, device="cpu", kvcache=pool, need_sort=False
+            )
+        )
+        is PagedTokenToKVPoolAllocator
+    )
 
 
 def test_hybrid_linear_pool_gets_an_elastic_full_attention_pool():
@@ -186,15 +223,23 @@ def test_hybrid_linear_pool_gets_an_elastic_full_attention_pool():
     from the class the configurator resolved; the allocator finds it."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
-    pool = HybridLinearKVPool(size=4096, dtype=torch.float16, page_size=1, head_num=8,
-                              head_dim=128, full_attention_layer_ids=[1, 3], device="cpu",
-                              mamba_pool=None,
-                              full_kv_pool_class=pools.ElasticMHATokenToKVPool)
+    pool = HybridLinearKVPool(
+        size=4096,
+        dtype=torch.float16,
+        page_size=1,
+        head_num=8,
+        head_dim=128,
+        full_attention_layer_ids=[1, 3],
+        device="cpu",
+        mamba_pool=None,
+        full_kv_pool_class=pools.ElasticMHATokenToKVPool,
+    )
     kv = pools.elastic_kv_of(pool)
     try:
         assert kv is pool.full_kv_pool.kvcached and kv is not None
-        alloc = pools.token_allocator(4096, dtype=torch.float16, device="cpu", kvcache=pool,
-                                      need_sort=False)
+        alloc = pools.token_allocator(
+            4096, dtype=torch.float16, device="cpu", kvcache=pool, need_sort=False
+        )
         assert type(alloc) is pools.ElasticTokenToKVPoolAllocator
         loc = alloc.alloc(10)
         k = torch.randn(10, 8, 128, dtype=torch.float16)
@@ -241,34 +286,62 @@ HEADS, HEAD_DIM = 64, 512
 
 def elastic_allocator(size: int, page_size: int, budget_pages: int | None):
     driver = HostDriver(index=71, capacity=512 * MIB)
-    shape = KVShape(layers=1, page_size=page_size, size=size, heads=HEADS, head_dim=HEAD_DIM,
-                    dtype=torch.float32)
+    shape = KVShape(
+        layers=1,
+        page_size=page_size,
+        size=size,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.float32,
+    )
     budget = ExactBudget(10**12 if budget_pages is None else budget_pages * 4 * MIB)
-    kv = ElasticKV(shape, driver=driver, budget=budget, register=False, min_reserved=1,
-                   max_reserved=2, background=False, max_handle_bytes=0)
+    kv = ElasticKV(
+        shape,
+        driver=driver,
+        budget=budget,
+        register=False,
+        min_reserved=1,
+        max_reserved=2,
+        background=False,
+        max_handle_bytes=0,
+    )
     kvcache = NS(kvcached=kv)
     if page_size == 1:
-        alloc = pools.token_allocator(size, dtype=torch.float32, device="cpu", kvcache=kvcache,
-                                      need_sort=False)
+        alloc = pools.token_allocator(
+            size, dtype=torch.float32, device="cpu", kvcache=kvcache, need_sort=False
+        )
     else:
-        alloc = pools.paged_allocator(size, page_size=page_size, dtype=torch.float32,
-                                      device="cpu", kvcache=kvcache, need_sort=False)
+        alloc = pools.paged_allocator(
+            size,
+            page_size=page_size,
+            dtype=torch.float32,
+            device="cpu",
+            kvcache=kvcache,
+            need_sort=False,
+        )
     bpp = kv.cache.blocks_per_page
     usable = None if budget_pages is None else (budget_pages * bpp - 1) * page_size
     return alloc, kv, usable
 
 
 ops = st.lists(
-    st.builds(Op, kind=st.sampled_from(["new", "new", "extend", "decode", "decode", "finish",
-                                        "group_free", "clear"]),
-              a=st.integers(0, 40), b=st.integers(0, 3)),
+    st.builds(
+        Op,
+        kind=st.sampled_from(
+            ["new", "new", "extend", "decode", "decode", "finish", "group_free", "clear"]
+        ),
+        a=st.integers(0, 40),
+        b=st.integers(0, 3),
+    ),
     max_size=40,
 )
 _settings = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @_settings
-@given(ops=ops, page_size=st.sampled_from([1, 2, 4, 16]), budget_pages=st.sampled_from([None, 2, 3]))
+@given(
+    ops=ops, page_size=st.sampled_from([1, 2, 4, 16]), budget_pages=st.sampled_from([None, 2, 3])
+)
 def test_elastic_allocators_match_the_model(ops, page_size, budget_pages):
     size = 48 if page_size == 1 else 64
     alloc, kv, usable = elastic_allocator(size, page_size, budget_pages)
@@ -285,8 +358,9 @@ def test_elastic_allocators_match_the_model(ops, page_size, budget_pages):
 
 def test_a_small_budget_misses_where_the_native_class_allocates():
     alloc, kv, usable = elastic_allocator(48, 1, budget_pages=2)
-    native = pools.TokenToKVPoolAllocator(48, dtype=torch.float32, device="cpu",
-                                          kvcache=None, need_sort=False)
+    native = pools.TokenToKVPoolAllocator(
+        48, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False
+    )
     try:
         assert usable == 31 and alloc.available_size() == 31
         assert native.alloc(40) is not None
@@ -307,7 +381,9 @@ def test_decode_capacity_reserves_the_pages_it_promised():
         assert alloc.check_decode_capacity(num_tokens=4, tree_cache=None)
         assert slots.stashed == 1
         kv.budget.capacity = kv.budget.used  # someone else took everything
-        out = alloc.alloc_decode(torch.tensor([5]), torch.tensor([5]), torch.tensor([int(full[-1])]))
+        out = alloc.alloc_decode(
+            torch.tensor([5]), torch.tensor([5]), torch.tensor([int(full[-1])])
+        )
         assert out is not None and int(out[0]) % 4 == 0
         slots.end_round()
         assert slots.stashed == 0
@@ -352,8 +428,9 @@ class _Scheduler:
 
     def __init__(self, allocator, reqs: list) -> None:
         self.token_to_kv_pool_allocator = allocator
-        self.tree_cache = NS(evictable_size=lambda: 0, evict=None,
-                             supports_prefix_sharing=lambda: False)
+        self.tree_cache = NS(
+            evictable_size=lambda: 0, evict=None, supports_prefix_sharing=lambda: False
+        )
         self.waiting_queue = list(reqs)
         self.chunked_req = None
 
@@ -392,9 +469,15 @@ def test_a_prefill_that_cannot_reserve_waits_with_its_retraction_history(schedul
         assert sched.get_next_batch_to_run(running, None) == (None, running)
         assert sched.waiting_queue == [fresh, retracted, third]
         assert (fresh.is_retracted, fresh.retracted_stain, fresh.retraction_count) == (
-            False, False, 0)
-        assert (retracted.is_retracted, retracted.retracted_stain,
-                retracted.retraction_count) == (True, True, 2)
+            False,
+            False,
+            0,
+        )
+        assert (retracted.is_retracted, retracted.retracted_stain, retracted.retraction_count) == (
+            True,
+            True,
+            2,
+        )
         slots = alloc.kvcached_slots
         assert slots.stashed == 0 and slots.n_live == 0 and slots.misses == 1
         # Memory came back (another engine left): the same batch now runs.
@@ -411,11 +494,17 @@ def test_a_prefill_that_cannot_reserve_waits_with_its_retraction_history(schedul
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
+    }
     environment.update(env, PYTHONPATH=f"{STUBS}{os.pathsep}{ROOT}")
-    return subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)],
-                          env=environment, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(code)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_patch_is_inert_without_enable_kvcached():
@@ -436,7 +525,8 @@ def test_patch_is_inert_without_enable_kvcached():
 
 
 def test_patch_installs_every_group_on_the_real_sglang():
-    proc = _run("""
+    proc = _run(
+        """
         from kvcached.integrations.sglang import apply, patch
         assert apply().applied
         import sglang.srt.managers.scheduler as sched
@@ -445,7 +535,10 @@ def test_patch_installs_every_group_on_the_real_sglang():
         assert kc.TokenToKVPoolAllocator is pools.token_allocator
         assert sched.Scheduler.get_next_batch_to_run.__wrapped__ is not None
         print(sorted(patch.group_states().items()))
-    """, ENABLE_KVCACHED="true", KVCACHED_DRIVER="host")
+    """,
+        ENABLE_KVCACHED="true",
+        KVCACHED_DRIVER="host",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     states = dict(eval(proc.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own repr
     assert states["pools"] == states["scheduler"] == "installed", states

@@ -49,9 +49,15 @@ def mha_pool(size: int, page_size: int, device: str = "cpu") -> MHATokenToKVPool
     )
 
 
-def token_allocator(size: int, need_sort: bool = False, device: str = "cpu") -> TokenToKVPoolAllocator:
+def token_allocator(
+    size: int, need_sort: bool = False, device: str = "cpu"
+) -> TokenToKVPoolAllocator:
     return TokenToKVPoolAllocator(
-        size, dtype=torch.float16, device=device, kvcache=mha_pool(size, 1, device), need_sort=need_sort
+        size,
+        dtype=torch.float16,
+        device=device,
+        kvcache=mha_pool(size, 1, device),
+        need_sort=need_sort,
     )
 
 
@@ -84,9 +90,7 @@ def test_mha_pool_buffers_have_one_padding_page(page_size: int) -> None:
         # size + page_size rows: slot 0's page absorbs padded-token writes.
         assert k.shape == v.shape == (64 + page_size, HEADS, HEAD_DIM)
         assert k.dtype == torch.float16 and k.device.type == "cpu"
-    assert pool.get_kv_size_bytes() == (
-        LAYERS * (64 + page_size) * HEADS * HEAD_DIM * 2,
-    ) * 2
+    assert pool.get_kv_size_bytes() == (LAYERS * (64 + page_size) * HEADS * HEAD_DIM * 2,) * 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -191,7 +195,9 @@ def test_paged_alloc_extend_and_decode_stay_page_aligned() -> None:
     assert [t % 4 for t in r0] == [0, 1, 2, 3, 0] and [t % 4 for t in r1] == [0, 1, 2]
     assert alloc.available_size() == 32 - 3 * 4
     # Decode: r0 (len 5 -> 6) stays in its page, r1 (len 3 -> 4) too.
-    dec = alloc.alloc_decode(torch.tensor([6, 4]), torch.tensor([6, 4]), torch.tensor([r0[-1], r1[-1]]))
+    dec = alloc.alloc_decode(
+        torch.tensor([6, 4]), torch.tensor([6, 4]), torch.tensor([r0[-1], r1[-1]])
+    )
     assert dec.tolist() == [r0[-1] + 1, r1[-1] + 1]
     assert alloc.available_size() == 32 - 3 * 4
 
@@ -200,11 +206,16 @@ def test_paged_exhaustion_is_none() -> None:
     alloc = paged_allocator(8, 4)
     prefix = torch.tensor([0])
     seq = torch.tensor([9])
-    assert alloc.alloc_extend(prefix, prefix.clone(), seq, seq.clone(), torch.tensor([-1]), 9) is None
+    assert (
+        alloc.alloc_extend(prefix, prefix.clone(), seq, seq.clone(), torch.tensor([-1]), 9) is None
+    )
     assert alloc.available_size() == 8  # a miss takes nothing
     full = alloc.alloc(8)
     assert full is not None
-    assert alloc.alloc_decode(torch.tensor([5]), torch.tensor([5]), torch.tensor([full[3].item()])) is None
+    assert (
+        alloc.alloc_decode(torch.tensor([5]), torch.tensor([5]), torch.tensor([full[3].item()]))
+        is None
+    )
 
 
 # -- randomized reference sequences ------------------------------------------------
@@ -212,15 +223,15 @@ def test_paged_exhaustion_is_none() -> None:
 ops = st.lists(
     st.builds(
         Op,
-        kind=st.sampled_from(["new", "new", "extend", "decode", "decode", "finish", "group_free", "clear"]),
+        kind=st.sampled_from(
+            ["new", "new", "extend", "decode", "decode", "finish", "group_free", "clear"]
+        ),
         a=st.integers(0, 40),
         b=st.integers(0, 3),
     ),
     max_size=40,
 )
-_settings = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+_settings = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.mark.parametrize("device", DEVICES)

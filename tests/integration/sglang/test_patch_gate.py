@@ -116,7 +116,9 @@ def test_group_installs_when_trigger_imports(env, fake_sglang, monkeypatch) -> N
     env(ENABLE_KVCACHED="true")
     fake_sglang("0.5.23")
     target = types.SimpleNamespace(value="native")
-    group = PatchGroup("pools", "kv_fake_trigger", lambda p, m: p.replace(target, "value", "elastic"))
+    group = PatchGroup(
+        "pools", "kv_fake_trigger", lambda p, m: p.replace(target, "value", "elastic")
+    )
     patch._apply((group,))
     assert patch.group_states() == {"pools": "pending"} and target.value == "native"
     monkeypatch.setitem(sys.modules, "kv_fake_trigger", types.ModuleType("kv_fake_trigger"))

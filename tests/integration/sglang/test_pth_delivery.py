@@ -46,7 +46,10 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = env_dir / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.strip()
     site_dir = Path(purelib)
     (site_dir / "kvcached_sglang.pth").write_text(SHIPPED_PTH.read_text())
@@ -61,8 +64,12 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-def run(python: Path, code: str, *, fake_sglang: bool = True, **env: str) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+def run(
+    python: Path, code: str, *, fake_sglang: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
+    }
     environment.pop("PYTHONPATH", None)
     environment.update(env)
     prelude = ""
@@ -84,19 +91,25 @@ def kvcached_lines(stderr: str) -> list[str]:
 @pytest.mark.parametrize("value", [None, "", "0", "false", "off", "no"])
 def test_disabled_imports_nothing(venv: Path, value: str | None) -> None:
     env = {} if value is None else {"ENABLE_KVCACHED": value}
-    proc = run(venv, """
+    proc = run(
+        venv,
+        """
         import sys
         assert "kvcached" not in sys.modules, "the .pth imported kvcached while disabled"
         import sglang
         assert "kvcached" not in sys.modules
         print("ok")
-    """, **env)
+    """,
+        **env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok" and kvcached_lines(proc.stderr) == []
 
 
 def test_enabled_patches_on_import_with_one_line(venv: Path) -> None:
-    proc = run(venv, """
+    proc = run(
+        venv,
+        """
         import sys
         assert "kvcached.integrations.sglang.patch" not in sys.modules
         assert "torch" not in sys.modules
@@ -108,7 +121,9 @@ def test_enabled_patches_on_import_with_one_line(venv: Path) -> None:
         import kvcached.integrations.sglang.autopatch as autopatch
         autopatch.install()  # a second install adds nothing
         print("torch" in sys.modules)
-    """, ENABLE_KVCACHED="true")
+    """,
+        ENABLE_KVCACHED="true",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"  # the hook never imported torch
     lines = kvcached_lines(proc.stderr)
@@ -116,7 +131,9 @@ def test_enabled_patches_on_import_with_one_line(venv: Path) -> None:
 
 
 def test_enabled_without_sglang_is_harmless(venv: Path) -> None:
-    proc = run(venv, """
+    proc = run(
+        venv,
+        """
         from kvcached.integrations import import_hook
         try:
             import sglang
@@ -125,30 +142,43 @@ def test_enabled_without_sglang_is_harmless(venv: Path) -> None:
         else:
             raise AssertionError("sglang should not exist here")
         print(import_hook.pending())
-    """, fake_sglang=False, ENABLE_KVCACHED="1")
+    """,
+        fake_sglang=False,
+        ENABLE_KVCACHED="1",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "('sglang',)" and kvcached_lines(proc.stderr) == []
 
 
 def test_unknown_version_stays_native(venv: Path) -> None:
-    proc = run(venv, """
+    proc = run(
+        venv,
+        """
         import sglang
         from kvcached.integrations.sglang import patch
         assert not patch.result().applied
-    """, ENABLE_KVCACHED="true", FAKE_SGLANG_VERSION="0.6.1")
+    """,
+        ENABLE_KVCACHED="true",
+        FAKE_SGLANG_VERSION="0.6.1",
+    )
     assert proc.returncode == 0, proc.stderr
     lines = kvcached_lines(proc.stderr)
     assert len(lines) == 1 and "SGLang 0.6.1 is not supported" in lines[0]
 
 
 def test_autopatch_off_leaves_it_to_the_application(venv: Path) -> None:
-    proc = run(venv, """
+    proc = run(
+        venv,
+        """
         import sglang
         from kvcached.integrations.sglang import patch
         assert patch.result() is None
         import kvcached.integrations.sglang as kv
         assert kv.apply().applied
-    """, ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="0")
+    """,
+        ENABLE_KVCACHED="true",
+        KVCACHED_AUTOPATCH="0",
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(kvcached_lines(proc.stderr)) == 1
 
@@ -160,7 +190,9 @@ def test_bad_value_fails_the_import_loudly(venv: Path) -> None:
 
 
 def test_spawned_children_are_patched_too(venv: Path) -> None:
-    proc = run(venv, """
+    proc = run(
+        venv,
+        """
         import multiprocessing as mp
 
         def child(queue):
@@ -175,8 +207,11 @@ def test_spawned_children_are_patched_too(venv: Path) -> None:
             p.start()
             print(queue.get(timeout=100))
             p.join(60)
-    """, ENABLE_KVCACHED="true")
+    """,
+        ENABLE_KVCACHED="true",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
-    assert len(kvcached_lines(proc.stderr)) == 1  # the child's line; the parent never imported sglang
-
+    assert (
+        len(kvcached_lines(proc.stderr)) == 1
+    )  # the child's line; the parent never imported sglang

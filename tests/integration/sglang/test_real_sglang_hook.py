@@ -30,11 +30,16 @@ def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     .pth, plus the shipped kvcached_sglang.pth and kvcached from this tree."""
     base = tmp_path_factory.mktemp("real-sglang")
     env_dir = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120
+    )
     exe = env_dir / "bin" / "python"
     purelib = subprocess.run(
         [str(exe), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True, timeout=60,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout.strip()
     site_dir = Path(purelib)
     (site_dir / "aa_kvcached_tree.pth").write_text(f"{ROOT}\n")
@@ -47,13 +52,18 @@ def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(python: Path, code: str, **env: str) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+    environment = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
+    }
     environment.pop("PYTHONPATH", None)
     environment.update(env)
     prelude = f"import sys; sys.path.insert(0, {str(STUBS)!r})\n"
     return subprocess.run(
         [str(python), "-W", "ignore", "-c", prelude + textwrap.dedent(code)],
-        env=environment, capture_output=True, text=True, timeout=300,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -62,13 +72,17 @@ def kvcached_lines(stderr: str) -> list[str]:
 
 
 def test_enabled_patches_real_sglang_once(python: Path) -> None:
-    proc = run(python, """
+    proc = run(
+        python,
+        """
         import sglang.srt.mem_cache.memory_pool  # pulls in `sglang` first
         from kvcached.integrations.sglang import patch
         result = patch.result()
         assert result is not None and result.applied, result
         print(result.sglang_version)
-    """, ENABLE_KVCACHED="true")
+    """,
+        ENABLE_KVCACHED="true",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == sglang.__version__
     lines = kvcached_lines(proc.stderr)
@@ -76,10 +90,13 @@ def test_enabled_patches_real_sglang_once(python: Path) -> None:
 
 
 def test_disabled_leaves_real_sglang_alone(python: Path) -> None:
-    proc = run(python, """
+    proc = run(
+        python,
+        """
         import sys
         import sglang
         assert "kvcached" not in sys.modules
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert kvcached_lines(proc.stderr) == []

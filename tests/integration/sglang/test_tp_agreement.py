@@ -147,17 +147,34 @@ def test_misuse_is_reported() -> None:
 
 def run_ranks(tmp_path: Path, world: int, capacities: list[int], *extra: str) -> list[dict]:
     store = tmp_path / "store"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo",
-               KVCACHED_LOG_LEVEL="WARNING")
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", KVCACHED_LOG_LEVEL="WARNING"
+    )
     procs = []
     for rank in range(world):
         out = tmp_path / f"rank{rank}.json"
         cmd = [
-            sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world),
-            "--store", str(store), "--capacities", ",".join(map(str, capacities)),
-            "--out", str(out), "--ledger-dir", str(tmp_path / "ledgers"), *extra,
+            sys.executable,
+            str(WORKER),
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--store",
+            str(store),
+            "--capacities",
+            ",".join(map(str, capacities)),
+            "--out",
+            str(out),
+            "--ledger-dir",
+            str(tmp_path / "ledgers"),
+            *extra,
         ]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = []
     try:
         for proc in procs:
@@ -185,7 +202,9 @@ def batches(record: dict) -> list[list[int]]:
     ],
     ids=["tp2", "tp3-shrink", "tp2xcp2-shrink"],
 )
-def test_ranks_admit_the_same_batches(tmp_path: Path, world: int, capacities: list[int], extra: tuple) -> None:
+def test_ranks_admit_the_same_batches(
+    tmp_path: Path, world: int, capacities: list[int], extra: tuple
+) -> None:
     records = run_ranks(tmp_path, world, capacities, "--rounds", "60", *extra)
     reference = batches(records[0])
     assert sum(len(b) for b in reference) > 20, "the stream admitted too little to test anything"

@@ -23,12 +23,26 @@ def test_wheel_root_holds_the_pth(tmp_path: Path) -> None:
     tree.mkdir()
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in"):
         shutil.copy(ROOT / name, tree / name)
-    shutil.copytree(ROOT / "kvcached", tree / "kvcached", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "kvcached", tree / "kvcached", ignore=shutil.ignore_patterns("__pycache__")
+    )
     dist = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(dist), str(tree)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(tree),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (wheel,) = dist.glob("kvcached-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl")
@@ -39,13 +53,28 @@ def test_wheel_root_holds_the_pth(tmp_path: Path) -> None:
         meta = next(n for n in names if n.endswith(".dist-info/WHEEL"))
         assert "Root-Is-Purelib: true" in zf.read(meta).decode()
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
-        assert any(line.startswith("kvcached_sglang.pth,") for line in zf.read(record).decode().splitlines())
+        assert any(
+            line.startswith("kvcached_sglang.pth,")
+            for line in zf.read(record).decode().splitlines()
+        )
 
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
-         "--target", str(target), str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     assert (target / "kvcached_sglang.pth").read_text() == PTH_LINE + "\n"
     assert (target / "kvcached" / "integrations" / "sglang" / "autopatch.py").is_file()

@@ -46,9 +46,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--mode", choices=("agreed", "local"), default="agreed")
-    parser.add_argument("--grid", action="store_true", help="reduce over TP then CP groups (world 4)")
-    parser.add_argument("--shrink", default="",
-                        help="rank:round,... another pool takes all headroom mid-round")
+    parser.add_argument(
+        "--grid", action="store_true", help="reduce over TP then CP groups (world 4)"
+    )
+    parser.add_argument(
+        "--shrink", default="", help="rank:round,... another pool takes all headroom mid-round"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -88,10 +91,20 @@ def main() -> None:
     other = ledger.register_pool("other-engine")  # grabs memory for --shrink
     # One block = one SGLang page of 256 tokens x 8 heads x 128 dims (fp16):
     # 512 KiB per buffer, 4 blocks per 2 MiB kvcached page.
-    shape = KVShape(layers=1, page_size=256, size=256 * 400, heads=8, head_dim=128,
-                    dtype=torch.float16)
-    kv = ElasticKV(shape, name="kv", driver=driver, budget=budget, register=False,
-                   min_reserved=0, max_reserved=0, background=False, max_handle_bytes=0)
+    shape = KVShape(
+        layers=1, page_size=256, size=256 * 400, heads=8, head_dim=128, dtype=torch.float16
+    )
+    kv = ElasticKV(
+        shape,
+        name="kv",
+        driver=driver,
+        budget=budget,
+        register=False,
+        min_reserved=0,
+        max_reserved=0,
+        background=False,
+        max_handle_bytes=0,
+    )
     slots = SlotAllocator(kv, 400)
     if args.mode == "agreed":
         slots.attach(GroupReducer(groups))
@@ -142,15 +155,17 @@ def main() -> None:
                 other.flush()
         finally:
             slots.end_round()
-        record["rounds"].append({
-            "round": rnd,
-            "local_at_begin": local_at_begin,
-            "agreed": agreed,
-            "admitted": admitted,
-            "local_failures": failures,
-            "misses": misses,
-            "shrunk": lost,
-        })
+        record["rounds"].append(
+            {
+                "round": rnd,
+                "local_at_begin": local_at_begin,
+                "agreed": agreed,
+                "admitted": admitted,
+                "local_failures": failures,
+                "misses": misses,
+                "shrunk": lost,
+            }
+        )
     stats = slots.agreement.stats
     record["stats"] = {
         "rounds": stats.rounds,

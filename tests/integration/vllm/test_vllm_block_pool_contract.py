@@ -134,8 +134,9 @@ class Pair:
                 continue  # a stale handle: its blocks were handed out anew
             assert (a.ref_cnt, a.block_hash) == (b.ref_cnt, b.block_hash), f"handle {h}"
             assert self.native.is_block_writable(a) == self.ours.is_block_writable(b)
-        assert len(self.native.cached_block_hash_to_block) == \
-            len(self.ours.cached_block_hash_to_block)
+        assert len(self.native.cached_block_hash_to_block) == len(
+            self.ours.cached_block_hash_to_block
+        )
         assert self.native.take_events() == self.ours.take_events()
         assert self.reused["native"] == self.reused["ours"]
         self.ours.planner.blocks.check()
@@ -202,10 +203,12 @@ def test_both_pools_answer_every_call_alike(ops) -> None:
         elif op == "unpin" and pair.held:
             handles = pair.held.pop(arg % len(pair.held))
             a, b = pair.blocks(handles)
-            pair.native.unpin_blocks(a, lambda blk: pair.reused["native"].append(
-                pair.of_native.get(blk.block_id, -1)))
-            pair.ours.unpin_blocks(b, lambda blk: pair.reused["ours"].append(
-                pair.of_ours.get(blk.block_id, -1)))
+            pair.native.unpin_blocks(
+                a, lambda blk: pair.reused["native"].append(pair.of_native.get(blk.block_id, -1))
+            )
+            pair.ours.unpin_blocks(
+                b, lambda blk: pair.reused["ours"].append(pair.of_ours.get(blk.block_id, -1))
+            )
         elif op == "evict" and pair.handles:
             # Of a block in use (a KV connector's case); an idle cached block
             # is compared in the test below, where the pools differ on purpose.
@@ -257,8 +260,11 @@ def test_evicting_an_idle_cached_block_gives_it_to_the_planner() -> None:
     ours = _kvcached_pool()
     for pool in (native, ours):
         req = _request("a", [5] * (2 * BLOCK) + [7])
-        blocks = pool.get_new_blocks(3) if pool is native else (ours.reserve(3) or
-                                                                 ours.get_new_blocks(3))
+        blocks = (
+            pool.get_new_blocks(3)
+            if pool is native
+            else (ours.reserve(3) or ours.get_new_blocks(3))
+        )
         pool.cache_full_blocks(req, blocks, 0, 2, BLOCK, 0)
         pool.free_blocks(reversed(blocks))
         free_before = pool.get_num_free_blocks()

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.slow
 
 
 def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcached.cli.kvctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +36,16 @@ def elastic(tiny_llama_dir: Path, vllm_workdir: Path) -> ElasticRecord:
     ledger_dir = vllm_workdir / "elastic-ledger"
 
     def set_limit(name: str, limit: int | None) -> str:
-        done = kvctl("limit", name, str(limit) if limit else "none", "--wait", "0",
-                     "--ledger-dir", str(ledger_dir), "--json")
+        done = kvctl(
+            "limit",
+            name,
+            str(limit) if limit else "none",
+            "--wait",
+            "0",
+            "--ledger-dir",
+            str(ledger_dir),
+            "--json",
+        )
         assert done.returncode == 0, (done.stdout, done.stderr)
         return json.loads(done.stdout)["status"]
 
@@ -40,11 +53,11 @@ def elastic(tiny_llama_dir: Path, vllm_workdir: Path) -> ElasticRecord:
         done = kvctl("list", "--json", "--ledger-dir", str(ledger_dir), name)
         assert done.returncode == 0, (done.stdout, done.stderr)
         rows = json.loads(done.stdout)
-        return sum(r["charged_bytes"] if r["charged_bytes"] is not None else r["used_bytes"]
-                   for r in rows)
+        return sum(
+            r["charged_bytes"] if r["charged_bytes"] is not None else r["used_bytes"] for r in rows
+        )
 
-    return run_elastic_case(tiny_llama_dir, vllm_workdir / "elastic", ledger_dir, set_limit,
-                            usage)
+    return run_elastic_case(tiny_llama_dir, vllm_workdir / "elastic", ledger_dir, set_limit, usage)
 
 
 def _ok(record: ElasticRecord) -> ElasticRecord:
@@ -70,10 +83,12 @@ def test_virtual_size_without_vllm_cpu_kvcache_space(elastic: ElasticRecord) -> 
     """B was started without VLLM_CPU_KVCACHE_SPACE: its virtual KV size is the
     host device's capacity (A's is the 1 GiB it asked for)."""
     r = _ok(elastic)
-    assert any("worker rank 0" in line and "virtual 96.00 MiB" in line
-               for line in r.b.kvcached_lines), r.b.kvcached_lines
-    assert any("worker rank 0" in line and "virtual 1.00 GiB" in line
-               for line in r.a.kvcached_lines), r.a.kvcached_lines
+    assert any(
+        "worker rank 0" in line and "virtual 96.00 MiB" in line for line in r.b.kvcached_lines
+    ), r.b.kvcached_lines
+    assert any(
+        "worker rank 0" in line and "virtual 1.00 GiB" in line for line in r.a.kvcached_lines
+    ), r.a.kvcached_lines
 
 
 def test_a_requests_ok(elastic: ElasticRecord) -> None:
@@ -112,9 +127,10 @@ def test_contended_requests_ok(elastic: ElasticRecord) -> None:
     failed = [(c.status, c.error) for c in r.contended if not c.ok]
     assert not failed, failed[:3]
     assert r.contended_peak <= r.budget
-    assert r.contended_misses.get(r.a.name, 0) + r.contended_misses.get(r.b.name, 0) > 0, \
-        ("both loads together exceed the device: some allocation must have missed",
-         r.contended_misses)
+    assert r.contended_misses.get(r.a.name, 0) + r.contended_misses.get(r.b.name, 0) > 0, (
+        "both loads together exceed the device: some allocation must have missed",
+        r.contended_misses,
+    )
     assert any("KV memory is full" in line for line in r.a.kvcached_lines + r.b.kvcached_lines)
 
 
@@ -126,8 +142,9 @@ def test_probes_unchanged(elastic: ElasticRecord) -> None:
 
 def test_limit_set(elastic: ElasticRecord) -> None:
     r = _ok(elastic)
-    assert r.limit_status and all(s in ("applied", "deferred") for s in r.limit_status), \
+    assert r.limit_status and all(s in ("applied", "deferred") for s in r.limit_status), (
         r.limit_status
+    )
 
 
 def test_limit_cache_filled(elastic: ElasticRecord) -> None:
@@ -168,5 +185,7 @@ def test_alive_and_clean_exit(elastic: ElasticRecord) -> None:
 
 def test_no_error_signatures(elastic: ElasticRecord) -> None:
     r = _ok(elastic)
-    assert r.a.error_signatures == [] and r.b.error_signatures == [], \
-        (r.a.error_signatures, r.b.error_signatures)
+    assert r.a.error_signatures == [] and r.b.error_signatures == [], (
+        r.a.error_signatures,
+        r.b.error_signatures,
+    )

@@ -31,7 +31,7 @@ def test_engine_traceback_is_an_error() -> None:
 
 
 def test_traceback_outside_a_log_record_is_an_error() -> None:
-    raw = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: boom\n"
+    raw = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: boom\n'
     assert [f.split(":")[0] for f in find_error_signatures(raw)] == ["traceback"]
 
 
@@ -58,8 +58,12 @@ def test_kvcached_errors_and_out_of_memory_are_errors() -> None:
 
 
 def test_native_server_env_drops_kvcached_settings_of_the_shell() -> None:
-    shell = {"PATH": "/bin", "KVCACHED_IPC_NAME": "x", "ENABLE_KVCACHED": "true",
-             "KVCACHED_DRIVER": "host"}
+    shell = {
+        "PATH": "/bin",
+        "KVCACHED_IPC_NAME": "x",
+        "ENABLE_KVCACHED": "true",
+        "KVCACHED_DRIVER": "host",
+    }
     env = ServerOptions().env(shell)
     assert env["ENABLE_KVCACHED"] == "false"
     assert not any(k.startswith("KVCACHED_") for k in env)
@@ -73,8 +77,11 @@ def test_kvcached_server_env() -> None:
 
 def test_server_args_carry_the_seed_flags() -> None:
     args = ServerOptions(block_size=64, tensor_parallel=2).args("/m", 1234)  # type: ignore[arg-type]
-    for flag in ("--skip-tokenizer-init", "--enable-prompt-tokens-details",
-                 "--enable-prefix-caching"):
+    for flag in (
+        "--skip-tokenizer-init",
+        "--enable-prompt-tokens-details",
+        "--enable-prefix-caching",
+    ):
         assert flag in args
     assert args[args.index("--block-size") + 1] == "64"
     assert args[args.index("--tensor-parallel-size") + 1] == "2"

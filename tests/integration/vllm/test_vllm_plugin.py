@@ -37,12 +37,19 @@ def run_probe(tmp_path: Path, version: str, **env: str) -> tuple[dict, str]:
     fake = tmp_path / "fake"
     (fake / "vllm").mkdir(parents=True, exist_ok=True)
     (fake / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
+    }
     clean.update(env)
     clean["PYTHONPATH"] = os.pathsep.join([str(fake), str(ROOT)])
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          env=clean, timeout=60, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env=clean,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
@@ -62,8 +69,9 @@ def test_enable_kvcached_off_spellings(tmp_path: Path, value: str) -> None:
 def test_autopatch_off_leaves_it_to_the_embedder(tmp_path: Path) -> None:
     out, err = run_probe(tmp_path, "0.32.0", ENABLE_KVCACHED="true", KVCACHED_AUTOPATCH="0")
     assert out["pending"] == [] and "[kvcached]" not in err
-    assert out["active"] is True and out["pending_again"], \
+    assert out["active"] is True and out["pending_again"], (
         "an explicit apply() still installs the patch"
+    )
 
 
 def test_unknown_version_is_refused_with_one_line(tmp_path: Path) -> None:
@@ -71,8 +79,10 @@ def test_unknown_version_is_refused_with_one_line(tmp_path: Path) -> None:
     lines = [line for line in err.splitlines() if "[kvcached]" in line]
     assert len(lines) == 1, err
     supported = ", ".join(SUPPORTED_VERSIONS)
-    assert f"vLLM 0.33.1 is not supported (supported: {supported}); vLLM runs without kvcached" \
+    assert (
+        f"vLLM 0.33.1 is not supported (supported: {supported}); vLLM runs without kvcached"
         in lines[0]
+    )
     assert out["active"] is False and out["pending"] == [] and out["pending_again"] == []
 
 
@@ -95,9 +105,16 @@ def test_a_bad_variable_stops_vllm_naming_it(tmp_path: Path) -> None:
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text("__version__ = '0.32.0'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_"))}
-    env.update(ENABLE_KVCACHED="true", KVCACHED_PAGE_SIZE_MB="3",
-               PYTHONPATH=os.pathsep.join([str(fake), str(ROOT)]))
+    env.update(
+        ENABLE_KVCACHED="true",
+        KVCACHED_PAGE_SIZE_MB="3",
+        PYTHONPATH=os.pathsep.join([str(fake), str(ROOT)]),
+    )
     proc = subprocess.run(
         [sys.executable, "-c", "from kvcached.integrations.vllm import plugin; plugin()"],
-        capture_output=True, text=True, env=env, timeout=60)
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "KVCACHED_PAGE_SIZE_MB='3' is not valid" in proc.stderr

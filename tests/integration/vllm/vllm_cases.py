@@ -91,7 +91,10 @@ class CaseRecord:
 
 
 def run_basic_case(
-    name: str, model_dir: Path, workdir: Path, options: ServerOptions,
+    name: str,
+    model_dir: Path,
+    workdir: Path,
+    options: ServerOptions,
     ready_timeout_s: float = 300.0,
 ) -> CaseRecord:
     """Start a server, run every phase, stop it; never raises for a server
@@ -116,8 +119,9 @@ def run_basic_case(
 
 
 def _run_phases(server: VllmServer, record: CaseRecord) -> None:
-    def timed(phase: str, prompts: tuple[list[int], ...], max_tokens: int,
-              concurrent: bool) -> None:
+    def timed(
+        phase: str, prompts: tuple[list[int], ...], max_tokens: int, concurrent: bool
+    ) -> None:
         start = time.monotonic()
         record.phases[phase] = server.complete_all(prompts, max_tokens, concurrent=concurrent)
         record.phase_seconds[phase] = time.monotonic() - start

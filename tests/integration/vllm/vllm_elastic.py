@@ -186,9 +186,13 @@ def probe(server: VllmServer) -> list[list[int]]:
     return [c.token_ids for c in server.complete_all(PROBES, PROBE_TOKENS, concurrent=False)]
 
 
-def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
-                     set_limit: Callable[[str, int | None], str],
-                     usage: Callable[[str], int]) -> ElasticRecord:
+def run_elastic_case(
+    model_dir: Path,
+    workdir: Path,
+    ledger_dir: Path,
+    set_limit: Callable[[str, int | None], str],
+    usage: Callable[[str], int],
+) -> ElasticRecord:
     """Run every elastic and limit phase; never raises for a server failure
     (recorded in ``error``). ``set_limit(name, bytes or None)`` lowers or
     restores an instance's limit and returns its status; ``usage(name)`` is
@@ -201,8 +205,9 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
     # B without VLLM_CPU_KVCACHE_SPACE: vLLM would size its cache from the node's
     # free memory (and refuse to start when others use it); kvcached makes the
     # virtual size the host device's capacity.
-    b = VllmServer(model_dir, workdir / "elastic-b.log",
-                   dataclasses.replace(options, kv_cache_gib=None))
+    b = VllmServer(
+        model_dir, workdir / "elastic-b.log", dataclasses.replace(options, kv_cache_gib=None)
+    )
     sampler = UsageSampler(ledger_dir)
     try:
         a.start()
@@ -220,23 +225,24 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
         rec.a.name, rec.b.name = f"vllm-{rec.a.pid}", f"vllm-{rec.b.pid}"
         rec.a_idle, rec.b_idle = charged.get(rec.a.name, 0), charged.get(rec.b.name, 0)
         with sampler:  # (1) A's load
-            rec.a_requests = a.complete_all(load_prompts(100_000), LOAD_OUTPUT,
-                                            ignore_eos=True)
+            rec.a_requests = a.complete_all(load_prompts(100_000), LOAD_OUTPUT, ignore_eos=True)
         rec.a_peak = sampler.peaks.get(rec.a.name, 0)
         rec.free_at_a_peak = rec.budget - sampler.totals_at_peak.get(rec.a.name, 0)
         rec.resets.append(a.reset_prefix_cache())  # (2)
         time.sleep(0.5)
         rec.a_after_reset = sampler.read()[0].get(rec.a.name, 0)
         with sampler:  # (3) B's load
-            rec.b_requests = b.complete_all(load_prompts(200_000), LOAD_OUTPUT,
-                                            ignore_eos=True)
+            rec.b_requests = b.complete_all(load_prompts(200_000), LOAD_OUTPUT, ignore_eos=True)
         rec.b_peak = sampler.peaks.get(rec.b.name, 0)
         rec.resets.append(b.reset_prefix_cache())
         with sampler:  # (4) both at once
             results: dict[str, list[Completion]] = {}
             threads = [
-                threading.Thread(target=lambda s=s, k=k, seed=seed: results.__setitem__(
-                    k, s.complete_all(load_prompts(seed), LOAD_OUTPUT, ignore_eos=True)))
+                threading.Thread(
+                    target=lambda s=s, k=k, seed=seed: results.__setitem__(
+                        k, s.complete_all(load_prompts(seed), LOAD_OUTPUT, ignore_eos=True)
+                    )
+                )
                 for s, k, seed in ((a, "a", 300_000), (b, "b", 400_000))
             ]
             for t in threads:
@@ -264,14 +270,21 @@ def run_elastic_case(model_dir: Path, workdir: Path, ledger_dir: Path,
     return rec
 
 
-def run_limit_phases(server: VllmServer, rec: ElasticRecord, sampler: UsageSampler,
-                     set_limit: Callable[[str, int | None], str],
-                     usage: Callable[[str], int]) -> None:
+def run_limit_phases(
+    server: VllmServer,
+    rec: ElasticRecord,
+    sampler: UsageSampler,
+    set_limit: Callable[[str, int | None], str],
+    usage: Callable[[str], int],
+) -> None:
     name = rec.b.name
     rec.limit_idle = usage(name)
     fill = [token_prompt(500_000 + i, LIMIT_FILL_PROMPT) for i in range(LIMIT_FILL)]
-    done = [c for i in range(0, LIMIT_FILL, 8)
-            for c in server.complete_all(fill[i:i + 8], 1, concurrent=True)]
+    done = [
+        c
+        for i in range(0, LIMIT_FILL, 8)
+        for c in server.complete_all(fill[i : i + 8], 1, concurrent=True)
+    ]
     rec.limit_fill_ok = all(c.ok for c in done)
     rec.limit_filled = usage(name)
     rec.limit = rec.limit_idle + (rec.limit_filled - rec.limit_idle) // 4
@@ -285,14 +298,16 @@ def run_limit_phases(server: VllmServer, rec: ElasticRecord, sampler: UsageSampl
     with sampler:
         short = [token_prompt(600_000 + i, 150) for i in range(100)]
         for i in range(0, len(short), 8):
-            rec.limit_load += server.complete_all(short[i:i + 8], 16, concurrent=True)
+            rec.limit_load += server.complete_all(short[i : i + 8], 16, concurrent=True)
         for i in range(4):
             rec.limit_load.append(server.complete(token_prompt(700_000 + i, 1200), 16))
     rec.limit_peak_under_load = sampler.peaks.get(name, 0)
     rec.limit_status.append(set_limit(name, None))
     refill = [token_prompt(800_000 + i, LIMIT_FILL_PROMPT) for i in range(LIMIT_FILL)]
-    done = [c for i in range(0, LIMIT_FILL, 8)
-            for c in server.complete_all(refill[i:i + 8], 1, concurrent=True)]
+    done = [
+        c
+        for i in range(0, LIMIT_FILL, 8)
+        for c in server.complete_all(refill[i : i + 8], 1, concurrent=True)
+    ]
     rec.limit_refill_ok = all(c.ok for c in done)
     rec.limit_regrown = usage(name)
-

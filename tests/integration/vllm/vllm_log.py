@@ -47,8 +47,10 @@ def find_error_signatures(log_text: str) -> list[str]:
         for name, pattern in ERROR_SIGNATURES:
             if not pattern.search(line):
                 continue
-            benign = name == "traceback" and header is not None and any(
-                b.search(record_first_msg) for b in BENIGN_TRACEBACK_RECORDS
+            benign = (
+                name == "traceback"
+                and header is not None
+                and any(b.search(record_first_msg) for b in BENIGN_TRACEBACK_RECORDS)
             )
             if not benign:
                 found.append(f"{name}: {line.strip()[:300]}")
@@ -58,4 +60,3 @@ def find_error_signatures(log_text: str) -> list[str]:
 def kvcached_lines(log_text: str) -> list[str]:
     """The log's ``[kvcached]`` lines (a native server has none)."""
     return [line for line in log_text.splitlines() if "[kvcached]" in line]
-

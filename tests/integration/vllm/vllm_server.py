@@ -54,7 +54,7 @@ def cpu_binding(ranks: int) -> str:
         return "nobind"
     share = len(cpus) // ranks
     return "|".join(
-        ",".join(str(c) for c in cpus[r * share:(r + 1) * share]) for r in range(ranks)
+        ",".join(str(c) for c in cpus[r * share : (r + 1) * share]) for r in range(ranks)
     )
 
 
@@ -105,17 +105,26 @@ class ServerOptions:
     def args(self, model_dir: Path, port: int) -> list[str]:
         """The server's command-line arguments after ``python -m ...``."""
         args = [
-            "--model", str(model_dir),
-            "--served-model-name", SERVED_MODEL_NAME,
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--load-format", self.load_format,
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load-format",
+            self.load_format,
             "--skip-tokenizer-init",
-            "--seed", str(self.seed),
+            "--seed",
+            str(self.seed),
             "--enable-prompt-tokens-details",
-            "--block-size", str(self.block_size),
-            "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", str(self.max_num_seqs),
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
             "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
         ]
         if self.enforce_eager:
@@ -328,8 +337,9 @@ class VllmServer:
             return Completion(0, [], error=repr(exc), seconds=time.monotonic() - start)
         seconds = time.monotonic() - start
         if status != 200:
-            return Completion(status, [], error=payload[:500].decode(errors="replace"),
-                              seconds=seconds)
+            return Completion(
+                status, [], error=payload[:500].decode(errors="replace"), seconds=seconds
+            )
         try:
             data = json.loads(payload)
             choice = data["choices"][0]
@@ -357,12 +367,15 @@ class VllmServer:
         """Complete every prompt, all at once (``concurrent``) or one by one;
         results in prompt order."""
         if not concurrent:
-            return [self.complete(p, max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s)
-                    for p in prompts]
+            return [
+                self.complete(p, max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s)
+                for p in prompts
+            ]
         with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
             futures = [
-                pool.submit(self.complete, p, max_tokens, ignore_eos=ignore_eos,
-                            timeout_s=timeout_s)
+                pool.submit(
+                    self.complete, p, max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s
+                )
                 for p in prompts
             ]
             return [f.result() for f in futures]
@@ -382,13 +395,13 @@ class VllmServer:
         tokens: list[int] = []
         ttft = -1.0
         try:
-            conn.request("POST", "/v1/completions", body=body,
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
+            )
             resp = conn.getresponse()
             if resp.status != 200:
                 error = resp.read()[:500].decode(errors="replace")
-                return StreamedCompletion(resp.status, [], -1.0,
-                                          time.monotonic() - start, error)
+                return StreamedCompletion(resp.status, [], -1.0, time.monotonic() - start, error)
             for raw in resp:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -486,7 +499,7 @@ def group_stats(pgid: int) -> Iterator[tuple[int, list[str]]]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 2 and int(fields[2]) == pgid:
             yield int(entry), fields
 
