@@ -16,7 +16,11 @@ ones, so a drift of the machine hits both alike:
 
 ``proxy_throughput_ratio`` is the median over rounds of router / direct
 throughput; ``proxy_ttft_p50_added_ms`` the median over rounds of the two TTFT
-medians' difference.
+medians' difference. On a machine of few cores the router's own CPU time comes
+out of the engine's, so each round also records the CPU seconds (from
+``/proc``) of the router process and of the engine's process tree during the
+router side's load: ``router_cpu_over_engine`` (median over rounds) is what
+the router costs per token, as a fraction of what the engine spends.
 
 Then the ``kv`` sleep, ``--wake-rounds`` times: ``POST /admin/models/M/sleep``
 (the instance is held at zero; ``kv_sleep_released_fraction`` = KV bytes
@@ -111,6 +115,32 @@ def provenance_start(result: dict[str, Any]) -> dict[str, Any]:
         "load_average_start": [round(x, 2) for x in m["loadavg_at_start"]],
         "started_utc": utc_now(),
     }
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` themselves (not their children), from /proc."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every descendant of it now."""
+    found, todo = [], [pid]
+    while todo:
+        here = todo.pop()
+        found.append(here)
+        for task in Path(f"/proc/{here}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                continue
+    return found
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -281,7 +311,8 @@ def main() -> int:
         )
     try:
         wait_for(lambda: http_json(port, "GET", "/ready")[0] == 200, 1800, "serve /ready")
-        engine = http_json(port, "GET", "/v1/models/bench/state")[1]["port"]
+        state = http_json(port, "GET", "/v1/models/bench/state")[1]
+        engine, engine_pids = state["port"], process_tree(state["pid"])
         rng = random.Random(1)
         targets = {"router": port, "direct": engine}
         warm = prompts(
@@ -296,9 +327,15 @@ def main() -> int:
             order = ["router", "direct"] if r % 2 == 0 else ["direct", "router"]
             entry: dict[str, Any] = {"order": order, "loadavg_1m": os.getloadavg()[0]}
             for i, side in enumerate(order):
+                before = cpu_seconds([serve.pid]), cpu_seconds(engine_pids)
                 entry[side] = load(
                     targets[side], "bench", sets[(i + r) % 2], args.concurrency, args.max_tokens
                 )
+                entry[side]["router_cpu_s"] = cpu_seconds([serve.pid]) - before[0]
+                entry[side]["engine_cpu_s"] = cpu_seconds(engine_pids) - before[1]
+            entry["router_cpu_over_engine"] = (
+                entry["router"]["router_cpu_s"] / entry["router"]["engine_cpu_s"]
+            )
             probe_lens = [
                 rng.randint(args.min_prompt, args.max_prompt) for _ in range(args.ttft_probes)
             ]
@@ -317,7 +354,9 @@ def main() -> int:
             rounds.append(entry)
             print(
                 f"round {r}: throughput ratio {entry['throughput_ratio']:.3f}, TTFT added "
-                f"{entry['ttft_added_ms']:+.2f} ms (load {entry['loadavg_1m']:.1f})",
+                f"{entry['ttft_added_ms']:+.2f} ms, router CPU "
+                f"{entry['router_cpu_over_engine']:.3f} of the engine's "
+                f"(load {entry['loadavg_1m']:.1f})",
                 flush=True,
             )
         result["rounds"] = rounds
@@ -327,6 +366,9 @@ def main() -> int:
         result["proxy_throughput_ratio_range"] = [min(ratios), max(ratios)]
         result["proxy_ttft_p50_added_ms"] = statistics.median(added)
         result["proxy_ttft_p50_added_ms_range"] = [min(added), max(added)]
+        shares = [e["router_cpu_over_engine"] for e in rounds]
+        result["router_cpu_over_engine"] = statistics.median(shares)
+        result["router_cpu_over_engine_range"] = [min(shares), max(shares)]
 
         wakes = []
         for w in range(args.wake_rounds):
