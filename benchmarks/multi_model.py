@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _provenance  # noqa: E402
 from multi_model_trace import (  # noqa: E402
     TraceSpec,
     file_sha256,
@@ -750,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = write_traces(trace_path, trace_specs(args), args.seed)
     traces = doc["traces"]
     peaks = [float(t["spec"]["peak"]) for t in traces]
+    prov = _provenance.start(argv)
     info = {"machine": machine(), "vllm": vllm_version(), **git_commit()}
     model_dirs = write_models(workdir / "models", setup.models)
     runs: list[Run] = []
@@ -814,8 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         **summary,
         "runs": [run_summary(r) for r in runs],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    prov["command"] = report["command"]  # as given, also when main() is called in-process
+    _provenance.write_result(out, report, prov, indent=1)
     raw = out.with_name(out.stem + "-requests.json")
     raw.write_text(
         json.dumps(
