@@ -638,6 +638,7 @@ def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
             prompt_min=args.prompt_min,
             prompt_max=args.prompt_max,
             max_tokens=args.max_tokens,
+            overlap=args.overlap,
         )
         for p in args.peaks
     ]
@@ -673,6 +674,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slope", type=float, default=None, help="req/s per second (0.5)")
     ap.add_argument("--hold-s", type=float, default=None, help="seconds at the peak (8)")
     ap.add_argument("--tail-s", type=float, default=None)
+    ap.add_argument(
+        "--overlap",
+        type=float,
+        default=0.5,
+        help="share of a model's hold that the next model's ramp overlaps (0: one at a time)",
+    )
     ap.add_argument("--prompt-min", type=int, default=192)
     ap.add_argument("--prompt-max", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens (128)")
