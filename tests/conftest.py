@@ -17,6 +17,8 @@ from kvcached import config
 if "KVCACHED_LEDGER_DIR" not in os.environ:
     _shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     os.environ["KVCACHED_LEDGER_DIR"] = tempfile.mkdtemp(prefix="kvcached-test-ledgers-", dir=_shm)
+    # Like /dev/shm itself (sticky, open to all): tests run kvctl as another user.
+    os.chmod(os.environ["KVCACHED_LEDGER_DIR"], 0o1777)
     _OWN_LEDGER_DIR: str | None = os.environ["KVCACHED_LEDGER_DIR"]
 else:
     _OWN_LEDGER_DIR = None
