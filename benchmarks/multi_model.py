@@ -687,7 +687,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--utilization", type=float, default=Setup.utilization)
     ap.add_argument("--min-reserved", type=int, default=Setup.min_reserved)
     ap.add_argument("--max-reserved", type=int, default=Setup.max_reserved)
-    ap.add_argument("--sample-s", type=float, default=0.5)
+    ap.add_argument(
+        "--sample-s", type=float, default=None, help="seconds between samples (0.5; --short: 0.2)"
+    )
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument(
         "--out",
@@ -717,6 +719,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hold_s": 4.0 if short else 8.0,
         "tail_s": 2.0 if short else 6.0,
         "max_tokens": 32 if short else 128,
+        # --short's requests are short: sample often enough to see them in flight.
+        "sample_s": 0.2 if short else 0.5,
         "plot": not short,
     }
     for key, value in defaults.items():
