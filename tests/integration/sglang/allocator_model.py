@@ -57,6 +57,9 @@ class Driver:
         self.size = int(allocator.size)
         self.page_size = int(allocator.page_size)
         self.paged = self.page_size > 1
+        kv = getattr(getattr(allocator, "_kvcache", None), "kvcached", None)
+        native_rows = self.page_size * (self.size // self.page_size + 1)
+        self.rows = int(kv.rows) if kv is not None else native_rows
         self.budget = budget
         self.requests: dict[int, Request] = {}
         self.next_rid = 0
@@ -206,9 +209,13 @@ class Driver:
     def check(self) -> None:
         live = [t for r in self.requests.values() for t in r.tokens]
         assert len(live) == len(set(live)), "a KV slot is held by two positions"
-        # Pages 1..size // page_size (page 0 is the padding page): the pool's
-        # buffers have size + page_size rows, so the last page ends there.
-        low, high = self.page_size, self.page_size * (self.size // self.page_size + 1) - 1
+        # Pages from 1 (page 0 is the padding page) to the last row of the pool's
+        # buffers: size + page_size rows natively; kvcached's pool has every row its
+        # virtual tensors hold (ElasticKV.rows, whole kvcached pages), so its block
+        # manager may place a page beyond size // page_size while the allocator
+        # keeps SGLang's page count as its logical limit (checked by the model's
+        # available_size and misses).
+        low, high = self.page_size, self.rows - 1
         bad = sorted(t for t in live if not low <= t <= high)
         assert not bad, f"slots outside [{low}, {high}]: {bad}"
         if self.paged:

@@ -20,14 +20,14 @@ from tests.engines import require_engine
 require_engine("sglang", "sglang.srt.mem_cache.kv_cache_configurator")
 
 import torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from sglang.srt.mem_cache.allocator import (  # noqa: E402
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
 
 from kvcached.errors import BlockError  # noqa: E402
-from tests.integration.sglang.allocator_model import Driver  # noqa: E402
+from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
 from tests.integration.sglang.test_elastic_sglang import elastic_allocator, ops  # noqa: E402
 
 SIZE, PAGE = 64, 4
@@ -109,6 +109,9 @@ def test_unaligned_alloc_is_asserted_in_debug_mode_only(debug) -> None:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(ops=ops)
+# Found in CI: 16 pages asked for in five requests, the last a 9-page take that the
+# block manager placed in one hole past size // page_size (a valid row of the pool).
+@example(ops=[Op("new"), Op("new"), Op("new"), Op("new", 12), Op("new", 32)])
 def test_scheduler_like_sequences_pass_sglangs_debug_checks(monkeypatch, ops) -> None:
     """The allocator model's sequences with every debug assertion on: neither
     allocator trips one, and both answer the model alike."""
