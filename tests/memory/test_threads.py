@@ -213,14 +213,14 @@ def test_a_take_behind_a_refill_waits_for_one_step_not_the_whole_refill(host, mo
     cache, budget = make_cache(
         watch,
         small_spec(1, 1),
-        pages=16,
+        pages=32,
         background=True,
-        min_reserved=8,
-        max_reserved=8,
+        min_reserved=16,
+        max_reserved=16,
         max_handle_bytes=0,
     )
     per_page = cache.geometry.blocks_per_page
-    first = cache.alloc(per_page)  # grows its own page, then wakes the refill of 8
+    first = cache.alloc(per_page)  # grows its own page, then wakes the refill of 16
     assert first is not None
     assert watch.refilling.wait(JOIN_S), "the pool never started its refill"
     before = watch.creates_by["MainThread"]
@@ -231,11 +231,13 @@ def test_a_take_behind_a_refill_waits_for_one_step_not_the_whole_refill(host, mo
     assert watch.creates_by["MainThread"] == before, (
         "the take grew instead of taking the pool's page"
     )
-    assert waited < page_s * 4, f"waited {waited:.3f}s for the refill (8 pages: {8 * page_s}s)"
+    # One step is 0.2 s and the whole refill 1.6 s; on a loaded machine the take can
+    # miss one hand-over (CI saw 0.42 s), so the bound allows two steps and slack.
+    assert waited < page_s * 6, f"waited {waited:.3f}s for the refill (16 pages: {16 * page_s}s)"
     deadline = time.monotonic() + JOIN_S
-    while cache.pages.n_idle < 8 and time.monotonic() < deadline:
+    while cache.pages.n_idle < 16 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert cache.pages.n_idle == 8  # the refill went on to the pool's minimum
+    assert cache.pages.n_idle == 16  # the refill went on to the pool's minimum
     cache.free(first + second)
     cache.close()
     assert budget.used == 0
