@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from kvcached.errors import KVCachedError
-from kvcached.integrations.patching import Patcher, check_params, original
+from kvcached.integrations.patching import Patcher, check_params, original, wrapped
 from kvcached.integrations.vllm.state import STATE
 from kvcached.integrations.vllm.worker import refusal_reason
 from kvcached.log import get_logger
@@ -320,7 +320,7 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
 
 
 def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
-    need = original(_get_num_blocks_to_allocate)(self, *args, **kwargs)
+    need = wrapped(_get_num_blocks_to_allocate)(self, *args, **kwargs)
     pool = self.block_pool
     extra = getattr(pool, "alloc_extra", None)
     if extra is not None:
@@ -359,7 +359,7 @@ def _allocate_slots(
     has_scheduled_reqs=True,
     skip_zeroing_group_ids=(),
 ):  # noqa: ANN001, ANN202
-    orig = original(_allocate_slots)
+    orig = wrapped(_allocate_slots)
     pool = self.block_pool
     kvcached = hold_back(self, request, reserved_blocks, has_scheduled_reqs)
     try:
@@ -385,7 +385,7 @@ def _allocate_slots(
 
 # -- steps ----------------------------------------------------------------------------------------
 def _schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-    orig = original(_schedule)
+    orig = wrapped(_schedule)
     context = _context_of(self)
     if context is None:
         return orig(self, *args, **kwargs)
@@ -404,7 +404,7 @@ def _update_from_output(self: Any, scheduler_output: Any, model_runner_output: A
         step = getattr(scheduler_output, "kvcached_step", 0)
         if step:
             context.planner.step_done(step, scheduler_output.total_num_scheduled_tokens > 0)
-    return original(_update_from_output)(self, scheduler_output, model_runner_output)
+    return wrapped(_update_from_output)(self, scheduler_output, model_runner_output)
 
 
 # -- the engine core loop -----------------------------------------------------------------------
@@ -429,7 +429,7 @@ def _process_input_queue(self: Any) -> Any:
     if context is not None and not self.has_work():
         context.serve_control()
         context.flush_if_idle()
-    return original(_process_input_queue)(self)
+    return wrapped(_process_input_queue)(self)
 
 
 def _shutdown(self: Any) -> None:
