@@ -28,9 +28,9 @@ RUNS_NOW = "h200/run1[234]/memory-h200.json"
 FIGURES: list[Figure] = [
     # vLLM
     Figure(
-        "on the current code: throughput {0.923}x native (median of {11} rounds, single rounds "
-        "{0.641–1.149}x; TTFT p50 {1.010}x), while the native control measured {0.961}x, so "
-        "differences of a few percent are noise at this scale; the kvcached server used {1.089}x "
+        "on the current code: throughput {0.988}x native (median of {11} rounds, single rounds "
+        "{0.848–1.336}x; TTFT p50 {0.986}x), while the native control measured {1.060}x, so "
+        "differences of a few percent are noise at this scale; the kvcached server used {0.958}x "
         "native's CPU per output token",
         "vllm-cpu.json",
         (
@@ -43,13 +43,13 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "(`benchmarks/vllm_block_pool.py`, {96} requests, {32} running at once), kvcached adds "
-        "{1.48} µs per `allocate_slots` call, {47.4} µs per decode step, and the manager's work "
-        "takes {1.152}x native's time (median of {9} rounds, {0.812–1.408}x;",
+        "(`benchmarks/vllm_block_pool.py`, {96} requests, 32 running at once), kvcached adds "
+        "{1.51} µs per `allocate_slots` call, {48.3} µs per decode step (one call per running "
+        "request), and the manager's work takes {1.146}x native's time (median of {9} rounds, "
+        "{0.853–1.305}x;",
         "vllm-block-pool.json",
         (
             "settings.requests",
-            "settings.concurrency",
             "extra_us_per_allocate_slots",
             "extra_us_per_decode_step",
             "time_ratio",
