@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
 
 from vllm_model import write_tiny_llama  # noqa: E402
-from vllm_server import free_port  # noqa: E402
+from vllm_server import free_port, group_cpu_s  # noqa: E402
 
 
 def machine() -> dict[str, Any]:
@@ -115,32 +115,6 @@ def provenance_start(result: dict[str, Any]) -> dict[str, Any]:
         "load_average_start": [round(x, 2) for x in m["loadavg_at_start"]],
         "started_utc": utc_now(),
     }
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of ``pids`` themselves (not their children), from /proc."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every descendant of it now."""
-    found, todo = [], [pid]
-    while todo:
-        here = todo.pop()
-        found.append(here)
-        for task in Path(f"/proc/{here}/task").glob("*/children"):
-            try:
-                todo += [int(c) for c in task.read_text().split()]
-            except OSError:
-                continue
-    return found
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -312,7 +286,9 @@ def main() -> int:
     try:
         wait_for(lambda: http_json(port, "GET", "/ready")[0] == 200, 1800, "serve /ready")
         state = http_json(port, "GET", "/v1/models/bench/state")[1]
-        engine, engine_pids = state["port"], process_tree(state["pid"])
+        # Each engine runs in a session of its own (its pid is its process group);
+        # the serve process's own group is the router and supervisor alone.
+        engine, engine_group = state["port"], state["pid"]
         rng = random.Random(1)
         targets = {"router": port, "direct": engine}
         warm = prompts(
@@ -327,12 +303,12 @@ def main() -> int:
             order = ["router", "direct"] if r % 2 == 0 else ["direct", "router"]
             entry: dict[str, Any] = {"order": order, "loadavg_1m": os.getloadavg()[0]}
             for i, side in enumerate(order):
-                before = cpu_seconds([serve.pid]), cpu_seconds(engine_pids)
+                before = group_cpu_s(serve.pid), group_cpu_s(engine_group)
                 entry[side] = load(
                     targets[side], "bench", sets[(i + r) % 2], args.concurrency, args.max_tokens
                 )
-                entry[side]["router_cpu_s"] = cpu_seconds([serve.pid]) - before[0]
-                entry[side]["engine_cpu_s"] = cpu_seconds(engine_pids) - before[1]
+                entry[side]["router_cpu_s"] = group_cpu_s(serve.pid) - before[0]
+                entry[side]["engine_cpu_s"] = group_cpu_s(engine_group) - before[1]
             entry["router_cpu_over_engine"] = (
                 entry["router"]["router_cpu_s"] / entry["router"]["engine_cpu_s"]
             )

@@ -54,8 +54,8 @@ from vllm_server import (  # noqa: E402
     ServerOptions,
     StreamedCompletion,
     VllmServer,
-    group_stats,
 )
+from vllm_server import group_cpu_s as process_group_cpu_s  # noqa: E402
 
 
 def request_set(seed: int, count: int, min_len: int, max_len: int) -> list[list[int]]:
@@ -65,19 +65,11 @@ def request_set(seed: int, count: int, min_len: int, max_len: int) -> list[list[
     ]
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
 def group_cpu_s(server: VllmServer) -> float:
     """CPU seconds (user + system) used so far by every live process of the
     server's process group (API server, engine core, workers)."""
     assert server.proc is not None
-    total = sum(
-        int(fields[11]) + int(fields[12])
-        for _, fields in group_stats(server.proc.pid)
-        if len(fields) > 13
-    )
-    return total / _TICK
+    return process_group_cpu_s(server.proc.pid)
 
 
 class Load:

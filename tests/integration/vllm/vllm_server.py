@@ -504,6 +504,14 @@ def group_stats(pgid: int) -> Iterator[tuple[int, list[str]]]:
             yield int(entry), fields
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by every process of process group
+    ``pgid`` (a server started in a session of its own: API server, engine core,
+    workers)."""
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in group_stats(pgid) if len(f) > 13)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _group_pids(pgid: int) -> tuple[int, ...]:
     """Live (not zombie) processes of process group ``pgid``, from /proc."""
     return tuple(sorted(pid for pid, fields in group_stats(pgid) if fields[0] != "Z"))
