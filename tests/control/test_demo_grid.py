@@ -25,11 +25,11 @@ from tests.control.kvctl_helpers import REPO
 GRID = [("64M", 2), ("203M", 8), ("4G", 2), ("4G", 8), ("256M", 4), ("1G", 6)]
 
 
-@pytest.mark.parametrize("budget, instances", GRID, ids=[f"{b}x{n}" for b, n in GRID])
-def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
+def run_demo(budget: str, instances: int) -> subprocess.CompletedProcess:
+    """``kvcached demo --json`` at ``budget`` x ``instances`` (seed 7, 5 s), as a user runs it."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("KVCACHED_IPC_NAME", None)
-    done = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -51,6 +51,11 @@ def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
         env=env,
         cwd=REPO,
     )
+
+
+@pytest.mark.parametrize("budget, instances", GRID, ids=[f"{b}x{n}" for b, n in GRID])
+def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
+    done = run_demo(budget, instances)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads(done.stdout)
     kv, static = summary["kvcached"], summary["static_split"]
@@ -59,30 +64,7 @@ def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
 
 
 def test_a_budget_too_small_for_its_instances_is_refused_naming_what_would_do():
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("KVCACHED_IPC_NAME", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvcached",
-            "demo",
-            "--budget",
-            "64M",
-            "--instances",
-            "8",
-            "--seed",
-            "7",
-            "--duration",
-            "5",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
+    done = run_demo("64M", 8)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "--budget 64.00 MiB is too small for 8 instances" in done.stderr
     assert "raise --budget to 203M or more" in done.stderr
