@@ -57,7 +57,12 @@ class Driver:
         self.size = int(allocator.size)
         self.page_size = int(allocator.page_size)
         self.paged = self.page_size > 1
-        kv = getattr(getattr(allocator, "_kvcache", None), "kvcached", None)
+        kvcache = getattr(allocator, "_kvcache", None)
+        kv = None
+        if kvcache is not None:
+            from kvcached.integrations.sglang.pools import elastic_kv_of
+
+            kv = elastic_kv_of(kvcache)
         native_rows = self.page_size * (self.size // self.page_size + 1)
         self.rows = int(kv.rows) if kv is not None else native_rows
         self.budget = budget
