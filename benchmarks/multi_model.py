@@ -585,17 +585,6 @@ def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
 
 
 # -- provenance -------------------------------------------------------------------------------
-def git_commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return done.stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD") or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }
-
-
 def machine() -> dict[str, Any]:
     cpu = platform.processor() or ""
     with contextlib.suppress(OSError):
@@ -763,7 +752,13 @@ def main(argv: list[str] | None = None) -> int:
     traces = doc["traces"]
     peaks = [float(t["spec"]["peak"]) for t in traces]
     prov = _provenance.start(argv)
-    info = {"machine": machine(), "vllm": vllm_version(), **git_commit()}
+    # The report's own commit fields, as the provenance block records them.
+    info = {
+        "machine": machine(),
+        "vllm": vllm_version(),
+        "commit": prov["commit"],
+        "dirty": prov["tree_dirty"],
+    }
     model_dirs = write_models(workdir / "models", setup.models)
     runs: list[Run] = []
     print(
