@@ -14,13 +14,15 @@ order that alternates from round to round:
 
 * ``ledger`` — as shipped: the data lock is a whole-file ``flock`` taken
   without blocking (a bounded poll when busy) through the pool's own
-  descriptor (so no thread lock beside the pool's), refunds batched below 64 MiB,
+  descriptor (so no thread lock beside the pool's), inline in the grant (no
+  call frame around the system call), refunds batched below 64 MiB,
   and a grant no larger than the pool's batch re-uses it without any lock (in
   the ``pair`` pattern every grant after the first does);
 * ``ledger-no-recycle`` — as shipped, but every grant goes to the ledger: the
   baseline's work;
 * ``flock`` — the baseline, the seed PR's design: the data lock is a blocking
   whole-file ``flock(LOCK_EX)`` behind the lock object the ledger used before
+  (its ledger class replaces the lock, so its pools call it, never inline)
   (no bound on the wait, no holder pid), every grant to the ledger, refunds
   batched below 64 MiB as the seed does;
 * ``ofd-no-recycle`` — the lock the ledger used before: an OFD byte-range lock

@@ -402,6 +402,11 @@ class Ledger:
         except BlockingIOError:
             if not wait_flock(fd, timeout):
                 raise self._busy_error(timeout) from None
+        self._locked_fd(fd)
+
+    def _locked_fd(self, fd: int) -> None:
+        """What follows taking the data lock through ``fd`` (a pool's inline
+        grant path calls it when there is a journal or a test hook)."""
         if self.u64[H_JOURNAL]:
             try:
                 self._apply_journal()  # a process died halfway through a journaled change

@@ -11,17 +11,21 @@ import contextlib
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
 
 from kvcached.errors import LedgerBusyError, LedgerError
 from kvcached.ledger import _hooks
 from kvcached.ledger.ledger import (
+    _EX_NB,
+    _UN,
     GRANT_LOCK_WAIT_S,
     H_BUDGET,
     H_HIGH_WATER,
+    H_JOURNAL,
     H_WINDOW,
     H_WINDOW_GRANTED,
     LOCK_WAIT_S,
+    Ledger,
+    _flock,
     i_limit,
     i_revision,
     p_charged,
@@ -30,9 +34,6 @@ from kvcached.ledger.ledger import (
 from kvcached.ledger.validate import corrupt
 from kvcached.log import get_logger
 from kvcached.units import MIB
-
-if TYPE_CHECKING:
-    from kvcached.ledger.ledger import Ledger
 
 log = get_logger("kvcached.ledger")
 
@@ -99,6 +100,13 @@ class PoolBudget:
         self._closed = False
         self._uses_calibrator = False
         self._finalizer = weakref.finalize(self, _finalize, fd)
+        # Grants and flushes take the data lock inline (no call frame: a tenth of
+        # a grant's CPU) where it is the ledger's own flock; a ledger class that
+        # replaces the lock is always called through.
+        self._inline_lock = (
+            type(ledger)._lock_fd is Ledger._lock_fd
+            and type(ledger)._unlock_fd is Ledger._unlock_fd
+        )
 
     # -- the PhysicalBudget protocol ----------------------------------------------------
     def grant(self, nbytes: int) -> bool:
@@ -139,9 +147,21 @@ class PoolBudget:
         if led.refusal is not None:
             self._room = 0
             return False
+        fd = self._fd
+        # The full wait once; none while a busy episode lasts (quick misses).
         try:
-            # The full wait once; none while a busy episode lasts (quick misses).
-            led._lock_fd(self._fd, 0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
+            if self._inline_lock:
+                _flock(fd, _EX_NB)  # Ledger._lock_fd's uncontended case, inline
+                if led.u64[H_JOURNAL] or _hooks.point is not None:
+                    led._locked_fd(fd)
+            else:
+                led._lock_fd(fd, 0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
+        except BlockingIOError:  # held: the bounded wait
+            try:
+                led._lock_fd(fd, 0.0 if led._busy_since else GRANT_LOCK_WAIT_S)
+            except LedgerBusyError as exc:
+                led._note_busy(exc)
+                return False
         except LedgerBusyError as exc:
             led._note_busy(exc)
             return False
@@ -183,7 +203,10 @@ class PoolBudget:
             if granted and _hooks.point is not None:
                 _hooks.point("grant-charged")
         finally:
-            led._unlock_fd(self._fd)
+            if self._inline_lock and _hooks.point is None:
+                _flock(fd, _UN)
+            else:
+                led._unlock_fd(fd)
         if led._busy_since:
             led._busy_over()
         self._room = room if room > 0 else 0

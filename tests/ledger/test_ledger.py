@@ -20,6 +20,7 @@ from kvcached.ledger import (
     layout,
 )
 from kvcached.ledger import ledger as ledger_module
+from kvcached.ledger import pool as pool_module
 from kvcached.ledger.locks import ByteLock
 from kvcached.memory.budget import PhysicalBudget
 from kvcached.units import GIB, MIB
@@ -108,12 +109,18 @@ def test_a_big_handle_refunds_at_once(ledger):
     assert ledger.snapshot().header.charged == 2 * MIB
 
 
+def _break_data_lock(m: pytest.MonkeyPatch) -> None:
+    """Every flock of the data lock raises, the pool's inline grant path included."""
+    m.setattr(ledger_module, "_flock", _broken_flock)
+    m.setattr(pool_module, "_flock", _broken_flock)
+
+
 def test_a_grant_within_the_batch_re_uses_it_without_the_lock(ledger, monkeypatch):
     pool = ledger.register_pool("a")
     assert pool.grant(BUDGET)
     pool.refund(8 * MIB)
     with monkeypatch.context() as m:
-        m.setattr(ledger_module, "_flock", _broken_flock)  # any use of the data lock raises
+        _break_data_lock(m)  # any use of the data lock raises
         assert pool.grant(6 * MIB)  # fits only thanks to the batch, and takes from it
         assert (pool.pending_refund, pool.charged) == (2 * MIB, BUDGET)
         assert pool.headroom() == 2 * MIB
@@ -155,11 +162,42 @@ def _broken_flock(fd, op):
     raise OSError(errno.ENOLCK, "No locks available")
 
 
+def test_a_ledger_that_replaces_the_data_lock_is_called_through(ledger_dir, device):
+    """The pool's grant takes the data lock inline only where it is the ledger's
+    own flock: a subclass's lock (the benchmark's baseline) is never bypassed."""
+    calls = []
+
+    class Counted(Ledger):
+        def _lock_fd(self, fd: int, timeout: float) -> None:
+            calls.append("lock")
+            super()._lock_fd(fd, timeout)
+
+        def _unlock_fd(self, fd: int) -> None:
+            calls.append("unlock")
+            super()._unlock_fd(fd)
+
+    with Counted.open("fake-0", device, directory=ledger_dir, gpu_utilization=0.9) as led:
+        pool = led.register_pool("a")
+        calls.clear()
+        assert pool.grant(2 * MIB)
+        assert calls == ["lock", "unlock"]
+        pool.close()
+
+
+def test_the_inline_grant_runs_what_follows_the_lock(ledger, monkeypatch):
+    """A grant that takes the lock inline still runs the lock's hooks (and journal check)."""
+    pool = ledger.register_pool("a")
+    seen = []
+    monkeypatch.setattr(ledger_module._hooks, "point", seen.append)
+    assert pool.grant(2 * MIB)
+    assert seen[:2] == ["data-locked", "grant-decided"] and seen[-1] == "data-unlocking"
+
+
 def test_a_failed_flush_keeps_its_backlog(ledger, monkeypatch):
     pool = ledger.register_pool("a")
     assert pool.grant(256 * MIB)
     with monkeypatch.context() as m:
-        m.setattr(ledger_module, "_flock", _broken_flock)
+        _break_data_lock(m)
         pool.refund(64 * MIB)  # logged, not raised: the release already happened
         assert pool.pending_refund == 64 * MIB
         with pytest.raises(OSError):

@@ -98,6 +98,19 @@ def test_a_retirement_killed_halfway_is_finished_once(ledger, ledger_dir, point)
     assert ledger.retire_dead() == 0
 
 
+def test_a_grant_finishes_a_retirement_killed_halfway(ledger, ledger_dir):
+    """A pool's grant takes the data lock inline; it still finishes the journal."""
+    pool = ledger.register_pool("survivor")
+    run_child(ledger_dir, "hold", "-")
+    run_child(ledger_dir, "retire", "retire-applying")
+    assert ledger.u32[layout.Header.retire_slot.offset // 4] == 2  # the victim's slot 1, + 1
+    assert pool.grant(2 * MIB)  # the first lock holder since the kill
+    assert ledger.u32[layout.Header.retire_slot.offset // 4] == 0
+    snap = ledger.snapshot()
+    assert snap.header.budget == BUDGET - 10 * MIB and snap.header.charged == 2 * MIB
+    pool.close()
+
+
 def test_a_calibrator_killed_after_sampling_frees_the_lease(ledger, ledger_dir, device):
     run_child(ledger_dir, "calibrate", "calibrate-sampled")
     seq = ledger.calibration_seq
