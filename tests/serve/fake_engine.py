@@ -7,8 +7,8 @@ body. Routes:
 
 * ``GET /health``; ``GET /v1/models``;
 * ``POST /v1/completions`` and ``/v1/chat/completions``: echo the request
-  (``"stream": true``: three SSE chunks, ``chunk_delay`` seconds apart, then
-  ``[DONE]``); ``"fail": N`` answers status N with an OpenAI-style error body;
+  (``"stream": true``: ``chunks`` SSE chunks, three by default,
+  ``chunk_delay`` seconds apart, then ``[DONE]``); ``"fail": N`` answers status N with an OpenAI-style error body;
 * vLLM's ``POST /sleep`` (level read from the query string, as vLLM does),
   ``POST /wake_up``, ``GET /is_sleeping``; SGLang's ``POST
   /release_memory_occupation`` and ``/resume_memory_occupation``.
@@ -69,7 +69,7 @@ def main() -> None:
             return web.json_response({"echo": doc, "port": port}, headers={"X-Fake": "1"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(3):
+        for i in range(int(doc.get("chunks", 3))):
             await resp.write(f"data: {json.dumps({'i': i, 'model': doc['model']})}\n\n".encode())
             await asyncio.sleep(float(doc.get("chunk_delay", 0)))
         await resp.write(b"data: [DONE]\n\n")

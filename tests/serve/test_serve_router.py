@@ -5,6 +5,7 @@ streaming, the wake lock, idle time, sleep levels' endpoint shapes, restarts."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -96,6 +97,29 @@ def test_streams_pass_chunk_by_chunk(tmp_path):
             assert data.count(b"data: ") == 4 and data.endswith(b"data: [DONE]\n\n")
             # the first chunk came long before the last: nothing buffered the stream
             assert arrivals[0][0] < 0.4 and arrivals[-1][0] > 1.0, arrivals
+
+    run(body())
+
+
+def test_a_long_stream_passes_whole_and_in_order(tmp_path):
+    """500 chunks written back to back (they reach the router coalesced): the
+    client gets every one, once, in order, and the stream's end."""
+    cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log")])
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            await until(lambda: serve.models[0].state == "ready", what="ready")
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"http://127.0.0.1:{serve.port}/v1/completions",
+                    json={"model": "alpha", "stream": True, "chunks": 500},
+                ) as r,
+            ):
+                data = await r.read()
+            events = [e for e in data.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(500))
 
     run(body())
 
