@@ -22,6 +22,19 @@ out of the engine's, so each round also records the CPU seconds (from
 router side's load: ``router_cpu_over_engine`` (median over rounds) is what
 the router costs per token, as a fraction of what the engine spends.
 
+Where each process runs: ``--engine-cpus`` (default: every CPU but the
+last, "0" on two) holds the engine: its compute threads are bound there
+(``VLLM_CPU_OMP_THREADS_BIND``) and, once it is up, every thread of its
+process tree (API server, engine core, worker) is pinned there; the router
+and this load client are pinned to the CPUs left. So, as on a GPU host,
+where the engine computes on the GPU from cores of its own, the router's CPU
+never comes out of the engine's, and the ratio shows what the router's path
+itself costs a stream. ``--engine-cpus all`` shares every CPU among them all,
+as the runs before this option did: there the router preempts one of the
+engine's OpenMP threads and the other spins at the barrier, so for the same
+tokens a round's engine CPU varied 3.2-9.9 s and its throughput 400-1250
+tok/s (serve-cpu.json of 6e79fff), far beyond the router's own CPU share.
+
 Then the ``kv`` sleep, ``--wake-rounds`` times: ``POST /admin/models/M/sleep``
 (the instance is held at zero; ``kv_sleep_released_fraction`` = KV bytes
 released / bytes held before, from the ledger), then one streamed request to
@@ -39,6 +52,7 @@ Needs vLLM's CPU build and kvcached[serve] in this interpreter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -58,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
 
 from vllm_model import write_tiny_llama  # noqa: E402
-from vllm_server import free_port, group_cpu_s  # noqa: E402
+from vllm_server import free_port, group_cpu_s, group_stats  # noqa: E402
 
 
 def machine() -> dict[str, Any]:
@@ -77,6 +91,40 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "loadavg_at_start": os.getloadavg(),
     }
+
+
+def split_cpus(spec: str) -> tuple[set[int], set[int]]:
+    """``(engine CPUs, router and client CPUs)`` for ``--engine-cpus``; two empty
+    sets for "all" or a machine of one CPU (nothing pinned)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if spec == "all" or (not spec and len(cpus) < 2):
+        return set(), set()
+    if not spec:
+        return set(cpus[:-1]), {cpus[-1]}
+    try:
+        engine = {int(c) for c in spec.split(",")}
+    except ValueError:
+        raise SystemExit(
+            f"--engine-cpus {spec!r}: give CPU numbers like 0 or 0,1, or 'all'"
+        ) from None
+    other = set(cpus) - engine
+    if not engine <= set(cpus) or not other:
+        raise SystemExit(
+            f"--engine-cpus {spec!r}: must be some, not all, of this process' CPUs {cpus}"
+        )
+    return engine, other
+
+
+def pin_group(pgid: int, cpus: set[int]) -> int:
+    """Pin every thread of process group ``pgid`` to ``cpus``; the threads pinned."""
+    n = 0
+    for pid, _ in group_stats(pgid):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cpus)
+                    n += 1
+    return n
 
 
 def commit() -> str:
@@ -209,6 +257,12 @@ def main() -> int:
     p.add_argument("--ttft-probes", type=int, default=8)
     p.add_argument("--wake-rounds", type=int, default=7)
     p.add_argument("--cold-starts", type=int, default=2, help="0 skips the stop level")
+    p.add_argument(
+        "--engine-cpus",
+        default="",
+        help="CPUs of the engine, e.g. '0' (default: every CPU but the last; the router "
+        "and the client get the rest); 'all': no pinning, vLLM's own thread binding",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve-cpu.json"))
     p.add_argument("--workdir", default="")
     args = p.parse_args()
@@ -231,13 +285,17 @@ def main() -> int:
         "0",
         "--enable-prefix-caching",
     ]
+    engine_cpus, other_cpus = split_cpus(args.engine_cpus)
+    engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if engine_cpus:
+        engine_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(engine_cpus)))
     port = free_port()
     models = [
         {
             "name": "bench",
             "model": str(model_dir),
             "args": vargs,
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "env": engine_env,
             "sleep": {"level": "kv", "idle_after": 86400},
             "startup_timeout": 1800,
             "wake_timeout": 600,
@@ -249,7 +307,7 @@ def main() -> int:
                 "name": "cold",
                 "model": str(model_dir),
                 "args": vargs,
-                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                "env": engine_env,
                 "start": "lazy",
                 "sleep": {"level": "stop", "idle_after": 1, "stop_after": 1},
                 "startup_timeout": 1800,
@@ -289,6 +347,20 @@ def main() -> int:
         # Each engine runs in a session of its own (its pid is its process group);
         # the serve process's own group is the router and supervisor alone.
         engine, engine_group = state["port"], state["pid"]
+        if engine_cpus:
+            pinned = pin_group(engine_group, engine_cpus)
+            pin_group(serve.pid, other_cpus)  # the router
+            os.sched_setaffinity(0, other_cpus)  # this client (its threads come later)
+            result["pinning"] = {
+                "engine_cpus": sorted(engine_cpus),
+                "router_and_client_cpus": sorted(other_cpus),
+                "engine_threads_pinned": pinned,
+            }
+            print(
+                f"engine on CPUs {sorted(engine_cpus)} ({pinned} threads), router and "
+                f"client on {sorted(other_cpus)}",
+                flush=True,
+            )
         rng = random.Random(1)
         targets = {"router": port, "direct": engine}
         warm = prompts(
