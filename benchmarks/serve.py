@@ -29,11 +29,12 @@ process tree (API server, engine core, worker) is pinned there; the router
 and this load client are pinned to the CPUs left. So, as on a GPU host,
 where the engine computes on the GPU from cores of its own, the router's CPU
 never comes out of the engine's, and the ratio shows what the router's path
-itself costs a stream. ``--engine-cpus all`` shares every CPU among them all,
-as the runs before this option did: there the router preempts one of the
-engine's OpenMP threads and the other spins at the barrier, so for the same
+itself costs a stream. ``--engine-cpus all`` pins nothing, as the runs
+before this option did: vLLM's own binding then puts the worker's one OpenMP
+thread on CPU 0 and leaves CPU 1 to the engine's API server and scheduler
+process, where the router and the client compete with them; for the same
 tokens a round's engine CPU varied 3.2-9.9 s and its throughput 400-1250
-tok/s (serve-cpu.json of 6e79fff), far beyond the router's own CPU share.
+tok/s (serve-cpu-shared-cores.json, the run of 6e79fff).
 
 Then the ``kv`` sleep, ``--wake-rounds`` times: ``POST /admin/models/M/sleep``
 (the instance is held at zero; ``kv_sleep_released_fraction`` = KV bytes

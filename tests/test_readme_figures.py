@@ -199,40 +199,54 @@ FIGURES: list[Figure] = [
     # ledger
     Figure(
         "they filled {94.9–95.0}% of the device",
-        "h200/run14/ledger-gpu-test-*.json",
+        ("h200/run14/ledger-gpu-test-*.json", "h200/run15/ledger-gpu-test-*.json"),
         lambda d: [100 * r["peak_fill_of_total"] for r in d["runs"]],
     ),
     Figure(
-        "and the 1-minute load average after each round: {0.61–2.34}, the benchmark's own "
-        "processes). Speeds are ratios against the seed PR's design on the same accounting "
-        "code (a blocking whole-file `flock` around every update, every grant to the ledger), "
-        "taken round by round and reported as medians of {21} alternating rounds. On equal "
-        "work (every grant to the ledger) the ledger runs at {1.099}x that design (the worst "
-        "of 1, 2 and 4 processes; key `no_recycle_vs_flock`), {1.581}x with 2 processes,",
+        "command and the 1-minute load average after each round: {2.93–5.15}, with another job "
+        "of this project running at idle priority). Speeds are ratios against the seed PR's "
+        "design on the same accounting code (a blocking whole-file `flock` behind a lock object "
+        "and a thread lock around every update, every grant to the ledger), taken round by "
+        "round and reported as medians of {21} alternating rounds. On equal work (every grant to "
+        "the ledger) the ledger runs at {1.164}x that design (the worst of 1, 2 and 4 "
+        "processes; key `no_recycle_vs_flock`; target 1.0), {1.191}x with one process. In the "
+        "grow/shrink pattern (32 grants, then 32 refunds) it runs at {1.044}x (the worst, with "
+        "4 processes; key `growshrink_vs_flock`; target 1.0), {1.051}x with one process and "
+        "{1.387}x with 2.",
         "ledger-host.json",
         (
             "machine.load_average_1min_per_round",
             "rounds",
             "no_recycle_vs_flock",
-            "no_recycle_vs_flock_by_procs.2",
+            "no_recycle_vs_flock_by_procs.1",
+            "growshrink_vs_flock",
+            "growshrink_vs_flock_by_procs.1",
+            "growshrink_vs_flock_by_procs.2",
         ),
     ),
     Figure(
-        "it runs at {0.978}x with one process (key `growshrink_vs_flock`; target 1.0, missed) "
-        "and {1.513}x and {1.455}x with 2 and 4: alone, both designs make the same system "
-        "calls per grant, and single rounds ranged {0.733–1.476}x,",
+        "the bare lock and unlock costing {1462} ns of CPU, where the seed's lock object and "
+        "thread lock cost {2519} ns (key `profile_cpu_ns`); a grant+refund pair costs {5111} ns "
+        "against {5720} ns. Single one-process rounds ranged {0.491–1.868}x on this shared "
+        "machine,",
         "ledger-host.json",
         (
-            "growshrink_vs_flock",
-            "growshrink_vs_flock_by_procs.2",
-            "growshrink_vs_flock_by_procs.4",
+            "profile_cpu_ns.flock_lock_unlock",
+            "profile_cpu_ns.flock_baseline_data_lock_pair",
+            "profile_cpu_ns.ledger_no_recycle_grant_refund",
+            "profile_cpu_ns.flock_baseline_grant_refund",
             lambda d: d["growshrink"]["variants"]["ledger"]["rounds_vs_flock"]["1"],
         ),
     ),
     Figure(
-        "ran at {0.742–0.842}x of the flock design on equal work (key "
-        "`ofd_no_recycle_vs_flock_by_procs`): the kernel's POSIX-lock path costs {1775} ns of "
-        "CPU per lock and unlock against {1159} ns for `flock`",
+        "the ledger ran at {1.191}x on equal work and {1.116}x in the grow/shrink pattern",
+        "h200/run15/ledger-host-16cpu.json",
+        ("no_recycle_vs_flock", "growshrink_vs_flock"),
+    ),
+    Figure(
+        "ran at {0.708–0.844}x of the flock design on equal work (key "
+        "`ofd_no_recycle_vs_flock_by_procs`): the kernel's POSIX-lock path costs {3058} ns of "
+        "CPU per lock and unlock against {1462} ns for `flock`",
         "ledger-host.json",
         (
             lambda d: list(d["ofd_no_recycle_vs_flock_by_procs"].values()),
@@ -241,18 +255,19 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "makes the shipped ledger {2.339–4.417}x the flock design (key `speedup_vs_flock`), at "
-        "{1.17} µs per pair",
+        "makes the shipped ledger {2.101–2.509}x the flock design (key `speedup_vs_flock`), at "
+        "{2.79} µs per pair",
         "ledger-host.json",
         (lambda d: list(d["speedup_vs_flock"].values()), "pair_p50_us"),
     ),
     # kvcached serve
     Figure(
-        "(1-minute load {2.1} to {5.2}, the engine's and the benchmark's own): a `kv` sleep "
-        "released {1.0} of the KV bytes held (target 0.99), a sleeping model's first token came "
-        "{21.7} ms later than a ready one's (median of {7}; target 50), and through the router "
-        "throughput was {0.960}x direct (median of {11} alternating rounds; target 0.97, "
-        "missed) with {1.73} ms more TTFT (target 2). Single rounds ranged {0.558–1.915}x,",
+        "priority meanwhile, 1-minute load {2.6} to {5.2}): a `kv` sleep released {1.0} of the "
+        "KV bytes held (target 0.99), a sleeping model's first token came {30.0} ms later than "
+        "a ready one's (median of {7}; target 50), and through the router throughput was "
+        "{1.003}x direct (median of {21} alternating rounds; target 0.97) with {1.70} ms more "
+        "TTFT (target 2). Single rounds ranged {0.759–1.158}x; the router used {0.064} of the "
+        "engine's CPU seconds over the same requests ({0.058} to {0.078} per round).",
         "serve-cpu.json",
         (
             lambda d: min(r["loadavg_1m"] for r in d["rounds"]),
@@ -264,19 +279,29 @@ FIGURES: list[Figure] = [
             "settings.rounds",
             "proxy_ttft_p50_added_ms",
             "proxy_throughput_ratio_range",
-        ),
-    ),
-    Figure(
-        "from its CPU: {0.036} of the engine's CPU seconds over the same requests ({0.017} to "
-        "{0.052} per round)",
-        "serve-cpu.json",
-        (
             "router_cpu_over_engine",
             lambda d: d["router_cpu_over_engine_range"][0],
             lambda d: d["router_cpu_over_engine_range"][1],
         ),
     ),
-    Figure("The `stop` level's cold start took {35.4} s", "serve-cpu.json", "stop_cold_start_s"),
+    Figure(
+        "With every CPU shared (`--engine-cpus all`; the {11}-round run of 6e79fff, kept as "
+        "`serve-cpu-shared-cores.json`) the ratio was {0.960}x, single rounds {0.558–1.915}x: "
+        "vLLM's own binding puts the worker's one OpenMP thread on CPU 0 and leaves CPU 1 to "
+        "the engine's API server and scheduler, where the router ({0.036} of the engine's CPU) "
+        "and the client compete with them, and the same tokens cost the engine {3.2} to {9.9} "
+        "CPU seconds from round to round.",
+        "serve-cpu-shared-cores.json",
+        (
+            "settings.rounds",
+            "proxy_throughput_ratio",
+            "proxy_throughput_ratio_range",
+            "router_cpu_over_engine",
+            lambda d: min(e[s]["engine_cpu_s"] for e in d["rounds"] for s in ("router", "direct")),
+            lambda d: max(e[s]["engine_cpu_s"] for e in d["rounds"] for s in ("router", "direct")),
+        ),
+    ),
+    Figure("The `stop` level's cold start took {54.8} s", "serve-cpu.json", "stop_cold_start_s"),
     # the multi-model benchmark
     Figure(
         "Mean TTFT speed-up (native over kvcached) was {0.86}x, {1.33}x, {1.18}x, {0.76}x at "
