@@ -20,6 +20,15 @@ streamed token), end-to-end latency, and the time it waited in vLLM's queue
 ``used_bytes``; native: the engine's ``vllm:kv_cache_usage_perc`` from
 ``/metrics`` times its static size) and running / waiting requests.
 
+Where the engines compute: ``--engine-cpus spread`` (the default) binds
+model i's worker (its one OpenMP thread, ``VLLM_CPU_OMP_THREADS_BIND``) to
+CPU i modulo the CPUs there are, so models whose peaks overlap (neighbours in
+the stagger) compute on different CPUs; API servers, schedulers and this
+client go where the kernel puts them. ``auto`` is vLLM's own binding, which
+on a machine of two CPUs puts every engine's worker on CPU 0 and leaves CPU 1
+to the rest (the runs before this option: three engines computing on one
+core).
+
 Configurations alternate in blocks (kvcached, native, then native, kvcached,
 ...), each block on freshly started servers running every peak once; each
 configuration runs ``--rounds`` times, so round 0 against round 1 of the same
@@ -126,7 +135,18 @@ def write_models(directory: Path, count: int) -> list[Path]:
     return dirs
 
 
-def server_options(config: str, setup: Setup, name: str, ledger_dir: Path) -> ServerOptions:
+def engine_cpu(spec: str, index: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for model ``index`` under ``--engine-cpus``
+    (None: vLLM's own binding)."""
+    if spec == "auto":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[index % len(cpus)])
+
+
+def server_options(
+    config: str, setup: Setup, name: str, ledger_dir: Path, cpu: str | None = None
+) -> ServerOptions:
     if config not in CONFIGS:
         raise ValueError(f"config={config!r} is not valid: one of {CONFIGS}")
     kvcached = config == "kvcached"
@@ -142,6 +162,8 @@ def server_options(config: str, setup: Setup, name: str, ledger_dir: Path) -> Se
             "KVCACHED_MIN_RESERVED_PAGES": str(setup.min_reserved),
             "KVCACHED_MAX_RESERVED_PAGES": str(setup.max_reserved),
         }
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
     return ServerOptions(
         kvcached=kvcached,
         ipc_name=name if kvcached else None,
@@ -157,7 +179,12 @@ def server_options(config: str, setup: Setup, name: str, ledger_dir: Path) -> Se
 
 
 def launch(
-    config: str, setup: Setup, model_dirs: list[Path], workdir: Path, tag: str
+    config: str,
+    setup: Setup,
+    model_dirs: list[Path],
+    workdir: Path,
+    tag: str,
+    engine_cpus: str = "spread",
 ) -> list[VllmServer]:
     """Start one configuration's servers (one per model, all at once) and
     return them ready, in model order. The one place a configuration is
@@ -167,9 +194,11 @@ def launch(
     ledger_dir.mkdir(parents=True, exist_ok=True)
     servers = [
         VllmServer(
-            d, workdir / f"{tag}-{d.name}.log", server_options(config, setup, d.name, ledger_dir)
+            d,
+            workdir / f"{tag}-{d.name}.log",
+            server_options(config, setup, d.name, ledger_dir, engine_cpu(engine_cpus, i)),
         )
-        for d in model_dirs
+        for i, d in enumerate(model_dirs)
     ]
     try:
         for s in servers:
@@ -681,6 +710,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument(
+        "--engine-cpus",
+        choices=("spread", "auto"),
+        default="spread",
+        help="spread: model i computes on CPU i mod n; auto: vLLM's own binding",
+    )
+    ap.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -770,7 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         order = args.configs if rnd % 2 == 0 else args.configs[::-1]
         for config in order:
             started = time.monotonic()
-            servers = launch(config, setup, model_dirs, workdir, f"{config}-r{rnd}")
+            servers = launch(
+                config, setup, model_dirs, workdir, f"{config}-r{rnd}", args.engine_cpus
+            )
             print(f"[{config} r{rnd}] ready in {time.monotonic() - started:.0f} s", flush=True)
             try:
                 warm_up(servers)
@@ -817,6 +854,10 @@ def main(argv: list[str] | None = None) -> int:
             "kv_bytes_per_token": kv_bytes_per_token(),
         },
         "configs": args.configs,
+        "engine_cpus": {
+            "mode": args.engine_cpus,
+            "workers": [engine_cpu(args.engine_cpus, i) for i in range(setup.models)],
+        },
         "peaks": [peak_key(p) for p in peaks],
         "rounds": args.rounds,
         **summary,
