@@ -122,7 +122,19 @@ class Setup:
 
 
 # -- servers ----------------------------------------------------------------------------------
-def write_models(directory: Path, count: int) -> list[Path]:
+def model_config(kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """The served model's ``config.json``: :data:`MODEL_CONFIG` with ``kv_heads``
+    heads (query and KV alike) of ``head_dim``. More KV per token makes memory,
+    not the CPU, what a peak runs out of first."""
+    return {
+        **MODEL_CONFIG,
+        "num_attention_heads": kv_heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+    }
+
+
+def write_models(directory: Path, count: int, config: dict[str, Any] = MODEL_CONFIG) -> list[Path]:
     """A model directory per served model (``config.json`` only: the servers
     load vLLM's dummy weights; outputs are ignored, lengths fixed by
     ``ignore_eos``)."""
@@ -130,7 +142,7 @@ def write_models(directory: Path, count: int) -> list[Path]:
     for name in MODELS[:count]:
         d = directory / name
         d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+        (d / "config.json").write_text(json.dumps(config, indent=1))
         dirs.append(d)
     return dirs
 
@@ -701,6 +713,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-min", type=int, default=192)
     ap.add_argument("--prompt-max", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens (128)")
+    ap.add_argument(
+        "--kv-heads",
+        type=int,
+        default=MODEL_CONFIG["num_key_value_heads"],
+        help="attention and KV heads of the served model",
+    )
+    ap.add_argument(
+        "--head-dim",
+        type=int,
+        default=MODEL_CONFIG["head_dim"],
+        help="head size (the CPU attention backend takes 32, 64, 80, 96, 112, 128, ...)",
+    )
     ap.add_argument("--capacity-mib", type=int, default=Setup.capacity_mib)
     ap.add_argument("--utilization", type=float, default=Setup.utilization)
     ap.add_argument("--min-reserved", type=int, default=Setup.min_reserved)
@@ -794,7 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": prov["commit"],
         "dirty": prov["tree_dirty"],
     }
-    model_dirs = write_models(workdir / "models", setup.models)
+    served = model_config(args.kv_heads, args.head_dim)
+    model_dirs = write_models(workdir / "models", setup.models, served)
     runs: list[Run] = []
     print(
         f"budget {setup.budget_bytes / MIB:.1f} MiB, native {setup.static_bytes / MIB:.2f} "
@@ -850,8 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             "budget_bytes": setup.budget_bytes,
             "static_bytes": setup.static_bytes,
             "models": list(MODELS[: setup.models]),
-            "model_config": MODEL_CONFIG,
-            "kv_bytes_per_token": kv_bytes_per_token(),
+            "model_config": served,
+            "kv_bytes_per_token": kv_bytes_per_token(served),
         },
         "configs": args.configs,
         "engine_cpus": {
@@ -892,8 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def kv_bytes_per_token() -> int:
-    c = MODEL_CONFIG
+def kv_bytes_per_token(c: dict[str, Any] = MODEL_CONFIG) -> int:
     return (
         2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * int(c["head_dim"]) * 2
     )  # K and V, bf16
