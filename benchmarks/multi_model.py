@@ -910,9 +910,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"-> {out}")
     if args.plot and summary:
-        from multi_model_plot import plot_all
+        from multi_model_plot import plot_all, tag_of
 
-        for path in plot_all(report, out.parent):
+        for path in plot_all(report, out.parent, tag_of(out)):
             print(f"-> {path}")
     return 0
 

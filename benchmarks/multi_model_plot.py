@@ -20,15 +20,22 @@ from typing import Any
 MIB = 1 << 20
 
 
-def plot_all(report: dict[str, Any], directory: Path) -> list[Path]:
-    """Write both PNGs into ``directory``; return their paths."""
+def plot_all(report: dict[str, Any], directory: Path, tag: str = "") -> list[Path]:
+    """Write both PNGs into ``directory`` (``multi-model[-TAG]-speedup.png`` and
+    ``-memory.png``); return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
+    stem = f"multi-model-{tag}" if tag else "multi-model"
     return [
-        plot_speedup(report, directory / "multi-model-speedup.png"),
-        plot_memory(report, directory / "multi-model-memory.png"),
+        plot_speedup(report, directory / f"{stem}-speedup.png"),
+        plot_memory(report, directory / f"{stem}-memory.png"),
     ]
+
+
+def tag_of(result: Path) -> str:
+    """The plots' tag of a result file: ``multi-model-cpu-X.json`` gives ``X``."""
+    return result.stem.removeprefix("multi-model-cpu").strip("-")
 
 
 def plot_speedup(report: dict[str, Any], path: Path) -> Path:
@@ -116,7 +123,7 @@ def main(argv: list[str]) -> int:
         else (Path(__file__).resolve().parent / "results" / "multi-model-cpu.json")
     )
     report = json.loads(src.read_text())
-    for p in plot_all(report, src.parent):
+    for p in plot_all(report, src.parent, tag_of(src)):
         print(f"-> {p}")
     return 0
 
