@@ -25,6 +25,12 @@ MEMORY_RUNS_LOCKED = ("h200/run[5-9]/memory-h200.json", "h200/run[1-9][0-9]/memo
 RUNS_NOW = "h200/run1[234]/memory-h200.json"
 
 
+def _runs_wall(peak: float) -> list[float]:
+    """Every run's wall time at ``peak`` in the main multi-model result."""
+    doc = json.loads((rf.RESULTS / "multi-model-cpu.json").read_text())
+    return [r["wall_s"] for r in doc["runs"] if r["peak"] == peak]
+
+
 FIGURES: list[Figure] = [
     # vLLM
     Figure(
@@ -341,6 +347,32 @@ FIGURES: list[Figure] = [
             "queue_s.native.2.mean",
             "queue_s.kvcached.4.mean",
             "queue_s.native.4.mean",
+        ),
+    ),
+    Figure(
+        "peak 4's {52.0} s of arrivals took {73.1–85.8} s to serve in either configuration "
+        "(peak 2's {34.6} s took {38.9–40.2} s)",
+        "multi-model-cpu-trace.json",
+        (
+            lambda d: max(
+                r["t"] for t in d["traces"] if t["spec"]["peak"] == 4.0 for r in t["requests"]
+            ),
+            lambda d: _runs_wall(4.0),
+            lambda d: max(
+                r["t"] for t in d["traces"] if t["spec"]["peak"] == 2.0 for r in t["requests"]
+            ),
+            lambda d: _runs_wall(2.0),
+        ),
+    ),
+    Figure(
+        "from {10.71} ms natively at peak 1 to {4.11} ms at peak 4 (kvcached {11.16} and {4.51} "
+        "ms)",
+        "multi-model-cpu.json",
+        (
+            "cpu_ms_per_token.1.native",
+            "cpu_ms_per_token.4.native",
+            "cpu_ms_per_token.1.kvcached",
+            "cpu_ms_per_token.4.kvcached",
         ),
     ),
     Figure(
