@@ -31,6 +31,22 @@ def _runs_wall(peak: float) -> list[float]:
     return [r["wall_s"] for r in doc["runs"] if r["peak"] == peak]
 
 
+def _max_kvcached_mib(d: dict) -> float:
+    """The most any kvcached model mapped, in MiB, over a multi-model result's samples."""
+    return max(
+        (x[m]["kv_bytes"] or 0) / 2**20
+        for r in d["runs"]
+        if r["config"] == "kvcached"
+        for x in r["samples"]
+        for m in d["setup"]["models"]
+    )
+
+
+def _controls(d: dict) -> list[float]:
+    """Every control ratio (mean and P99, both configurations) of a multi-model result."""
+    return [v for c in d["control"].values() for k in c.values() for v in k.values()]
+
+
 FIGURES: list[Figure] = [
     # vLLM
     Figure(
@@ -398,19 +414,13 @@ FIGURES: list[Figure] = [
         "natively.",
         "multi-model-cpu-kvheavy.json",
         (
-            lambda d: max(
-                (x[m]["kv_bytes"] or 0) / 2**20
-                for r in d["runs"]
-                if r["config"] == "kvcached"
-                for x in r["samples"]
-                for m in d["setup"]["models"]
-            ),
+            _max_kvcached_mib,
             "mean_ttft_speedup.2",
             "mean_ttft_speedup.3",
             "p99_ttft_speedup.2",
             "p99_ttft_speedup.3",
-            lambda d: min(v for c in d["control"].values() for k in c.values() for v in k.values()),
-            lambda d: max(v for c in d["control"].values() for k in c.values() for v in k.values()),
+            lambda d: min(_controls(d)),
+            lambda d: max(_controls(d)),
             "queue_s.kvcached.2.mean",
             "queue_s.kvcached.3.mean",
             "queue_s.native.2.mean",
@@ -434,13 +444,7 @@ FIGURES: list[Figure] = [
         "{1.60}x)",
         "multi-model-cpu-oneatatime.json",
         (
-            lambda d: max(
-                (x[m]["kv_bytes"] or 0) / 2**20
-                for r in d["runs"]
-                if r["config"] == "kvcached"
-                for x in r["samples"]
-                for m in d["setup"]["models"]
-            ),
+            _max_kvcached_mib,
             lambda d: [
                 r["queue_s"]["mean"]
                 for r in d["runs"]
@@ -455,8 +459,8 @@ FIGURES: list[Figure] = [
             "mean_ttft_speedup.3",
             "p99_ttft_speedup.2",
             "p99_ttft_speedup.3",
-            lambda d: min(v for c in d["control"].values() for k in c.values() for v in k.values()),
-            lambda d: max(v for c in d["control"].values() for k in c.values() for v in k.values()),
+            lambda d: min(_controls(d)),
+            lambda d: max(_controls(d)),
         ),
     ),
 ]

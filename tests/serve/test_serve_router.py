@@ -75,53 +75,46 @@ def test_routing_pass_through_and_openai_errors(tmp_path):
     run(body())
 
 
-def test_streams_pass_chunk_by_chunk(tmp_path):
+def _stream(tmp_path, request: dict) -> tuple[int, str, list[tuple[float, bytes]]]:
+    """POST ``request`` (streamed) through a router over the fake engine: status,
+    content type and each piece of the body with its arrival time."""
     cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log")])
 
-    async def body() -> None:
+    async def body() -> tuple[int, str, list[tuple[float, bytes]]]:
         async with Serve(cfg) as serve:
             await until(lambda: serve.models[0].state == "ready", what="ready")
             async with (
                 aiohttp.ClientSession() as s,
                 s.post(
                     f"http://127.0.0.1:{serve.port}/v1/completions",
-                    json={"model": "alpha", "stream": True, "chunk_delay": 0.5},
+                    json={"model": "alpha", "stream": True, **request},
                 ) as r,
             ):
-                assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
                 start = time.monotonic()
                 arrivals = []
                 async for chunk in r.content.iter_any():
                     arrivals.append((time.monotonic() - start, chunk))
-            data = b"".join(c for _, c in arrivals)
-            assert data.count(b"data: ") == 4 and data.endswith(b"data: [DONE]\n\n")
-            # the first chunk came long before the last: nothing buffered the stream
-            assert arrivals[0][0] < 0.4 and arrivals[-1][0] > 1.0, arrivals
+                return r.status, r.headers["Content-Type"], arrivals
 
-    run(body())
+    return run(body())
+
+
+def test_streams_pass_chunk_by_chunk(tmp_path):
+    status, kind, arrivals = _stream(tmp_path, {"chunk_delay": 0.5})
+    assert status == 200 and kind == "text/event-stream"
+    data = b"".join(c for _, c in arrivals)
+    assert data.count(b"data: ") == 4 and data.endswith(b"data: [DONE]\n\n")
+    # the first chunk came long before the last: nothing buffered the stream
+    assert arrivals[0][0] < 0.4 and arrivals[-1][0] > 1.0, arrivals
 
 
 def test_a_long_stream_passes_whole_and_in_order(tmp_path):
     """500 chunks written back to back (they reach the router coalesced): the
     client gets every one, once, in order, and the stream's end."""
-    cfg = config(tmp_path, [fake_model("alpha", tmp_path / "a.log")])
-
-    async def body() -> None:
-        async with Serve(cfg) as serve:
-            await until(lambda: serve.models[0].state == "ready", what="ready")
-            async with (
-                aiohttp.ClientSession() as s,
-                s.post(
-                    f"http://127.0.0.1:{serve.port}/v1/completions",
-                    json={"model": "alpha", "stream": True, "chunks": 500},
-                ) as r,
-            ):
-                data = await r.read()
-            events = [e for e in data.split(b"\n\n") if e]
-            assert events[-1] == b"data: [DONE]"
-            assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(500))
-
-    run(body())
+    status, _, arrivals = _stream(tmp_path, {"chunks": 500})
+    events = [e for e in b"".join(c for _, c in arrivals).split(b"\n\n") if e]
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    assert [json.loads(e[6:])["i"] for e in events[:-1]] == list(range(500))
 
 
 def test_api_key(tmp_path):
