@@ -22,19 +22,15 @@ require_engine("sglang", "sglang.srt.mem_cache.kv_cache_configurator")
 import torch  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from sglang.srt.mem_cache.allocator import (  # noqa: E402
-    PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
 
 from kvcached.errors import BlockError  # noqa: E402
-from kvcached.integrations.patching import release  # noqa: E402
-from kvcached.integrations.sglang.patch import sglang_version  # noqa: E402
 from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
+from tests.integration.sglang.native_paged import paged_reference  # noqa: E402
 from tests.integration.sglang.test_elastic_sglang import elastic_allocator, ops  # noqa: E402
 
 SIZE, PAGE = 64, 4
-SGLANG_RELEASE = release(sglang_version() or "")
-EXTEND_CHECKS_BEFORE_CAPACITY = ("0.5.20", "0.5.21")
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "debug"])
@@ -54,7 +50,7 @@ def _pair(page_size: int = PAGE):
             SIZE, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False
         )
     else:
-        native = PagedTokenToKVPoolAllocator(
+        native = paged_reference(
             SIZE,
             page_size=page_size,
             dtype=torch.float32,
@@ -123,13 +119,6 @@ def test_scheduler_like_sequences_pass_sglangs_debug_checks(monkeypatch, ops) ->
     native, ours, kv = _pair()
     try:
         assert native.debug_mode and ours.debug_mode
-        if SGLANG_RELEASE in EXTEND_CHECKS_BEFORE_CAPACITY:
-            # SGLang's own class there launches its extend kernel over a free
-            # list too short for the batch (it reads past the end), so its
-            # duplicate check fires before it answers None: an SGLang bug that
-            # 0.5.22 fixed by counting first. Its half runs without debug mode;
-            # kvcached's keeps every check.
-            native.debug_mode = False
         Driver(native).run(ops)
         Driver(ours).run(ops)
         kv.blocks.check()
@@ -185,9 +174,10 @@ def test_every_public_method_answers_alike(debug, page_size) -> None:
             return a
 
         both(lambda x: (x.size, x.size_full, x.page_size, x.available_size()))
-        # The capacity hooks each release's scheduler calls (0.5.20 has the
-        # first four and the last four; 0.5.22 adds the admission ones, 0.5.23
-        # get_extend_allocation_demand): each one SGLang's class has is asked.
+        # The capacity hooks each release's scheduler calls: 0.5.21 adds the
+        # prealloc_* / max_new_tokens_for_memory ones, 0.5.22 request_slot_reserve
+        # and set_hicache_transfer_done_event, 0.5.23 get_extend_allocation_demand.
+        # Each one SGLang's class has is asked.
         hooks = {
             "debug_print": lambda x: x.debug_print(),
             "verify_byte_accounting": lambda x: x.verify_byte_accounting(),
