@@ -1,4 +1,4 @@
-"""The patch groups for SGLang 0.5.23 (targets and reasons: docs/sglang-integration.md).
+"""The patch groups for SGLang 0.5.20-0.5.23 (targets and reasons: docs/sglang-integration.md).
 
 Each ``_install_*`` receives a :class:`~kvcached.integrations.patching.Patcher`
 and its trigger module, and makes every change through the patcher (so a
@@ -10,7 +10,11 @@ SGLang-facing classes (``pools.py``) load when the ``pools`` group installs.
   the elastic pool classes for the plain MHA / MLA kinds (which also reaches
   the full-attention pool of hybrid linear-attention models), builds elastic
   allocators over elastic pools, and sizes the cache from a *virtual* budget
-  instead of this GPU's free memory.
+  instead of this GPU's free memory. 0.5.22/0.5.23 resolve every pool class
+  through one method; 0.5.20/0.5.21 name the classes in the builders, so their
+  group (:func:`_install_pools_by_name`) wraps the builders instead.
+* ``scheduler``: the same on every release but for where a request's extend
+  bounds are read (:func:`extend_bounds`, :func:`extend_bounds_by_range`).
 * ``startup-runner`` / ``startup-args``: SGLang's own post-capture VMM KV
   backing is switched off (kvcached owns the address range).
 * ``scheduler`` (``managers.scheduler``): every scheduling round opens an
@@ -22,7 +26,9 @@ SGLang-facing classes (``pools.py``) load when the ``pools`` group installs.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -81,28 +87,34 @@ def _configurator_supported(conf: Any, module: ModuleType) -> str | None:
     return None
 
 
-def _install_pools(p: Patcher, module: ModuleType) -> None:
+def _elastic_class(conf: Any, module: ModuleType, cls: type, default: type) -> type:
+    """The class a pool of ``cls`` is built from: kvcached's elastic one when
+    ``cls`` is exactly SGLang's plain MHA / MLA pool and the configuration is
+    one kvcached covers, ``cls`` itself otherwise."""
+    from kvcached.integrations.sglang import pools
+
+    # SGLang's classes from memory_pool: on 0.5.20/0.5.21 the configurator's
+    # own ``MLATokenToKVPool`` name is kvcached's factory once patched.
+    elastic = {
+        pools.MHATokenToKVPool: pools.ElasticMHATokenToKVPool,
+        pools.MLATokenToKVPool: pools.ElasticMLATokenToKVPool,
+    }.get(cls)
+    if elastic is None or cls is not default:
+        return cls  # a platform's own class, page-major, DSA: native
+    why = _configurator_supported(conf, module)
+    if why is not None:
+        _log_once(f"SGLang's KV pools stay native: {why}")
+        return cls
+    return elastic
+
+
+def _install_sizing_and_allocators(p: Patcher, module: ModuleType) -> None:
+    """What every release's ``pools`` group shares: the virtual budget and
+    the two allocator names the configurator calls."""
     from kvcached.integrations.sglang import pools
 
     conf_cls = module.KVCacheConfigurator
-    resolve = original(conf_cls._resolve_kv_pool_class)
     profile = original(conf_cls._profile_available_bytes)
-    elastic_for = {
-        module.MHATokenToKVPool: pools.ElasticMHATokenToKVPool,
-        module.MLATokenToKVPool: pools.ElasticMLATokenToKVPool,
-    }
-
-    @functools.wraps(resolve)
-    def _resolve_kv_pool_class(self: Any, *, kind: str, default: type) -> type:
-        cls = resolve(self, kind=kind, default=default)
-        elastic = elastic_for.get(cls)
-        if elastic is None or cls is not default:
-            return cls  # a platform's own class, page-major, DSA: native
-        why = _configurator_supported(self, module)
-        if why is not None:
-            _log_once(f"SGLang's KV pools stay native: {why}")
-            return cls
-        return elastic
 
     @functools.wraps(profile)
     def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
@@ -110,10 +122,79 @@ def _install_pools(p: Patcher, module: ModuleType) -> None:
             return profile(self, pre_model_load_memory)
         return _virtual_budget(self, module, profile, pre_model_load_memory)
 
-    p.replace(conf_cls, "_resolve_kv_pool_class", _resolve_kv_pool_class)
     p.replace(conf_cls, "_profile_available_bytes", _profile_available_bytes)
     p.replace(module, "TokenToKVPoolAllocator", pools.token_allocator)
     p.replace(module, "PagedTokenToKVPoolAllocator", pools.paged_allocator)
+
+
+def _install_pools(p: Patcher, module: ModuleType) -> None:
+    """0.5.22 and 0.5.23: every builder gets its pool class from
+    ``KVCacheConfigurator._resolve_kv_pool_class``, one seam for all."""
+    conf_cls = module.KVCacheConfigurator
+    resolve = original(conf_cls._resolve_kv_pool_class)
+
+    @functools.wraps(resolve)
+    def _resolve_kv_pool_class(self: Any, *, kind: str, default: type) -> type:
+        return _elastic_class(self, module, resolve(self, kind=kind, default=default), default)
+
+    p.replace(conf_cls, "_resolve_kv_pool_class", _resolve_kv_pool_class)
+    _install_sizing_and_allocators(p, module)
+
+
+#: Set while an old configurator's ``_build_mla_kv_pool`` builds a pool kvcached
+#: covers (see :func:`_install_pools_by_name`); a context variable, so another
+#: thread's pool build never sees it.
+_ELASTIC_MLA: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kvcached_elastic_mla", default=False
+)
+
+
+def _install_pools_by_name(p: Patcher, module: ModuleType) -> None:
+    """0.5.20 and 0.5.21 have no ``_resolve_kv_pool_class``: the configurator
+    names the pool classes itself. ``_build_token_to_kv_pool`` hands
+    ``MHATokenToKVPool`` (or page-major) to ``_build_mha_kv_pool`` and
+    ``_build_hybrid_linear_kv_pool`` as ``mha_pool_class``, so those two get
+    the elastic class in that argument; ``_build_mla_kv_pool`` calls the
+    module's ``MLATokenToKVPool`` by name, so that name becomes a factory that
+    builds the elastic class only inside that builder, once the configuration
+    was checked (the hybrid MLA + SWA builder passes the same name as a class
+    and keeps SGLang's)."""
+    from kvcached.integrations.sglang import pools
+
+    conf_cls = module.KVCacheConfigurator
+    native_mha, native_mla = pools.MHATokenToKVPool, pools.MLATokenToKVPool
+
+    def with_elastic_mha(build: Any) -> Any:
+        @functools.wraps(build)
+        def wrapper(self: Any, **kwargs: Any) -> Any:
+            cls = kwargs.get("mha_pool_class")
+            kwargs["mha_pool_class"] = _elastic_class(self, module, cls, native_mha)
+            return build(self, **kwargs)
+
+        return wrapper
+
+    mha = original(conf_cls._build_mha_kv_pool)
+    linear = original(conf_cls._build_hybrid_linear_kv_pool)
+    mla = original(conf_cls._build_mla_kv_pool)
+
+    @functools.wraps(mla)
+    def _build_mla_kv_pool(self: Any, **kwargs: Any) -> Any:
+        elastic = _elastic_class(self, module, native_mla, native_mla) is not native_mla
+        token = _ELASTIC_MLA.set(elastic)
+        try:
+            return mla(self, **kwargs)
+        finally:
+            _ELASTIC_MLA.reset(token)
+
+    def mla_pool(*args: Any, **kwargs: Any) -> Any:
+        cls = pools.ElasticMLATokenToKVPool if _ELASTIC_MLA.get() else native_mla
+        return cls(*args, **kwargs)
+
+    p.replace(conf_cls, "_build_mha_kv_pool", with_elastic_mha(mha))
+    p.replace(conf_cls, "_build_hybrid_linear_kv_pool", with_elastic_mha(linear))
+    p.replace(conf_cls, "_build_mla_kv_pool", _build_mla_kv_pool)
+    p.replace(module, "MLATokenToKVPool", mla_pool)
+    _install_sizing_and_allocators(p, module)
 
 
 def _virtual_budget(conf: Any, module: ModuleType, native: Any, pre_model_load_memory: int) -> int:
@@ -231,7 +312,22 @@ def enforce_cache_cap(slots: Any, tree: Any, cap: int) -> int:
     return got
 
 
-def _install_scheduler(p: Patcher, module: ModuleType) -> None:
+def extend_bounds(req: Any) -> tuple[int, int]:
+    """A request's ``(prefix length, end of this round's extend)`` as
+    ``ScheduleBatch.prepare_for_extend`` of 0.5.22 and 0.5.23 reads them."""
+    return req.prefix_len, req.extend_end
+
+
+def extend_bounds_by_range(req: Any) -> tuple[int, int]:
+    """The same on 0.5.20 and 0.5.21, whose ``prepare_for_extend`` takes
+    ``len(req.prefix_indices)`` and ``req.extend_range.end`` (``Req`` has no
+    ``extend_end`` there)."""
+    return len(req.prefix_indices), req.extend_range.end
+
+
+def _install_scheduler(
+    p: Patcher, module: ModuleType, bounds: Callable[[Any], tuple[int, int]] = extend_bounds
+) -> None:
     from kvcached.config import get_config
 
     scheduler_cls = module.Scheduler
@@ -277,7 +373,7 @@ def _install_scheduler(p: Patcher, module: ModuleType) -> None:
         allocator = self.token_to_kv_pool_allocator
         slots = getattr(allocator, "kvcached_slots", None)
         if slots is not None and not self.is_dllm():
-            reserve_for_extend(slots, allocator, self.tree_cache, self.reqs)
+            reserve_for_extend(slots, allocator, self.tree_cache, self.reqs, bounds)
         return prepare_extend(self)
 
     p.replace(scheduler_cls, "get_next_batch_to_run", get_next_batch_to_run)
@@ -285,12 +381,20 @@ def _install_scheduler(p: Patcher, module: ModuleType) -> None:
     p.replace(batch_cls, "prepare_for_extend", prepare_for_extend)
 
 
-def reserve_for_extend(slots: Any, allocator: Any, tree_cache: Any, reqs: list[Any]) -> bool:
+def reserve_for_extend(
+    slots: Any,
+    allocator: Any,
+    tree_cache: Any,
+    reqs: list[Any],
+    bounds: Callable[[Any], tuple[int, int]] = extend_bounds,
+) -> bool:
     """Reserve the pages a prefill batch will allocate (evicting prefix cache
-    first, as SGLang's allocation would). Inside the patched admission a
+    first, as SGLang's allocation would). ``bounds`` reads a request's prefix
+    and extend end as this SGLang release does. Inside the patched admission a
     failure raises :class:`KVCacheMiss` before the batch touches memory;
     elsewhere SGLang's own path runs on (and fails as it would natively)."""
-    pages = slots.pages_for_extend([r.prefix_len for r in reqs], [r.extend_end for r in reqs])
+    prefix, ends = zip(*(bounds(r) for r in reqs), strict=True) if reqs else ((), ())
+    pages = slots.pages_for_extend(list(prefix), list(ends))
     if pages <= 0:
         return True
     allocator.evict_to_free_tokens(tree_cache, pages * slots.page_size)
@@ -348,9 +452,28 @@ def _log_once(message: str) -> None:
         get_logger("integrations.sglang").info("%s", message)
 
 
+#: Where a group differs between releases, a group of the same name per set
+#: of releases (docs/sglang-integration.md, "Versions").
+RESOLVED = frozenset({"0.5.22", "0.5.23"})
+BY_NAME = frozenset({"0.5.20", "0.5.21"})
+
 GROUPS: tuple[PatchGroup, ...] = (
-    PatchGroup("pools", "sglang.srt.mem_cache.kv_cache_configurator", _install_pools),
+    PatchGroup(
+        "pools", "sglang.srt.mem_cache.kv_cache_configurator", _install_pools, versions=RESOLVED
+    ),
+    PatchGroup(
+        "pools",
+        "sglang.srt.mem_cache.kv_cache_configurator",
+        _install_pools_by_name,
+        versions=BY_NAME,
+    ),
     PatchGroup("startup-args", "sglang.srt.arg_groups.memory_hook", _install_startup_args),
     PatchGroup("startup-runner", "sglang.srt.model_executor.model_runner", _install_startup_runner),
-    PatchGroup("scheduler", "sglang.srt.managers.scheduler", _install_scheduler),
+    PatchGroup("scheduler", "sglang.srt.managers.scheduler", _install_scheduler, versions=RESOLVED),
+    PatchGroup(
+        "scheduler",
+        "sglang.srt.managers.scheduler",
+        functools.partial(_install_scheduler, bounds=extend_bounds_by_range),
+        versions=BY_NAME,
+    ),
 )

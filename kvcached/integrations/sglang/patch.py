@@ -32,7 +32,7 @@ from kvcached.integrations.patching import FailurePolicy, Patches, PatchGroup, s
 #: real classes, ``tests/compat/run.sh sglang VERSION``). Pool, allocator and
 #: scheduler code moves between releases: a version not listed here is left
 #: native rather than patched on a guess.
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.23",)
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
 PATCHES = Patches("SGLang", FailurePolicy.GROUP_NATIVE, "integrations.sglang")
 

@@ -148,6 +148,19 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
 # -- allocators -------------------------------------------------------------------------------
 
 
+def _sglang_uses_triton() -> bool:
+    """Whether SGLang's own paged allocator lays slots out with its Triton
+    kernels here: 0.5.22 asks the platform (and has torch versions for a
+    platform without Triton); 0.5.20 and 0.5.21 have no such switch and always
+    launch the kernels, so the elastic allocator does too (on a CPU only
+    Triton's interpreter, ``TRITON_INTERPRET=1``, runs them, for SGLang's class
+    and this one alike)."""
+    platform = getattr(_paged, "current_platform", None)
+    if platform is None:
+        return True
+    return bool(platform.capabilities.supports_triton)
+
+
 class _ElasticAllocator:
     """What the token and the paged elastic allocator share (a mixin over
     SGLang's BaseTokenToKVPoolAllocator)."""
@@ -249,7 +262,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         )
         self.num_pages = size // page_size
         self.debug_mode = _paged.get_bool_env_var("SGLANG_DEBUG_MEMORY_POOL")
-        self.use_triton_kernels = _paged.current_platform.capabilities.supports_triton
+        self.use_triton_kernels = _sglang_uses_triton()
         self._init_slots(kvcache, self.num_pages)
         self.clear()
 

@@ -2,7 +2,8 @@
 # Build the venv the SGLang integration tests run in (CPU, no server), fast on
 # reruns. Usage: bash tests/integration/sglang/install_env.sh [VENV_DIR]
 # SGLANG_VERSION=0.5.20 installs that release instead of requirements.txt's
-# (the other pins stay: tests/compat/run.sh proves each release with them).
+# (the other pins stay: tests/compat/run.sh proves each release with them),
+# plus requirements-extra-0.5.20.txt where a release imports more than 0.5.23.
 #
 # The wheels are kept in a wheelhouse under ~/.cache/pip (CI keeps that folder
 # between runs; pip's HTTP cache stays empty with this registry), so a rerun
@@ -16,6 +17,10 @@ req="$here/requirements.txt"
 if [ -n "${SGLANG_VERSION:-}" ]; then
     req="$(mktemp)"
     sed "s/^sglang==.*/sglang==$SGLANG_VERSION/" "$here/requirements.txt" > "$req"
+    extra="$here/requirements-extra-$SGLANG_VERSION.txt"
+    if [ -f "$extra" ]; then
+        grep -v '^#' "$extra" >> "$req"
+    fi
 fi
 wheels="${KVCACHED_SGLANG_WHEELHOUSE:-$HOME/.cache/pip/kvcached-sglang-wheels}"
 

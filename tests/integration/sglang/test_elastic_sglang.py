@@ -43,15 +43,26 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool 
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from kvcached.driver.host import HostDriver  # noqa: E402
-from kvcached.integrations.patching import Patcher  # noqa: E402
+from kvcached.integrations.patching import Patcher, PatchGroup, release  # noqa: E402
 from kvcached.integrations.sglang import groups, pools  # noqa: E402
 from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape  # noqa: E402
+from kvcached.integrations.sglang.patch import sglang_version  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 from tests.budgets import ExactBudget  # noqa: E402
 from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 STUBS = Path(__file__).resolve().parent / "stubs"
+VERSION = release(sglang_version() or "")
+#: 0.5.22/0.5.23 resolve pool classes through ``_resolve_kv_pool_class``;
+#: 0.5.20/0.5.21 name them in the builders (docs/sglang-integration.md, "Versions").
+RESOLVES = VERSION in groups.RESOLVED
+
+
+def group_for_this_release(name: str) -> PatchGroup:
+    """The patch group ``name`` that ``apply()`` would install on this SGLang."""
+    (group,) = [g for g in groups.GROUPS if g.name == name and g.applies_to(VERSION)]
+    return group
 
 
 @pytest.fixture(autouse=True)
@@ -122,27 +133,38 @@ def _configurator(monkeypatch, page_size: int, *, draft: bool = False) -> kc.KVC
         mambaish_config=None,
         layer_info=NS(num_effective_layers=2, start_layer=0, end_layer=2),
     )
+    slots = set(kc.KVCacheConfigurator.__dataclass_fields__)
     for name, value in fields.items():  # a slotted dataclass: one slot at a time
-        setattr(conf, name, value)
+        if name in slots:  # 0.5.20/0.5.21 have no KV sharding fields
+            setattr(conf, name, value)
     return conf
 
 
 @pytest.fixture
 def pools_group():
-    """The ``pools`` patch group installed on the real configurator, undone after."""
+    """This release's ``pools`` patch group installed on the real configurator, undone after."""
     patcher = Patcher()
-    groups._install_pools(patcher, kc)
+    group_for_this_release("pools").install(patcher, kc)
     yield
     patcher.undo()
 
 
-def _build(conf: kc.KVCacheConfigurator, size: int, kind: str = "mha"):
-    if kind == "mha":
-        cls = conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool)
-        pool = conf._build_mha_kv_pool(max_total_num_tokens=size, mha_pool_class=cls)
-    else:
+def _pool(conf: kc.KVCacheConfigurator, size: int, kind: str = "mha"):
+    """The pool ``_build_token_to_kv_pool`` builds for a plain MHA / MLA model,
+    through the same calls it makes on this release."""
+    if RESOLVES:
+        if kind == "mha":
+            cls = conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool)
+            return conf._build_mha_kv_pool(max_total_num_tokens=size, mha_pool_class=cls)
         cls = conf._resolve_kv_pool_class(kind="mla", default=MLATokenToKVPool)
-        pool = conf._build_mla_kv_pool(max_total_num_tokens=size, mla_pool_class=cls)
+        return conf._build_mla_kv_pool(max_total_num_tokens=size, mla_pool_class=cls)
+    if kind == "mha":  # 0.5.20/0.5.21 pass their module's MHATokenToKVPool here
+        return conf._build_mha_kv_pool(max_total_num_tokens=size, mha_pool_class=MHATokenToKVPool)
+    return conf._build_mla_kv_pool(max_total_num_tokens=size)  # the class named inside
+
+
+def _build(conf: kc.KVCacheConfigurator, size: int, kind: str = "mha"):
+    pool = _pool(conf, size, kind)
     allocator = conf._build_token_to_kv_pool_allocator(
         sizes=NS(max_total_num_tokens=size),
         token_to_kv_pool=pool,
@@ -195,11 +217,25 @@ def test_configurator_builds_elastic_mla(monkeypatch, pools_group):
 
 def test_without_the_group_or_for_a_draft_worker_sglang_builds_its_own(monkeypatch, pools_group):
     conf = _configurator(monkeypatch, 1, draft=True)  # shares the target's allocator
-    pool = conf._build_mha_kv_pool(
-        max_total_num_tokens=64,
-        mha_pool_class=conf._resolve_kv_pool_class(kind="mha", default=MHATokenToKVPool),
-    )
+    pool = _pool(conf, 64)
     assert type(pool) is MHATokenToKVPool
+    conf.use_mla_backend = True
+    assert type(_pool(conf, 64, kind="mla")) is MLATokenToKVPool
+    if not RESOLVES:
+        # The by-name group's MLA factory builds SGLang's class outside
+        # _build_mla_kv_pool (the hybrid MLA + SWA builder passes it as a class).
+        assert kc.MLATokenToKVPool is not MLATokenToKVPool  # the factory is installed
+        native = kc.MLATokenToKVPool(
+            64,
+            page_size=1,
+            dtype=torch.float16,
+            kv_lora_rank=64,
+            qk_rope_head_dim=32,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        assert type(native) is MLATokenToKVPool
     assert (
         type(
             pools.token_allocator(
@@ -405,6 +441,19 @@ def _req(rid: str, retractions: int) -> Req:
     return req
 
 
+def _set_extend(req: Req, prefix: int, end: int) -> None:
+    """What SGLang's adder sets before ``prepare_for_extend``, on this release."""
+    if RESOLVES:
+        req.prefix_len, req.extend_end = prefix, end
+    else:  # 0.5.20/0.5.21: prefix_indices and an extend range
+        req.prefix_indices = torch.arange(prefix, dtype=torch.int64)
+        req.set_extend_range(prefix, end)
+
+
+def _extend_end(req: Req) -> int:
+    return req.extend_end if RESOLVES else req.extend_range.end
+
+
 class _Batch:
     """Stands in for ScheduleBatch: prepare_for_extend is where SGLang allocates."""
 
@@ -416,7 +465,7 @@ class _Batch:
         return False
 
     def prepare_for_extend(self) -> None:
-        pages = sum(-(-r.extend_end // 4) for r in self.reqs)
+        pages = sum(-(-_extend_end(r) // 4) for r in self.reqs)
         self.allocated = self.token_to_kv_pool_allocator.alloc(pages * 4)
         assert self.allocated is not None, "SGLang would raise 'Out of memory' here"
 
@@ -428,8 +477,13 @@ class _Scheduler:
 
     def __init__(self, allocator, reqs: list) -> None:
         self.token_to_kv_pool_allocator = allocator
+        # A tree with nothing to share, as each release asks it (0.5.20/0.5.21:
+        # is_chunk_cache; 0.5.22 on: supports_prefix_sharing).
         self.tree_cache = NS(
-            evictable_size=lambda: 0, evict=None, supports_prefix_sharing=lambda: False
+            evictable_size=lambda: 0,
+            evict=None,
+            supports_prefix_sharing=lambda: False,
+            is_chunk_cache=lambda: True,
         )
         self.waiting_queue = list(reqs)
         self.chunked_req = None
@@ -450,7 +504,7 @@ class _Scheduler:
 def scheduler_group():
     module = NS(Scheduler=_Scheduler, ScheduleBatch=_Batch)
     patcher = Patcher()
-    groups._install_scheduler(patcher, module)
+    group_for_this_release("scheduler").install(patcher, module)
     yield
     patcher.undo()
 
@@ -463,7 +517,7 @@ def test_a_prefill_that_cannot_reserve_waits_with_its_retraction_history(schedul
     try:
         fresh, retracted, third = _req("a", 0), _req("b", 2), _req("c", 0)
         for r in (fresh, retracted, third):
-            r.prefix_len, r.extend_end = 0, 16  # 4 pages each: two do not fit
+            _set_extend(r, 0, 16)  # 4 pages each: two do not fit
         sched = _Scheduler(alloc, [fresh, retracted, third])
         running = object()
         assert sched.get_next_batch_to_run(running, None) == (None, running)

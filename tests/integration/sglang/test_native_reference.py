@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
 )
 
 from tests.integration.sglang.allocator_model import Driver, Op  # noqa: E402
+from tests.integration.sglang.native_paged import paged_reference  # noqa: E402
 
 HEADS, HEAD_DIM, LAYERS = 2, 8, 2
 
@@ -64,7 +65,7 @@ def token_allocator(
 def paged_allocator(
     size: int, page_size: int, need_sort: bool = False, device: str = "cpu"
 ) -> PagedTokenToKVPoolAllocator:
-    return PagedTokenToKVPoolAllocator(
+    return paged_reference(
         size,
         page_size=page_size,
         dtype=torch.float16,
