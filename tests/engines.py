@@ -78,7 +78,10 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
     if not name or not name.replace("_", "").isalnum():
         raise ValueError(f"name={name!r}: an engine name such as 'sglang' or 'vllm'")
     target = module or name
-    if importlib.util.find_spec(name) is None:
+    spec = importlib.util.find_spec(name)
+    # A namespace package is a folder of that name on sys.path (this repo's own
+    # tests/integration/sglang, once pytest has put tests/integration there), not the engine.
+    if spec is None or spec.origin is None:
         reason = f"{name} is not installed in this environment ({sys.executable})"
     else:
         try:
