@@ -100,9 +100,9 @@ class PoolBudget:
         self._closed = False
         self._uses_calibrator = False
         self._finalizer = weakref.finalize(self, _finalize, fd)
-        # Grants and flushes take the data lock inline (no call frame: a tenth of
-        # a grant's CPU) where it is the ledger's own flock; a ledger class that
-        # replaces the lock is always called through.
+        # A grant takes the data lock inline where it is the ledger's own flock
+        # (the two call frames it saves were ~5% of a grant+refund pair's CPU);
+        # a ledger class that replaces the lock is always called through.
         self._inline_lock = (
             type(ledger)._lock_fd is Ledger._lock_fd
             and type(ledger)._unlock_fd is Ledger._unlock_fd
