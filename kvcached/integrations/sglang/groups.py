@@ -13,15 +13,15 @@ SGLang-facing classes (``pools.py``) load when the ``pools`` group installs.
   instead of this GPU's free memory. 0.5.22/0.5.23 resolve every pool class
   through one method; 0.5.20/0.5.21 name the classes in the builders, so their
   group (:func:`_install_pools_by_name`) wraps the builders instead.
-* ``scheduler``: the same on every release but for where a request's extend
-  bounds are read (:func:`extend_bounds`, :func:`extend_bounds_by_range`).
 * ``startup-runner`` / ``startup-args``: SGLang's own post-capture VMM KV
   backing is switched off (kvcached owns the address range).
 * ``scheduler`` (``managers.scheduler``): every scheduling round opens an
   agreement round on the allocator (TP budget, reservations, the prefix-cache
   cap and the control thread's eviction requests), prefill reserves its pages
   before allocating, and a prefill that cannot be reserved waits in the queue
-  with its retraction history untouched.
+  with its retraction history untouched. The same on every release but for
+  where a request's extend bounds are read (:func:`extend_bounds`,
+  :func:`extend_bounds_by_range`).
 """
 
 from __future__ import annotations
