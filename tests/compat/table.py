@@ -1,9 +1,11 @@
 """The README's supported-versions table, generated from
 ``benchmarks/results/compat.json`` (the rows ``tests/compat/run.sh`` records).
 
-A release is *supported* when it was run (a row with passed tests); the table
-shows each row's failures beside it, and its load average (failures on a
-loaded 2-core machine were timeouts; rerun with ``run.sh`` where it is quiet).
+A release is *supported* when its row has passed tests and no failure
+(``tests/compat/matrix.txt`` says so, and each engine's version gate admits
+exactly these: ``tests/compat/test_table.py``). A row with a failure stays in
+the table, marked ``no``, with its load average beside it (on a loaded 2-core
+machine the failures were timeouts); ``run.sh`` on a quiet machine replaces it.
 ``python tests/compat/table.py`` prints the table; ``--write`` puts it in the
 README between its markers (``tests/compat/test_table.py`` checks they agree).
 """
@@ -33,9 +35,14 @@ def rows(path: Path = RESULTS) -> list[dict]:
     return data
 
 
+def proven(row: dict) -> bool:
+    """The row's run passed tests and failed none."""
+    return row["passed"] > 0 and row["failed"] == 0
+
+
 def supported(data: list[dict], engine: str) -> list[str]:
-    """The releases of ``engine`` that were run (a row with passed tests), oldest first."""
-    out = [r["version"] for r in data if r["engine"] == engine and r["passed"] > 0]
+    """The releases of ``engine`` whose row is :func:`proven`, oldest first."""
+    out = [r["version"] for r in data if r["engine"] == engine and proven(r)]
     return sorted(out, key=lambda v: [int(p) for p in v.split(".")])
 
 
@@ -48,9 +55,8 @@ def render(data: list[dict]) -> str:
         data,
         key=lambda r: (list(ENGINES).index(r["engine"]), [int(p) for p in r["version"].split(".")]),
     ):
-        ok = r["passed"] > 0
         lines.append(
-            f"| {ENGINES[r['engine']]} | {r['version']} | {'yes' if ok else 'no'} | "
+            f"| {ENGINES[r['engine']]} | {r['version']} | {'yes' if proven(r) else 'no'} | "
             f"{r['passed']} | {r['failed']} | {r['load_avg'][0]} | {r['date'][:10]} | "
             f"`{r['commit'][:10]}` |"
         )

@@ -50,3 +50,12 @@ def test_every_row_is_complete_and_in_the_matrix() -> None:
         assert (row["engine"], row["version"]) in known
         assert re.fullmatch(r"\d+\.\d+\.\d+", row["version"]), "as released, e.g. 0.30.0"
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", row["commit"])
+
+
+def test_a_row_with_a_failure_is_not_supported() -> None:
+    def row(version: str, passed: int, failed: int) -> dict:
+        return {"engine": "vllm", "version": version, "passed": passed, "failed": failed}
+
+    data = [row("0.30.0", 145, 1), row("0.31.0", 0, 0), row("0.32.0", 146, 0)]
+    assert table.supported(data, "vllm") == ["0.32.0"]
+    assert table.supported(data, "sglang") == []
