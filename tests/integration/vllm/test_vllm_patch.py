@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcached.config import reload_config
+from kvcached.integrations import vllm as vllm_plugin
 from kvcached.integrations.patching import PatchGroup
 from kvcached.integrations.vllm import engine, worker
 from kvcached.integrations.vllm.geometry import plan_lanes
@@ -174,16 +175,13 @@ def engine_patched():
     through for native pools, so the native managers below stay native)."""
     saved = STATE.active
     STATE.active = True
-    for group in (
-        PatchGroup(
-            "kv_cache_coordinator", "", engine.install_coordinator, engine.check_coordinator
-        ),
-        PatchGroup(
-            "kv_cache_manager", "", engine.install_kv_cache_manager, engine.check_kv_cache_manager
-        ),
-    ):
-        module = kv_cache_coordinator if "coordinator" in group.name else kv_cache_manager
-        assert STATE.install(group, module), STATE.off_reason
+    # The plugin's own groups for the installed release: their checks differ
+    # by version (0.30's get_num_blocks_to_allocate has no prefill_end).
+    modules = {"kv_cache_coordinator": kv_cache_coordinator, "kv_cache_manager": kv_cache_manager}
+    chosen = [g for g in vllm_plugin.groups() if g.name in modules and g.applies_to(VLLM_VERSION)]
+    assert sorted(g.name for g in chosen) == sorted(modules), chosen
+    for group in chosen:
+        assert STATE.install(group, modules[group.name]), STATE.off_reason
     yield
     STATE.active = saved
 
