@@ -30,7 +30,7 @@ import os
 
 #: vLLM releases the patch groups were written against and tested on (the
 #: real engine, ``tests/compat/run.sh vllm VERSION``); any other runs native.
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0")  # 0.30/0.31: being proven (tests/compat/run.sh)
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0")
 
 _FALSE = ("", "0", "false", "no", "off")
 _applied = False
