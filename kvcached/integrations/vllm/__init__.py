@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import os
 
-#: vLLM releases the patch groups were written against and tested on (the
-#: real engine, ``tests/compat/run.sh vllm VERSION``); any other runs native.
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.30.0", "0.31.0", "0.32.0")
+from kvcached.integrations.vllm.releases import RELEASES
+
+#: vLLM releases the patch groups were written against and proven on (one row
+#: each in :mod:`.releases`); any other runs native.
+SUPPORTED_VERSIONS: tuple[str, ...] = tuple(RELEASES)
 
 _FALSE = ("", "0", "false", "no", "off")
 _applied = False
@@ -49,133 +51,52 @@ def plugin() -> None:
     apply()
 
 
-def groups() -> tuple:
-    """Every patch group, in install order. A group keyed by ``versions``
-    applies to those releases only; where 0.30/0.31 differ from 0.32 the
-    group of the same name comes from :mod:`.older` (docs/vllm-integration.md,
-    "Versions")."""
-    from kvcached.integrations.patching import PatchGroup as G
-    from kvcached.integrations.vllm import engine, older, worker
+#: Every patch group: (name, the vLLM module that completes it, the module of
+#: ours that holds its ``check_<part>`` and ``install_<part>``, ``<part>``).
+#: Each takes the release's row (:mod:`.releases`), so one group serves every
+#: release; what a release lacks, its row says.
+GROUPS: tuple[tuple[str, str, str, str], ...] = (
+    ("worker_utils", "vllm.v1.worker.utils", "worker", "utils"),
+    ("worker_base", "vllm.v1.worker.worker_base", "worker", "worker_base"),
+    ("gpu_model_runner", "vllm.v1.worker.gpu_model_runner", "worker", "runner"),
+    ("gpu_attn_utils", "vllm.v1.worker.gpu.attn_utils", "worker", "attn_utils"),
+    ("gpu_worker", "vllm.v1.worker.gpu_worker", "worker", "gpu_worker"),
+    ("xpu_worker", "vllm.v1.worker.xpu_worker", "worker", "request_memory"),
+    ("cpu_worker", "vllm.v1.worker.cpu_worker", "worker", "cpu_worker"),
+    ("kv_cache_utils", "vllm.v1.core.kv_cache_utils", "engine", "kv_cache_utils"),
+    ("kv_cache_coordinator", "vllm.v1.core.kv_cache_coordinator", "engine", "coordinator"),
+    ("kv_cache_manager", "vllm.v1.core.kv_cache_manager", "engine", "kv_cache_manager"),
+    ("scheduler", "vllm.v1.core.sched.scheduler", "engine", "scheduler"),
+    ("engine_core", "vllm.v1.engine.core", "engine", "engine_core"),
+)
 
-    new, old, oldest = (
-        frozenset({"0.32.0"}),
-        frozenset({"0.30.0", "0.31.0"}),
-        frozenset({"0.30.0"}),
-    )
-    return (
-        G(
-            "worker_utils",
-            "vllm.v1.worker.utils",
-            worker.install_utils,
-            worker.check_utils,
-            versions=new,
-        ),
-        G(
-            "worker_utils",
-            "vllm.v1.worker.utils",
-            older.install_utils,
-            older.check_utils,
-            versions=old,
-        ),
-        G(
-            "worker_base",
-            "vllm.v1.worker.worker_base",
-            worker.install_worker_base,
-            worker.check_worker_base,
-        ),
-        G(
-            "gpu_model_runner",
-            "vllm.v1.worker.gpu_model_runner",
-            worker.install_runner,
-            worker.check_runner,
-        ),
-        G(
-            "gpu_attn_utils",
-            "vllm.v1.worker.gpu.attn_utils",
-            worker.install_runner,
-            worker.check_runner,
-        ),
-        G(
-            "gpu_worker",
-            "vllm.v1.worker.gpu_worker",
-            worker.install_gpu_worker,
-            worker.check_gpu_worker,
-            versions=new,
-        ),
-        G(
-            "gpu_worker",
-            "vllm.v1.worker.gpu_worker",
-            older.install_gpu_worker,
-            older.check_gpu_worker,
-            versions=old,
-        ),
-        G(
-            "xpu_worker",
-            "vllm.v1.worker.xpu_worker",
-            worker.install_request_memory,
-            worker.check_request_memory,
-            versions=new,
-        ),
-        G(
-            "xpu_worker",
-            "vllm.v1.worker.xpu_worker",
-            older.install_request_memory,
-            older.check_request_memory,
-            versions=old,
-        ),
-        G(
-            "cpu_worker",
-            "vllm.v1.worker.cpu_worker",
-            worker.install_cpu_worker,
-            worker.check_cpu_worker,
-        ),
-        G(
-            "kv_cache_utils",
-            "vllm.v1.core.kv_cache_utils",
-            engine.install_kv_cache_utils,
-            engine.check_kv_cache_utils,
-        ),
-        G(
-            "kv_cache_coordinator",
-            "vllm.v1.core.kv_cache_coordinator",
-            engine.install_coordinator,
-            engine.check_coordinator,
-            versions=frozenset({"0.31.0", "0.32.0"}),
-        ),
-        G(
-            "kv_cache_coordinator",
-            "vllm.v1.core.kv_cache_coordinator",
-            engine.install_coordinator,
-            older.check_coordinator,
-            versions=oldest,
-        ),
-        G(
-            "kv_cache_manager",
-            "vllm.v1.core.kv_cache_manager",
-            engine.install_kv_cache_manager,
-            engine.check_kv_cache_manager,
-            versions=new,
-        ),
-        G(
-            "kv_cache_manager",
-            "vllm.v1.core.kv_cache_manager",
-            older.install_kv_cache_manager,
-            older.check_kv_cache_manager,
-            versions=old,
-        ),
-        G(
-            "scheduler",
-            "vllm.v1.core.sched.scheduler",
-            engine.install_scheduler,
-            engine.check_scheduler,
-        ),
-        G(
-            "engine_core",
-            "vllm.v1.engine.core",
-            engine.install_engine_core,
-            engine.check_engine_core,
-        ),
-    )
+
+def groups(version: str) -> tuple:
+    """The patch groups for vLLM ``version`` (a release with a row in
+    :mod:`.releases`), in install order, each bound to that row."""
+    import functools
+    import importlib
+
+    from kvcached.integrations.patching import PatchGroup
+    from kvcached.integrations.patching import release as released
+    from kvcached.integrations.vllm.releases import row
+
+    found = row(version)
+    out: list[PatchGroup] = []
+    for name, module, ours, part in GROUPS:
+        impl = importlib.import_module(f"kvcached.integrations.vllm.{ours}")
+        check = getattr(impl, f"check_{part}")
+        install = getattr(impl, f"install_{part}")
+        out.append(
+            PatchGroup(
+                name,
+                module,
+                functools.partial(install, row=found),
+                functools.partial(check, row=found),
+                versions=frozenset({released(version)}),
+            )
+        )
+    return tuple(out)
 
 
 def apply() -> bool:
@@ -210,7 +131,7 @@ def apply() -> bool:
     from kvcached.control.naming import instance_name
 
     instance_name("vllm")  # resolved here, inherited by every process this one starts
-    return STATE.start(groups())
+    return STATE.start(groups(version))
 
 
 def _top_level_process() -> bool:

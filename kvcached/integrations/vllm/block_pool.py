@@ -74,6 +74,11 @@ class KvcachedBlockPool(BlockPool):
         for block in self.blocks:  # the native queue held every block; ours only idle cached ones
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = FreeKVCacheBlockQueue([])
+        # vLLM 0.30+ blocks know their pool (a request may hold another pool's
+        # blocks) and released blocks may have reuse watchers; 0.26 has neither.
+        self._owned_blocks = hasattr(self.blocks[0], "pool")
+        if not hasattr(self, "_reuse_watchers"):
+            self._reuse_watchers = {}
         self.planner = planner
         self.cap_blocks = cap_blocks
         self._bpp = planner.blocks_per_page
@@ -145,8 +150,9 @@ class KvcachedBlockPool(BlockPool):
         to_cache: list[KVCacheBlock] = []
         other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
         caching = self.enable_caching
+        owned = self._owned_blocks
         for block in ordered_blocks:
-            if block.pool is not None and block.pool is not self:
+            if owned and block.pool is not None and block.pool is not self:
                 other_pools.setdefault(block.pool, []).append(block)
                 continue
             block.ref_cnt -= 1

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvcached.errors import KVCachedError
 from kvcached.integrations.patching import Patcher, check_params, original, wrapped
+from kvcached.integrations.vllm.releases import Release
 from kvcached.integrations.vllm.state import STATE
 from kvcached.integrations.vllm.worker import refusal_reason
 from kvcached.log import get_logger
@@ -47,30 +48,6 @@ class _Engine:
 
 ENGINE = _Engine()
 _NATIVE_BLOCK_POOL: Any = None
-_POOL_PARAMS = (
-    "self",
-    "num_gpu_blocks",
-    "enable_caching",
-    "hash_block_size",
-    "enable_kv_cache_events",
-    "metrics_collector",
-    "medium",
-)
-ALLOCATE_SLOTS_PARAMS = (
-    "self",
-    "request",
-    "num_new_tokens",
-    "num_new_computed_tokens",
-    "new_computed_blocks",
-    "num_lookahead_tokens",
-    "num_external_computed_tokens",
-    "delay_cache_blocks",
-    "num_encoder_tokens",
-    "full_sequence_must_fit",
-    "reserved_blocks",
-    "has_scheduled_reqs",
-    "skip_zeroing_group_ids",
-)
 
 
 class _ReportedMemInfo:
@@ -99,20 +76,48 @@ def _get_kv_cache_config_from_groups(
     page_size = ENGINE.rounding_page_size
     if page_size is None or not STATE.active or not config.kv_cache_tensors:
         return config
-    from kvcached.integrations.vllm.geometry import PlanError, blocks_per_page, tensor_shapes
+    from kvcached.integrations.vllm.geometry import PlanError, blocks_per_page
 
     try:
-        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        bpp = blocks_per_page(tensor_shapes(config, layout), page_size)
+        config, shapes = _paged(vllm_config, config)
+        bpp = blocks_per_page(shapes, page_size)
     except PlanError:
         return config  # the workers find the same and stay native
     if config.num_blocks % bpp == 0:
         return config
     ENGINE.forced_blocks = -(-config.num_blocks // bpp) * bpp
     try:
-        return orig(vllm_config, kv_cache_groups, available_memory)
+        return _paged(vllm_config, orig(vllm_config, kv_cache_groups, available_memory))[0]
     finally:
         ENGINE.forced_blocks = None
+
+
+def _paged(vllm_config: Any, config: Any) -> tuple[Any, list[Any]]:
+    """The KV config the workers will get, and its tensors' byte geometry.
+    ``kv_alloc = "views"``: vLLM's config under its resolved layout. ``"raw"``
+    (0.26): with ``KVCACHED_CONTIGUOUS_LAYOUT=true`` the config in vLLM's packed
+    layout where its backends can view that (:func:`.raw_kv.pack`)."""
+    from kvcached.integrations.vllm.geometry import tensor_shapes
+    from kvcached.integrations.vllm.releases import row
+
+    if row(STATE.version).kv_alloc == "views":
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        return config, tensor_shapes(config, layout)
+    from kvcached.config import get_config
+    from kvcached.integrations.vllm import raw_kv
+
+    if get_config().contiguous_layout:
+        packed = raw_kv.pack(config)
+        if packed is not None:
+            config = packed
+        elif not raw_kv.is_packed(config):
+            log.info(
+                "KVCACHED_CONTIGUOUS_LAYOUT=true: vLLM %s cannot view this model's KV "
+                "cache packed (tensors of several sizes, or a backend that does not index "
+                "KV by the block stride); keeping its per-layer layout",
+                STATE.version,
+            )
+    return config, raw_kv.raw_shapes(config)[0]
 
 
 def _may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
@@ -344,43 +349,36 @@ def hold_back(manager: Any, request: Any, reserved_blocks: int, has_scheduled_re
     return True
 
 
-def _allocate_slots(
-    self,
-    request,
-    num_new_tokens,
-    num_new_computed_tokens=0,
-    new_computed_blocks=None,
-    num_lookahead_tokens=0,
-    num_external_computed_tokens=0,
-    delay_cache_blocks=False,
-    num_encoder_tokens=0,
-    full_sequence_must_fit=False,
-    reserved_blocks=0,
-    has_scheduled_reqs=True,
-    skip_zeroing_group_ids=(),
-):  # noqa: ANN001, ANN202
-    orig = wrapped(_allocate_slots)
+_ALLOCATE_SLOTS_BODY = """
+def allocate_slots({signature}):
     pool = self.block_pool
     kvcached = hold_back(self, request, reserved_blocks, has_scheduled_reqs)
     try:
-        return orig(
-            self,
-            request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-            skip_zeroing_group_ids,
-        )
+        return orig({arguments})
     finally:
         if kvcached:
             pool.alloc_extra = None
+"""
+
+
+def allocate_slots_wrapper(native: Any) -> Any:
+    """A wrapper of ``KVCacheManager.allocate_slots`` (``native``) with exactly
+    its parameters and defaults, which notes the blocks vLLM keeps back
+    (:func:`hold_back`) for the duration of the call. Generated from the
+    signature because the parameter list differs between releases
+    (:mod:`.releases`) and the call is on every request's every step, where
+    ``*args`` binding would cost."""
+    params = inspect.signature(native).parameters
+    defaults = {f"_d{i}": p.default for i, p in enumerate(params.values())}
+    signature = ", ".join(
+        name if p.default is inspect.Parameter.empty else f"{name}=_d{i}"
+        for i, (name, p) in enumerate(params.items())
+    )
+    namespace: dict[str, Any] = {"orig": native, "hold_back": hold_back, **defaults}
+    exec(  # noqa: S102 - the source is the fixed body above and vLLM's parameter names
+        _ALLOCATE_SLOTS_BODY.format(signature=signature, arguments=", ".join(params)), namespace
+    )
+    return namespace["allocate_slots"]
 
 
 # -- steps ----------------------------------------------------------------------------------------
@@ -451,8 +449,8 @@ def _shutdown(self: Any) -> None:
                 log.exception("closing kvcached's engine context at shutdown failed")
 
 
-# -- patch groups --------------------------------------------------------------------------------
-def check_kv_cache_utils(module: ModuleType) -> str | None:
+# -- patch groups (their parameter lists come from the release's row, :mod:`.releases`) ----------
+def check_kv_cache_utils(module: ModuleType, row: Release) -> str | None:
     return check_params(
         module,
         "get_kv_cache_config_from_groups",
@@ -460,34 +458,21 @@ def check_kv_cache_utils(module: ModuleType) -> str | None:
     ) or check_params(module, "may_override_num_blocks", ("vllm_config", "num_blocks"))
 
 
-def install_kv_cache_utils(patcher: Patcher, module: ModuleType) -> None:
+def install_kv_cache_utils(patcher: Patcher, module: ModuleType, row: Release) -> None:
     patcher.replace(module, "get_kv_cache_config_from_groups", _get_kv_cache_config_from_groups)
     patcher.replace(module, "may_override_num_blocks", _may_override_num_blocks)
 
 
-def check_coordinator(module: ModuleType) -> str | None:
+def check_coordinator(module: ModuleType, row: Release) -> str | None:
     pool = getattr(module, "BlockPool", None)
     if pool is None:
         return "kv_cache_coordinator has no BlockPool"
-    return check_params(original(pool), "__init__", _POOL_PARAMS) or check_params(
-        module.KVCacheCoordinator,
-        "get_num_blocks_to_allocate",
-        (
-            "self",
-            "request_id",
-            "num_tokens",
-            "new_computed_blocks",
-            "num_encoder_tokens",
-            "total_computed_tokens",
-            "num_local_computed_tokens",
-            "num_tokens_main_model",
-            "apply_admission_cap",
-            "prefill_end",
-        ),
+    return check_params(original(pool), "__init__", row.block_pool) or check_params(
+        module.KVCacheCoordinator, "get_num_blocks_to_allocate", row.blocks_to_allocate
     )
 
 
-def install_coordinator(patcher: Patcher, module: ModuleType) -> None:
+def install_coordinator(patcher: Patcher, module: ModuleType, row: Release) -> None:
     global _NATIVE_BLOCK_POOL
     _NATIVE_BLOCK_POOL = patcher.replace(module, "BlockPool", _make_block_pool)
     patcher.replace(
@@ -495,41 +480,41 @@ def install_coordinator(patcher: Patcher, module: ModuleType) -> None:
     )
 
 
-def check_kv_cache_manager(module: ModuleType) -> str | None:
-    reason = check_params(module.KVCacheManager, "allocate_slots", ALLOCATE_SLOTS_PARAMS)
+def check_kv_cache_manager(module: ModuleType, row: Release) -> str | None:
+    reason = check_params(module.KVCacheManager, "allocate_slots", row.allocate_slots)
     if reason is not None:
         return reason
-    theirs = inspect.signature(original(module.KVCacheManager.allocate_slots)).parameters
-    ours = inspect.signature(_allocate_slots).parameters
-    for name in ALLOCATE_SLOTS_PARAMS:
-        if theirs[name].default != ours[name].default:
-            return f"allocate_slots' default of {name} is {theirs[name].default!r}"
+    params = inspect.signature(original(module.KVCacheManager.allocate_slots)).parameters
+    for name in ("reserved_blocks", "has_scheduled_reqs"):  # what hold_back reads
+        if params[name].default is inspect.Parameter.empty:
+            return f"allocate_slots' {name} has no default"
     return None
 
 
-def install_kv_cache_manager(patcher: Patcher, module: ModuleType) -> None:
+def install_kv_cache_manager(patcher: Patcher, module: ModuleType, row: Release) -> None:
     global _WAITING
     from vllm.v1.request import RequestStatus
 
     _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-    patcher.replace(module.KVCacheManager, "allocate_slots", _allocate_slots)
+    cls = module.KVCacheManager
+    patcher.replace(cls, "allocate_slots", allocate_slots_wrapper(original(cls.allocate_slots)))
 
 
-def check_scheduler(module: ModuleType) -> str | None:
+def check_scheduler(module: ModuleType, row: Release) -> str | None:
     cls = module.Scheduler
     return check_params(cls, "schedule", ("self", "throttle_prefills")) or check_params(
         cls, "update_from_output", ("self", "scheduler_output", "model_runner_output")
     )
 
 
-def install_scheduler(patcher: Patcher, module: ModuleType) -> None:
+def install_scheduler(patcher: Patcher, module: ModuleType, row: Release) -> None:
     patcher.replace(module.Scheduler, "schedule", _schedule)
     patcher.replace(module.Scheduler, "update_from_output", _update_from_output)
 
 
-def check_engine_core(module: ModuleType) -> str | None:
+def check_engine_core(module: ModuleType, row: Release) -> str | None:
     core, proc = module.EngineCore, module.EngineCoreProc
-    return (
+    reason = (
         check_params(core, "_initialize_kv_caches", ("self", "vllm_config"))
         or check_params(
             core, "reset_prefix_cache", ("self", "reset_running_requests", "reset_connector")
@@ -537,19 +522,22 @@ def check_engine_core(module: ModuleType) -> str | None:
         or check_params(core, "shutdown", ("self",))
         or check_params(proc, "_handle_client_request", ("self", "request_type", "request"))
         or check_params(proc, "_process_input_queue", ("self",))
-        or check_params(
+    )
+    if reason is None and row.kv_alloc == "views":
+        reason = check_params(
             module,
             "resolve_kv_cache_layout",
             ("vllm_config", "supported_layouts", "kv_cache_specs"),
         )
-    )
+    return reason
 
 
-def install_engine_core(patcher: Patcher, module: ModuleType) -> None:
+def install_engine_core(patcher: Patcher, module: ModuleType, row: Release) -> None:
     core, proc = module.EngineCore, module.EngineCoreProc
     patcher.replace(core, "_initialize_kv_caches", _initialize_kv_caches)
     patcher.replace(core, "reset_prefix_cache", _reset_prefix_cache)
     patcher.replace(core, "shutdown", _shutdown)
     patcher.replace(proc, "_handle_client_request", _handle_client_request)
     patcher.replace(proc, "_process_input_queue", _process_input_queue)
-    patcher.replace(module, "resolve_kv_cache_layout", _resolve_kv_cache_layout)
+    if row.kv_alloc == "views":  # 0.26 has no KVCacheLayout to choose
+        patcher.replace(module, "resolve_kv_cache_layout", _resolve_kv_cache_layout)

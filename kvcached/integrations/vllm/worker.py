@@ -1,11 +1,15 @@
 """Patches in vLLM's worker processes: KV allocation, page ops, startup checks.
 
-* ``allocate_kv_cache`` (``vllm.v1.worker.utils``, imported by name into the
-  V1 model runner and the V2 ``attn_utils``) is replaced by :func:`allocate_kv_cache`:
-  during ``initialize_from_config`` it returns vLLM's own per-layer views
-  (``create_kv_cache_views``) over a kvcached virtual buffer of the same size,
-  so shapes, strides, dtypes and storage offsets are native. Any other call
-  (the V1 runner's minimal cache for CUDA-graph profiling) stays native.
+* KV allocation, during ``initialize_from_config`` only (any other call, such
+  as the V1 runner's minimal cache for CUDA-graph profiling, stays native):
+  on 0.30-0.32 (``kv_alloc = "views"``) ``allocate_kv_cache`` (``vllm.v1.worker.utils``,
+  imported by name into the V1 model runner and the V2 ``attn_utils``) returns
+  vLLM's own per-layer views (``create_kv_cache_views``) over a kvcached
+  virtual buffer of the same size, so shapes, strides, dtypes and storage
+  offsets are native; on 0.26 (``kv_alloc = "raw"``) the V2 runner's
+  ``_allocate_kv_cache`` and the V1 runner's ``_allocate_kv_cache_tensors``
+  return slices of that buffer as the raw tensors vLLM then views itself
+  (:mod:`.raw_kv`).
 * ``WorkerWrapperBase.execute_model`` applies the step's page ops
   (``scheduler_output.kvcached_ops``) before vLLM runs the step; under tensor
   parallelism every rank agrees on the outcome of a growth step with one MIN
@@ -29,6 +33,7 @@ from typing import Any
 
 from kvcached.errors import KVCachedError
 from kvcached.integrations.patching import Patcher, check_params, original
+from kvcached.integrations.vllm.releases import Release
 from kvcached.integrations.vllm.state import STATE
 from kvcached.log import get_logger
 from kvcached.units import format_bytes
@@ -36,6 +41,8 @@ from kvcached.units import format_bytes
 log = get_logger("integrations.vllm")
 
 ALLOCATE_PARAMS = ("kv_cache_config", "device", "layout", "kernel_block_sizes")
+RAW_V2_PARAMS = ("kv_cache_config", "shared_layers", "device")
+RAW_V1_PARAMS = ("self", "kv_cache_config")
 
 
 class _Worker:
@@ -93,37 +100,76 @@ def _driver_for(device: Any) -> Any:
     raise KVCachedError(f"no kvcached backend for torch device {device}")
 
 
-def allocate_kv_cache(
-    kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
-) -> dict[str, Any]:
-    """vLLM's ``allocate_kv_cache`` over a kvcached virtual buffer (see the
-    module docstring); vLLM's own allocation whenever kvcached is not serving."""
-    native = _ORIGINAL_ALLOCATE
-    if (
-        not (STATE.active and WORKER.allocating and kv_cache_config.kv_cache_tensors)
-        or WORKER.native_reason is not None
-    ):
-        return native(kv_cache_config, device, layout, kernel_block_sizes)
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+def _serving() -> bool:
+    """Whether this call is the worker's real KV allocation and kvcached serves it."""
+    return STATE.active and WORKER.allocating and WORKER.native_reason is None
 
-    from kvcached.config import get_config
+
+def _open_buffer(plan: Any, device: Any) -> tuple[Any, Any] | None:
+    """A new :class:`PageExecutor` for the pages ``plan()`` returns, and its
+    virtual buffer; ``None`` (logged once) when kvcached cannot page this cache."""
     from kvcached.integrations.vllm.executor import PageExecutor
-    from kvcached.integrations.vllm.geometry import PlanError, plan_lanes
+    from kvcached.integrations.vllm.geometry import PlanError
 
     try:
-        lanes = plan_lanes(kv_cache_config, layout, get_config().page_size)
+        lanes = plan()
         driver = _driver_for(device)
     except (PlanError, KVCachedError) as exc:
         WORKER.native_reason = str(exc)
         log.warning(
             "vLLM %s worker rank %d: KV cache stays native: %s", STATE.version, WORKER.rank, exc
         )
-        return native(kv_cache_config, device, layout, kernel_block_sizes)
+        return None
     if WORKER.executor is not None:  # a second real allocation (re-initialisation)
         WORKER.executor.close()
     executor = PageExecutor(driver, lanes)
     WORKER.executor = executor
-    buf = executor.buffer()
+    return executor, executor.buffer()
+
+
+def _log_allocated(hook: str, tensors: int, layers: int, layout: str) -> None:
+    executor = WORKER.executor
+    lanes = executor.lanes
+    info = executor.driver.info()
+    log.info(
+        "vLLM %s worker rank %d: %s patched; %d KV tensor%s, %d layers, %s, "
+        "%d pages of %d blocks (%s each), virtual %s (%s %s)",
+        STATE.version,
+        WORKER.rank,
+        hook,
+        tensors,
+        "" if tensors == 1 else "s",
+        layers,
+        layout,
+        lanes.num_pages,
+        lanes.blocks_per_page,
+        format_bytes(lanes.page_bytes),
+        format_bytes(lanes.size),
+        info.backend,
+        info.pci_bus_id,
+    )
+
+
+def allocate_kv_cache(
+    kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: list[int] | None = None
+) -> dict[str, Any]:
+    """vLLM's ``allocate_kv_cache`` (``kv_alloc = "views"``) over a kvcached
+    virtual buffer (see the module docstring); vLLM's own allocation whenever
+    kvcached is not serving."""
+    native = original(allocate_kv_cache)
+    if not (_serving() and kv_cache_config.kv_cache_tensors):
+        return native(kv_cache_config, device, layout, kernel_block_sizes)
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
+
+    from kvcached.config import get_config
+    from kvcached.integrations.vllm.geometry import plan_lanes
+
+    opened = _open_buffer(
+        lambda: plan_lanes(kv_cache_config, layout, get_config().page_size), device
+    )
+    if opened is None:
+        return native(kv_cache_config, device, layout, kernel_block_sizes)
+    _, buf = opened
     kv_caches: dict[str, Any] = {}
     layers = 0
     for tensor in kv_cache_config.kv_cache_tensors:
@@ -153,28 +199,53 @@ def allocate_kv_cache(
             kernel_block_size=kernel_block_size,
         )
         kv_caches.update(zip(tensor.layers, views, strict=True))
-    info = driver.info()
-    n = len(kv_cache_config.kv_cache_tensors)
-    log.info(
-        "vLLM %s worker rank %d: allocate_kv_cache patched; %d KV tensor%s, %d layers, %s, "
-        "%d pages of %d blocks (%s each), virtual %s (%s %s)",
-        STATE.version,
-        WORKER.rank,
-        n,
-        "" if n == 1 else "s",
+    _log_allocated(
+        "allocate_kv_cache",
+        len(kv_cache_config.kv_cache_tensors),
         layers,
-        getattr(layout, "name", layout),
-        lanes.num_pages,
-        lanes.blocks_per_page,
-        format_bytes(lanes.page_bytes),
-        format_bytes(lanes.size),
-        info.backend,
-        info.pci_bus_id,
+        getattr(layout, "name", str(layout)),
     )
     return kv_caches
 
 
-_ORIGINAL_ALLOCATE: Any = None
+def _raw_kv_tensors(kv_cache_config: Any, device: Any) -> Any:
+    """``kv_alloc = "raw"`` (vLLM 0.26): every layer's raw tensor as a slice of a
+    kvcached virtual buffer (:mod:`.raw_kv`), or ``None``: allocate natively."""
+    if not (_serving() and kv_cache_config.kv_cache_tensors):
+        return None
+    from kvcached.config import get_config
+    from kvcached.integrations.vllm import raw_kv
+
+    opened = _open_buffer(
+        lambda: raw_kv.plan_raw_lanes(kv_cache_config, get_config().page_size), device
+    )
+    if opened is None:
+        return None
+    _, buf = opened
+    tensors = raw_kv.raw_tensors(kv_cache_config, buf)
+    _log_allocated(
+        "KV allocation",
+        len(kv_cache_config.kv_cache_tensors),
+        len(tensors),
+        "packed" if raw_kv.is_packed(kv_cache_config) else "per-layer",
+    )
+    return tensors
+
+
+def _allocate_raw_v2(kv_cache_config: Any, shared_layers: dict[str, str], device: Any) -> Any:
+    """The V2 runner's ``attn_utils._allocate_kv_cache`` (0.26)."""
+    tensors = _raw_kv_tensors(kv_cache_config, device)
+    if tensors is None:
+        return original(_allocate_raw_v2)(kv_cache_config, shared_layers, device)
+    return tensors
+
+
+def _allocate_raw_v1(self: Any, kv_cache_config: Any) -> Any:
+    """The V1 runner's ``GPUModelRunner._allocate_kv_cache_tensors`` (0.26)."""
+    tensors = _raw_kv_tensors(kv_cache_config, self.device)
+    if tensors is None:
+        return original(_allocate_raw_v1)(self, kv_cache_config)
+    return tensors
 
 
 # -- WorkerWrapperBase -----------------------------------------------------------------------
@@ -248,9 +319,13 @@ def _kvcached_apply_page_ops(self: Any, ops: list[Any]) -> int:
 def _request_memory(init_snapshot: Any, cache_config: Any, external_weight_memory: int = 0) -> int:
     """vLLM's ``request_memory`` without the refusal to start when another
     process already uses the device: with kvcached the KV cache takes no
-    memory at start, and the ledger shares what is free."""
+    memory at start, and the ledger shares what is free. One wrapper for both
+    signatures (``external_weight_memory`` came with 0.32, default 0)."""
     if not STATE.active:
-        return original(_request_memory)(init_snapshot, cache_config, external_weight_memory)
+        native = original(_request_memory)
+        if external_weight_memory:
+            return native(init_snapshot, cache_config, external_weight_memory)
+        return native(init_snapshot, cache_config)
     requested = math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
     return max(1, requested - max(0, external_weight_memory))
 
@@ -328,38 +403,54 @@ def _cpu_determine_available_memory(self: Any) -> int:
     return size
 
 
-# -- patch groups --------------------------------------------------------------------------------
-def check_utils(module: ModuleType) -> str | None:
-    return check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS) or check_params(
-        module, "request_memory", ("init_snapshot", "cache_config", "external_weight_memory")
-    )
+# -- patch groups (their parameter lists come from the release's row, :mod:`.releases`) ----------
+def check_utils(module: ModuleType, row: Release) -> str | None:
+    reason = check_params(module, "request_memory", row.request_memory)
+    if reason is None and row.kv_alloc == "views":
+        reason = check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS)
+    return reason
 
 
-def install_utils(patcher: Patcher, module: ModuleType) -> None:
-    global _ORIGINAL_ALLOCATE
-    _ORIGINAL_ALLOCATE = patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
+def install_utils(patcher: Patcher, module: ModuleType, row: Release) -> None:
+    if row.kv_alloc == "views":
+        patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
     patcher.replace(module, "request_memory", _request_memory)
 
 
-def check_runner(module: ModuleType) -> str | None:
+def check_runner(module: ModuleType, row: Release) -> str | None:
+    if row.kv_alloc == "raw":
+        return check_params(module.GPUModelRunner, "_allocate_kv_cache_tensors", RAW_V1_PARAMS)
     return check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS)
 
 
-def install_runner(patcher: Patcher, module: ModuleType) -> None:
-    global _ORIGINAL_ALLOCATE
-    previous = patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
-    if _ORIGINAL_ALLOCATE is None:
-        _ORIGINAL_ALLOCATE = previous
+def install_runner(patcher: Patcher, module: ModuleType, row: Release) -> None:
+    if row.kv_alloc == "raw":
+        patcher.replace(module.GPUModelRunner, "_allocate_kv_cache_tensors", _allocate_raw_v1)
+    else:
+        patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
 
 
-def check_worker_base(module: ModuleType) -> str | None:
+def check_attn_utils(module: ModuleType, row: Release) -> str | None:
+    if row.kv_alloc == "raw":
+        return check_params(module, "_allocate_kv_cache", RAW_V2_PARAMS)
+    return check_params(module, "allocate_kv_cache", ALLOCATE_PARAMS)
+
+
+def install_attn_utils(patcher: Patcher, module: ModuleType, row: Release) -> None:
+    if row.kv_alloc == "raw":
+        patcher.replace(module, "_allocate_kv_cache", _allocate_raw_v2)
+    else:
+        patcher.replace(module, "allocate_kv_cache", allocate_kv_cache)
+
+
+def check_worker_base(module: ModuleType, row: Release) -> str | None:
     cls = module.WorkerWrapperBase
     return check_params(
         cls, "initialize_from_config", ("self", "kv_cache_configs")
     ) or check_params(cls, "execute_model", ("self", "scheduler_output"))
 
 
-def install_worker_base(patcher: Patcher, module: ModuleType) -> None:
+def install_worker_base(patcher: Patcher, module: ModuleType, row: Release) -> None:
     cls = module.WorkerWrapperBase
     patcher.replace(cls, "initialize_from_config", _initialize_from_config)
     patcher.replace(cls, "execute_model", _execute_model)
@@ -367,28 +458,28 @@ def install_worker_base(patcher: Patcher, module: ModuleType) -> None:
     patcher.add(cls, "kvcached_apply_page_ops", _kvcached_apply_page_ops)
 
 
-def check_request_memory(module: ModuleType) -> str | None:
-    return check_params(
-        module, "request_memory", ("init_snapshot", "cache_config", "external_weight_memory")
-    )
+def check_request_memory(module: ModuleType, row: Release) -> str | None:
+    return check_params(module, "request_memory", row.request_memory)
 
 
-def install_request_memory(patcher: Patcher, module: ModuleType) -> None:
+def install_request_memory(patcher: Patcher, module: ModuleType, row: Release) -> None:
     patcher.replace(module, "request_memory", _request_memory)
 
 
-def check_gpu_worker(module: ModuleType) -> str | None:
-    return check_request_memory(module) or check_params(
+def check_gpu_worker(module: ModuleType, row: Release) -> str | None:
+    return check_request_memory(module, row) or check_params(
         module.Worker, "determine_available_memory", ("self",)
     )
 
 
-def install_gpu_worker(patcher: Patcher, module: ModuleType) -> None:
-    install_request_memory(patcher, module)
+def install_gpu_worker(patcher: Patcher, module: ModuleType, row: Release) -> None:
+    install_request_memory(patcher, module, row)
     patcher.replace(module.Worker, "determine_available_memory", _gpu_determine_available_memory)
 
 
-def check_cpu_worker(module: ModuleType) -> str | None:
+def check_cpu_worker(module: ModuleType, row: Release) -> str | None:
+    if not row.cpu_build:
+        return "kvcached was not proven on this release's CPU build"
     cls = module.CPUWorker
     return (
         check_params(cls, "determine_available_memory", ("self",))
@@ -408,6 +499,6 @@ def check_cpu_worker(module: ModuleType) -> str | None:
     )
 
 
-def install_cpu_worker(patcher: Patcher, module: ModuleType) -> None:
+def install_cpu_worker(patcher: Patcher, module: ModuleType, row: Release) -> None:
     patcher.replace(module.CPUWorker, "__init__", _cpu_worker_init)
     patcher.replace(module.CPUWorker, "determine_available_memory", _cpu_determine_available_memory)

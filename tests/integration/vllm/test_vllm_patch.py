@@ -23,7 +23,7 @@ import pytest
 
 from kvcached.config import reload_config
 from kvcached.integrations import vllm as vllm_plugin
-from kvcached.integrations.patching import PatchGroup
+from kvcached.integrations.patching import MARKER, PatchGroup, original
 from kvcached.integrations.vllm import engine, worker
 from kvcached.integrations.vllm.geometry import plan_lanes
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
@@ -103,8 +103,8 @@ def kv_config(layout, num_blocks: int = 1024, hybrid: bool = False):
 
 
 def kvcached_views(config, layout):
-    native = worker_utils.allocate_kv_cache
-    worker._ORIGINAL_ALLOCATE = getattr(native, "__kvcached_original__", native)
+    # The wrapper finds vLLM's function by its mark, as installed.
+    setattr(worker.allocate_kv_cache, MARKER, original(worker_utils.allocate_kv_cache))
     worker.WORKER.allocating, worker.WORKER.native_reason = True, None
     try:
         return worker.allocate_kv_cache(config, torch.device("cpu"), layout)
@@ -116,8 +116,7 @@ def kvcached_views(config, layout):
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
 def test_views_are_vllms_own_over_pages_kvcached_maps(kvcached_on, layout, hybrid) -> None:
     config = kv_config(layout, hybrid=hybrid)
-    native = worker._ORIGINAL_ALLOCATE or worker_utils.allocate_kv_cache
-    native = getattr(native, "__kvcached_original__", native)
+    native = original(worker_utils.allocate_kv_cache)
     want = native(config, torch.device("cpu"), layout)
     got = kvcached_views(config, layout)
     executor = worker.WORKER.executor
@@ -178,7 +177,7 @@ def engine_patched():
     # The plugin's own groups for the installed release: their checks differ
     # by version (0.30's get_num_blocks_to_allocate has no prefill_end).
     modules = {"kv_cache_coordinator": kv_cache_coordinator, "kv_cache_manager": kv_cache_manager}
-    chosen = [g for g in vllm_plugin.groups() if g.name in modules and g.applies_to(VLLM_VERSION)]
+    chosen = [g for g in vllm_plugin.groups(VLLM_VERSION) if g.name in modules]
     assert sorted(g.name for g in chosen) == sorted(modules), chosen
     for group in chosen:
         assert STATE.install(group, modules[group.name]), STATE.off_reason
@@ -303,7 +302,8 @@ def test_reset_prefix_cache_gives_every_page_back(engine_patched) -> None:
 # -- version and signature gates ---------------------------------------------------------------------
 def test_a_changed_signature_switches_kvcached_off(kvcached_on) -> None:
     fake = SimpleNamespace(allocate_kv_cache=lambda cfg, device: None, __name__="fake")
-    group = PatchGroup("fake", "fake", worker.install_runner, worker.check_runner)
+    group = next(g for g in vllm_plugin.groups(VLLM_VERSION) if g.name == "gpu_model_runner")
+    group = PatchGroup("fake", "fake", group.install, group.check)
     try:
         assert not STATE.install(group, fake)
         assert not STATE.active and "allocate_kv_cache" in (STATE.off_reason or "")
