@@ -249,10 +249,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"model": name, "s": round(time.time() - t, 1), "checks": checks}),
             flush=True,
         )
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "details.json").write_text(json.dumps(details, indent=1) + "\n")
-    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-        tar.add(args.logs, arcname="logs")
+        # After each model, so a run cut short still brings back what it measured.
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "details.json").write_text(json.dumps(details, indent=1) + "\n")
+        with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+            tar.add(args.logs, arcname="logs")
     failed = [
         (case, k) for case, c in summary["cases"].items() for k, v in c.items() if v is not True
     ]
