@@ -134,6 +134,17 @@ class PageExecutor:
                 return False
             time.sleep(0.05)
 
+    def map_warmup(self, pages: int) -> bool:
+        """Map pages ``[1, pages)`` for a startup warm-up that writes KV into
+        real blocks before any plan exists (vLLM 0.26's V2 runner). Not charged:
+        like the warm-up's activations, it lives seconds, before this instance
+        holds a pool, and calibration sees it; :meth:`unmap_warmup` gives it back."""
+        return pages <= 1 or self.mapper.map_run(1, pages - 1)
+
+    def unmap_warmup(self, pages: int) -> None:
+        if pages > 1 and not all(self.mapper.unmap_runs([(1, pages - 1)])):
+            log.warning("warm-up pages [1, %d) could not be released; kept quarantined", pages)
+
     def describe(self) -> dict[str, Any]:
         """What the engine core needs to plan and charge this rank."""
         info = self.driver.info()

@@ -248,6 +248,39 @@ def _allocate_raw_v1(self: Any, kv_cache_config: Any) -> Any:
     return tensors
 
 
+#: Blocks per request and KV cache group that vLLM 0.26's V2 warm-up may use
+#: (prompts of decode_query_len + 1 tokens, then decode_query_len more: one
+#: block, two with speculative blocks); only a bound on the pages mapped for it.
+WARMUP_BLOCKS_PER_REQUEST = 2
+
+
+def _warmup_kernels(model_runner: Any, worker_execute_model: Any, worker_sample_tokens: Any) -> Any:
+    """vLLM 0.26's V2 warm-up (``gpu.warmup.warmup_kernels``) runs real steps on
+    blocks ``1, 2, ...`` of the KV cache, outside any plan: map enough pages for
+    it, and have it count only those blocks (it sizes its batch by
+    ``kv_cache_config.num_blocks``), then unmap them. If they cannot be mapped,
+    it warms up within page 0 (the null block's, always mapped)."""
+    orig = original(_warmup_kernels)
+    executor = WORKER.executor
+    config = getattr(model_runner, "kv_cache_config", None)
+    if executor is None or not STATE.active or config is None:
+        return orig(model_runner, worker_execute_model, worker_sample_tokens)
+    lanes = executor.lanes
+    groups = max(1, len(config.kv_cache_groups))
+    want = 1 + int(getattr(model_runner, "max_num_reqs", 256)) * groups * WARMUP_BLOCKS_PER_REQUEST
+    pages = min(lanes.num_pages, -(-want // lanes.blocks_per_page))
+    if not executor.map_warmup(pages):
+        log.warning("vLLM %s worker rank %d: warm-up limited to page 0", STATE.version, WORKER.rank)
+        pages = 1
+    saved = config.num_blocks
+    config.num_blocks = pages * lanes.blocks_per_page
+    try:
+        return orig(model_runner, worker_execute_model, worker_sample_tokens)
+    finally:
+        config.num_blocks = saved
+        executor.unmap_warmup(pages)
+
+
 # -- WorkerWrapperBase -----------------------------------------------------------------------
 def _initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
     orig = original(_initialize_from_config)
@@ -467,13 +500,22 @@ def install_request_memory(patcher: Patcher, module: ModuleType, row: Release) -
 
 
 def check_gpu_worker(module: ModuleType, row: Release) -> str | None:
-    return check_request_memory(module, row) or check_params(
+    reason = check_request_memory(module, row) or check_params(
         module.Worker, "determine_available_memory", ("self",)
     )
+    if reason is None and row.kv_alloc == "raw":
+        reason = check_params(
+            module,
+            "warmup_kernels",
+            ("model_runner", "worker_execute_model", "worker_sample_tokens"),
+        )
+    return reason
 
 
 def install_gpu_worker(patcher: Patcher, module: ModuleType, row: Release) -> None:
     install_request_memory(patcher, module, row)
+    if row.kv_alloc == "raw":
+        patcher.replace(module, "warmup_kernels", _warmup_kernels)
     patcher.replace(module.Worker, "determine_available_memory", _gpu_determine_available_memory)
 
 
