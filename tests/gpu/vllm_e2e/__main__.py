@@ -189,7 +189,25 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
                 for k, v in ph.items()
             },
         }
+    co = [k for k in ("kvcached-contiguous", "kvcached-per-layer") if k in servers]
+    if len(co) == 2:
+        # Both started at the same moment: each must get the capacity it gets alone
+        # (natively the second counts the first's memory as its own overhead).
+        tokens = [kv_cache_tokens(servers[k].log) for k in co]
+        details.setdefault("co_started", {})[name] = dict(zip(co, tokens, strict=True))
+        checks[f"{name}/co-started"] = {
+            "both_sized": all(t is not None for t in tokens),
+            "kv_capacity_equal": tokens[0] is not None and tokens[0] == tokens[1],
+        }
     return checks
+
+
+def kv_cache_tokens(log: Path) -> int | None:
+    """vLLM's own "GPU KV cache size: N tokens" line."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "GPU KV cache size:" in line:
+            return int(line.rsplit(":", 1)[1].split()[0].replace(",", ""))
+    return None
 
 
 def provenance(argv: list[str]) -> dict[str, Any]:
