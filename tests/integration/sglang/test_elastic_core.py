@@ -12,6 +12,7 @@ import torch
 
 from kvcached.driver.host import HostDriver
 from kvcached.errors import BlockError, ConfigError
+from kvcached.integrations.sglang.control import register_pool
 from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape
 from kvcached.integrations.sglang.groups import enforce_cache_cap
 from kvcached.integrations.sglang.slots import SlotAllocator
@@ -52,7 +53,7 @@ def make(
         KVShape(page_size=page_size, size=size, **SHAPE),
         driver=driver,
         budget=budget,
-        register=register,
+        register=register_pool if register else None,
         background=False,
         max_handle_bytes=0,
         **kw,
@@ -96,7 +97,7 @@ def test_separate_v_head_dim_and_mla_shapes(env):
         ),
         driver=driver,
         budget=DriverFreeBudget(driver),
-        register=False,
+        register=None,
         background=False,
     )
     mla = ElasticKV(
@@ -111,7 +112,7 @@ def test_separate_v_head_dim_and_mla_shapes(env):
         ),
         driver=driver,
         budget=DriverFreeBudget(driver),
-        register=False,
+        register=None,
         background=False,
     )
     try:
