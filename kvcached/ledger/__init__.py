@@ -19,9 +19,9 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from kvcached.ledger.calibrator import Calibrator
+from kvcached.ledger.calibrator import Calibration, Calibrator, MemInfo
 from kvcached.ledger.file import ledger_path
-from kvcached.ledger.ledger import Calibration, Ledger, MemInfo, check_instance_name
+from kvcached.ledger.ledger import Ledger, check_instance_name
 from kvcached.ledger.pool import REFUND_FLUSH_BYTES, PoolBudget
 from kvcached.ledger.snapshot import (
     HeaderView,

@@ -18,7 +18,9 @@ in place, so the layout is a protocol. Rules it keeps (after LMDB's lock file):
 :data:`LAYOUT_VERSION`: moving a field without bumping the version fails it.
 
 Locks are fcntl OFD byte-range locks on bytes of this file (see
-:mod:`kvcached.ledger.locks`); which byte means what is fixed here too.
+:mod:`kvcached.ledger.locks`); which byte means what is fixed here too, and
+so are the word indices (``H_*``, ``p_*``, ``i_*``) by which the ledger and
+its pools read and write the fields in place.
 """
 
 from __future__ import annotations

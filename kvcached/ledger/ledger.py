@@ -145,16 +145,6 @@ from kvcached.ledger.snapshot import (
 from kvcached.ledger.validate import MAX_TOTAL_BYTES, check_image, corrupt
 from kvcached.log import get_logger
 
-__all__ = [
-    "CALIBRATE_LOCK_WAIT_S",
-    "GRANT_LOCK_WAIT_S",
-    "LOCK_WAIT_S",
-    "Calibration",
-    "Ledger",
-    "MemInfo",
-    "check_instance_name",
-]
-
 log = get_logger("kvcached.ledger")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
@@ -203,7 +193,10 @@ class Ledger:
 
     Share one per device in a process (:func:`kvcached.ledger.open_ledger` does);
     every thread may use it. Pools are registered with :meth:`register_pool`;
-    the accounting of one pool is :class:`~kvcached.ledger.pool.PoolBudget`.
+    the accounting of one pool is :class:`~kvcached.ledger.pool.PoolBudget`,
+    which uses only the members :class:`~kvcached.ledger.pool.PoolLedger`
+    lists (the data lock through a pool's descriptor, the busy episode,
+    :meth:`room`, refusal, retiring a closing pool).
     """
 
     #: The class :meth:`register_pool` makes; a subclass of Ledger may name a
