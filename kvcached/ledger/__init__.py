@@ -95,11 +95,7 @@ def open_pool_budget(
 
     name = instance_name or get_config().ipc_name or f"kvcached-{os.getpid()}"
     ledger = open_ledger(driver, directory=directory)
-    pool = ledger.register_pool(name)
-    if calibrate:
-        ledger._acquire_calibrator()
-        pool._uses_calibrator = True
-    return pool
+    return ledger.register_pool(name, calibrate=calibrate)
 
 
 def _forget_after_fork() -> None:

@@ -650,11 +650,13 @@ class Ledger:
         u64[i_token(slot)] = _new_token()  # identity last
         return slot
 
-    def register_pool(self, instance: str) -> PoolBudget:
+    def register_pool(self, instance: str, *, calibrate: bool = False) -> PoolBudget:
         """Register a pool of ``instance`` on this device and take its owner lease.
 
         Retires the records of dead owners on the way. Raises
         :class:`LedgerFullError` when every pool record is held by a live pool.
+        With ``calibrate`` this process' calibrator thread runs (if the ledger
+        has a sampler) until the pool closes.
         """
         check_instance_name(instance)
         self._check_open()
@@ -701,6 +703,9 @@ class Ledger:
             raise
         self._pools.add(pool)
         pool.refresh()
+        if calibrate:
+            self._acquire_calibrator()
+            pool._uses_calibrator = True
         return pool
 
     def _claim_slot_locked(self, fd: int) -> int:
