@@ -271,3 +271,45 @@ def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
     finally:
         kv.close()
     assert source not in get_instance("sglang").pools
+
+
+def test_the_factory_passes_the_registration_in_and_close_leaves_once(env):
+    """ElasticKV does not import the control layer: whoever builds it passes
+    the registration in (pools.build_joined passes control.register_pool),
+    the pool keeps what it returned and leaves through it on close, once."""
+    import functools
+
+    from kvcached.control.instance import get_instance
+    from kvcached.integrations.sglang.elastic_kv import build_elastic_kv
+
+    calls = []
+
+    class Joined:
+        def leave(self) -> None:
+            calls.append("leave")
+
+    joined = Joined()
+
+    def register(kv):
+        calls.append(kv)
+        return joined
+
+    shape = KVShape(page_size=1, size=1000, **SHAPE)
+    kv = build_elastic_kv(shape, device="cpu", name="joined", register=register)
+    assert kv is not None and kv.source is joined and calls == [kv]
+    kv.close()
+    kv.close()
+    assert calls == [kv, "leave"]
+
+    kv = build_elastic_kv(
+        shape,
+        device="cpu",
+        name="joined",
+        register=functools.partial(register_pool, engine_version="0.5.23"),
+    )
+    assert kv is not None
+    try:
+        assert kv.source in get_instance("sglang").pools and kv.source.kv is kv
+    finally:
+        kv.close()
+    assert kv.source not in get_instance("sglang").pools
