@@ -480,19 +480,18 @@ class Ledger:
         """Bytes released but still charged (refunds batched in their processes)."""
         return sum(self.released[: self.u32[H_HIGH_WATER]])
 
-    def room(self, instance_slot: int, used: int | None = None) -> int:
+    def room(self, instance_slot: int) -> int:
         """The admission test: the bytes a pool of instance ``instance_slot`` may
-        still be granted. The budget less every pool's charge (``used``, when the
-        caller has summed them), and no more than the instance's limit, if it
-        has one, less its pools' charges. Negative when a calibration or a limit
-        went below the charges.
+        still be granted. The budget less every pool's charge, and no more than
+        the instance's limit, if it has one, less its pools' charges. Negative
+        when a calibration or a limit went below the charges.
 
         Exact under the data lock. Without it (a pool re-using its batch) each
         word is read once and at most a moment old, which is safe there: such a
-        grant moves no charge."""
-        if used is None:
-            used = sum(self.charges[: self.u32[H_HIGH_WATER]])
-        room = self.i64[H_BUDGET] - used
+        grant moves no charge. :meth:`PoolBudget.grant
+        <kvcached.ledger.pool.PoolBudget.grant>` writes this out twice for
+        speed; ``tests/ledger/test_grant_paths.py`` holds the copies to it."""
+        room = self.i64[H_BUDGET] - sum(self.charges[: self.u32[H_HIGH_WATER]])
         limit = self.limits[instance_slot]
         if limit:
             return min(room, limit - self.instance_charged(instance_slot))

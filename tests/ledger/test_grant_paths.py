@@ -102,6 +102,9 @@ def test_the_lock_free_re_use_decides_as_ledger_room(
             with led.locked():
                 room = led.room(pool.instance_slot)  # the reference, on the same state
                 assert led.charged_total() == (other + sibling + granted) * MIB
+            mine = sibling + granted  # the instance's charges
+            rule = budget - other - mine if not limit else min(budget - other - mine, limit - mine)
+            assert room == rule * MIB  # the reference itself, from the test's own figures
             charged, pending, nbytes = pool.charged, pool.pending_refund, ask * MIB
             assert (charged, pending) == (granted * MIB, refunded * MIB)
             window_before = led.i64[H_WINDOW_GRANTED]
