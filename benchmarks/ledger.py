@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _provenance  # noqa: E402
 
 from kvcached.ledger import Ledger, PoolBudget, _hooks  # noqa: E402
-from kvcached.ledger.ledger import H_JOURNAL  # noqa: E402
+from kvcached.ledger.layout import H_JOURNAL  # noqa: E402
 from kvcached.ledger.locks import ByteLock  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
@@ -124,7 +124,7 @@ class LockObjectLedger(Ledger):
     # A pool's grants take the one shared lock too (the shipped ledger takes it
     # through the pool's own descriptor, without the thread lock): the same
     # body as above, so the baseline's grant path has the frames it had before.
-    def _lock_fd(self, fd: int, timeout: float | None = None) -> None:
+    def lock_fd(self, fd: int, timeout: float | None = None) -> None:
         self._tlock.acquire()
         try:
             self._data.acquire()
@@ -136,7 +136,7 @@ class LockObjectLedger(Ledger):
         if _hooks.point is not None:
             _hooks.point("data-locked")
 
-    def _unlock_fd(self, fd: int) -> None:
+    def unlock_fd(self, fd: int) -> None:
         if _hooks.point is not None:
             _hooks.point("data-unlocking")
         try:
@@ -291,7 +291,7 @@ def profile(repeats: int = 9, n: int = 20000) -> dict:
     fcntl_ = fcntl.fcntl
     tlock = threading.Lock()
     charges, u32 = led.charges, led.u32
-    from kvcached.ledger.ledger import H_HIGH_WATER
+    from kvcached.ledger.layout import H_HIGH_WATER
 
     def loop(body):
         def run_it():
@@ -307,7 +307,7 @@ def profile(repeats: int = 9, n: int = 20000) -> dict:
         return lambda: (g(PAGE), r(PAGE))
 
     def wrapper(x, p):
-        lock, unlock, pfd = x._lock_fd, x._unlock_fd, p._fd  # what a grant takes
+        lock, unlock, pfd = x.lock_fd, x.unlock_fd, p._fd  # what a grant takes
         return lambda: (lock(pfd, 0.5), unlock(pfd))
 
     parts = {

@@ -224,7 +224,7 @@ def set_limit(
         try:
             snap = ledger.snapshot(timeout)
             if snap.locked_by:
-                raise ledger._busy_error(snap.lock_waited_s)
+                raise ledger.busy_error(snap.lock_waited_s)
             inst = snap.instance(name)
             if inst is None or inst.pools == 0:
                 continue

@@ -19,9 +19,9 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from kvcached.ledger.calibrator import Calibrator
+from kvcached.ledger.calibrator import Calibration, Calibrator, MemInfo
 from kvcached.ledger.file import ledger_path
-from kvcached.ledger.ledger import Calibration, Ledger, MemInfo, check_instance_name
+from kvcached.ledger.ledger import Ledger, check_instance_name
 from kvcached.ledger.pool import REFUND_FLUSH_BYTES, PoolBudget
 from kvcached.ledger.snapshot import (
     HeaderView,
@@ -95,11 +95,7 @@ def open_pool_budget(
 
     name = instance_name or get_config().ipc_name or f"kvcached-{os.getpid()}"
     ledger = open_ledger(driver, directory=directory)
-    pool = ledger.register_pool(name)
-    if calibrate:
-        ledger._acquire_calibrator()
-        pool._uses_calibrator = True
-    return pool
+    return ledger.register_pool(name, calibrate=calibrate)
 
 
 def _forget_after_fork() -> None:

@@ -4,24 +4,62 @@ Any process may run one; the ledger's calibrator lease makes sure only one
 process samples at a time (the others' ticks come back ``busy`` and only
 refresh their own pools' cached headroom). No driver call runs under the data
 lock: the sample is taken before it is acquired.
+
+What a calibration returns (:class:`Calibration`) and what it samples
+(:class:`MemInfo`) are defined here, and the ledger is known only by what the
+thread calls (:class:`Calibrated`), so this module does not import
+:mod:`kvcached.ledger.ledger`, which starts the thread.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvcached.log import get_logger
-
-if TYPE_CHECKING:
-    from kvcached.ledger.ledger import Calibration, Ledger, MemInfo
 
 log = get_logger("kvcached.ledger")
 
 
+class MemInfo(Protocol):
+    """Anything that reports a device's free memory: every :class:`~kvcached.driver.Driver`."""
+
+    def mem_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes."""
+        ...
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one :meth:`~kvcached.ledger.ledger.Ledger.calibrate` call did."""
+
+    published: bool
+    #: "published", "busy" (another calibrator holds the lease), "stale" (a newer
+    #: sample was published first) or "locked" (the data lock stayed held)
+    reason: str
+    retired: int = 0
+    budget: int = 0
+    free: int = 0
+    charged: int = 0
+    seq: int = 0
+
+
+class Calibrated(Protocol):
+    """What the thread calls on its ledger (:class:`~kvcached.ledger.ledger.Ledger` is one)."""
+
+    path: str
+    device_id: str
+    closed: bool
+
+    def calibrate(self, sampler: MemInfo | None = None) -> Calibration: ...
+
+    def refresh_pools(self) -> None: ...
+
+
 class Calibrator:
-    """Calls :meth:`Ledger.calibrate` every ``interval_s`` seconds (default
+    """Calls ``ledger.calibrate()`` every ``interval_s`` seconds (default
     ``KVCACHED_CALIBRATION_INTERVAL_S``) in a daemon thread.
 
     :meth:`start` and :meth:`stop` may be called from any thread; :meth:`stop`
@@ -29,7 +67,9 @@ class Calibrator:
     error) is logged, at most once a minute, and retried on the next tick.
     """
 
-    def __init__(self, ledger: Ledger, sampler: MemInfo, interval_s: float | None = None) -> None:
+    def __init__(
+        self, ledger: Calibrated, sampler: MemInfo, interval_s: float | None = None
+    ) -> None:
         if interval_s is None:
             from kvcached.config import get_config
 

@@ -18,7 +18,9 @@ in place, so the layout is a protocol. Rules it keeps (after LMDB's lock file):
 :data:`LAYOUT_VERSION`: moving a field without bumping the version fails it.
 
 Locks are fcntl OFD byte-range locks on bytes of this file (see
-:mod:`kvcached.ledger.locks`); which byte means what is fixed here too.
+:mod:`kvcached.ledger.locks`); which byte means what is fixed here too, and
+so are the word indices (``H_*``, ``p_*``, ``i_*``) by which the ledger and
+its pools read and write the fields in place.
 """
 
 from __future__ import annotations
@@ -168,6 +170,78 @@ def pool_offset(slot: int) -> int:
 def instance_offset(slot: int) -> int:
     """Byte offset of instance record ``slot``."""
     return INSTANCES_OFFSET + slot * INSTANCE_RECORD_SIZE
+
+
+# Word indices into the file's typed views (``LedgerFile.i64``/``u64`` in 8-byte
+# words, ``u32``/``i32`` in 4-byte ones): the ledger and its pools read and
+# write fields in place by these, so they belong with the layout that fixes them.
+H_TOTAL = Header.total_bytes.offset // 8
+H_MARGIN = Header.safety_margin.offset // 8
+H_BUDGET = Header.budget.offset // 8
+H_SEQ = Header.calibration_seq.offset // 8
+H_CAL_TIME = Header.calibration_time_ns.offset // 8
+H_CAL_FREE = Header.calibration_free.offset // 8
+H_HIGH_WATER = Header.pool_high_water.offset // 4
+H_RETIRE_INSTANCE = Header.retire_instance.offset // 4
+H_RETIRE_BUDGET = Header.retire_budget.offset // 8
+H_RETIRE_SLOT = Header.retire_slot.offset // 4
+H_JOURNAL = Header.retire_slot.offset // 8  # retire_slot and publish_pending: one word
+H_PUB_PENDING = Header.publish_pending.offset // 4
+H_PUB_BUDGET = Header.publish_budget.offset // 8
+H_PUB_FREE = Header.publish_free.offset // 8
+H_PUB_TIME = Header.publish_time_ns.offset // 8
+H_PUB_SEQ = Header.publish_seq.offset // 8
+H_WINDOW = Header.window_open.offset // 4
+H_WINDOW_GRANTED = Header.window_granted.offset // 8
+#: Words between two records of a kind (the strided views over every slot).
+POOL_WORDS = POOL_RECORD_SIZE // 8
+INSTANCE_WORDS = INSTANCE_RECORD_SIZE // 8
+
+
+def p_token(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.token.offset) // 8
+
+
+def p_charged(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.charged.offset) // 8
+
+
+def p_released(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.released.offset) // 8
+
+
+def p_pid(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.pid.offset) // 4
+
+
+def p_instance(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.instance.offset) // 4
+
+
+def p_start_time(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.start_time.offset) // 8
+
+
+def p_registered(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.registered_ns.offset) // 8
+
+
+def i_token(slot: int) -> int:
+    return (instance_offset(slot) + InstanceRecord.token.offset) // 8
+
+
+def i_limit(slot: int) -> int:
+    return (instance_offset(slot) + InstanceRecord.limit.offset) // 8
+
+
+def i_revision(slot: int) -> int:
+    return (instance_offset(slot) + InstanceRecord.revision.offset) // 8
+
+
+def i_name(slot: int) -> slice:
+    """The byte range of instance record ``slot``'s name (in the raw view)."""
+    start = instance_offset(slot) + InstanceRecord.name.offset
+    return slice(start, start + NAME_BYTES)
 
 
 def field_table() -> dict[str, tuple[int, int]]:

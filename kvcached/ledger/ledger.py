@@ -71,15 +71,12 @@ safety margin absorbs them.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import secrets
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 from kvcached.errors import (
     InstanceNotFoundError,
@@ -89,9 +86,55 @@ from kvcached.errors import (
     LedgerReplacedError,
 )
 from kvcached.ledger import _hooks, layout
+from kvcached.ledger.calibrator import Calibration, Calibrator, MemInfo
 from kvcached.ledger.file import Initial, LedgerFile, open_file
-from kvcached.ledger.layout import Header, InstanceRecord, PoolRecord
-from kvcached.ledger.locks import ByteLock, flock_holder, process_state, wait_flock
+from kvcached.ledger.layout import (
+    H_BUDGET,
+    H_CAL_FREE,
+    H_CAL_TIME,
+    H_HIGH_WATER,
+    H_JOURNAL,
+    H_MARGIN,
+    H_PUB_BUDGET,
+    H_PUB_FREE,
+    H_PUB_PENDING,
+    H_PUB_SEQ,
+    H_PUB_TIME,
+    H_RETIRE_BUDGET,
+    H_RETIRE_INSTANCE,
+    H_RETIRE_SLOT,
+    H_SEQ,
+    H_TOTAL,
+    H_WINDOW,
+    H_WINDOW_GRANTED,
+    Header,
+    InstanceRecord,
+    PoolRecord,
+    i_limit,
+    i_name,
+    i_revision,
+    i_token,
+    p_charged,
+    p_instance,
+    p_pid,
+    p_registered,
+    p_released,
+    p_start_time,
+    p_token,
+)
+from kvcached.ledger.locks import (
+    CALIBRATE_LOCK_WAIT_S,
+    GRANT_LOCK_WAIT_S,
+    LOCK_WAIT_S,
+    ByteLock,
+    flock_holder,
+    process_state,
+    wait_flock,
+)
+from kvcached.ledger.locks import EX_NB as _EX_NB
+from kvcached.ledger.locks import UN as _UN
+from kvcached.ledger.locks import flock as _flock
+from kvcached.ledger.pool import PoolBudget
 from kvcached.ledger.snapshot import (
     HeaderView,
     InstanceView,
@@ -102,97 +145,9 @@ from kvcached.ledger.snapshot import (
 from kvcached.ledger.validate import MAX_TOTAL_BYTES, check_image, corrupt
 from kvcached.log import get_logger
 
-if TYPE_CHECKING:
-    from kvcached.ledger.pool import PoolBudget
-
 log = get_logger("kvcached.ledger")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$")
-
-#: Seconds a grant waits for the data lock before it counts as a miss (the
-#: first grant of an episode; later ones in the same episode do not wait).
-GRANT_LOCK_WAIT_S = 0.5
-#: Seconds a calibration waits for the data lock before it gives up this tick.
-CALIBRATE_LOCK_WAIT_S = 2.0
-#: Seconds registration, limits, closing and snapshots wait by default.
-LOCK_WAIT_S = 10.0
-
-_flock = fcntl.flock
-_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
-_UN = fcntl.LOCK_UN
-
-# Word indices into the file's typed views (see kvcached.ledger.file.LedgerFile).
-H_TOTAL = Header.total_bytes.offset // 8
-H_MARGIN = Header.safety_margin.offset // 8
-H_BUDGET = Header.budget.offset // 8
-H_SEQ = Header.calibration_seq.offset // 8
-H_CAL_TIME = Header.calibration_time_ns.offset // 8
-H_CAL_FREE = Header.calibration_free.offset // 8
-H_HIGH_WATER = Header.pool_high_water.offset // 4
-H_RETIRE_INSTANCE = Header.retire_instance.offset // 4
-H_RETIRE_BUDGET = Header.retire_budget.offset // 8
-H_RETIRE_SLOT = Header.retire_slot.offset // 4
-H_JOURNAL = Header.retire_slot.offset // 8  # retire_slot and publish_pending: one word
-H_PUB_PENDING = Header.publish_pending.offset // 4
-H_PUB_BUDGET = Header.publish_budget.offset // 8
-H_PUB_FREE = Header.publish_free.offset // 8
-H_PUB_TIME = Header.publish_time_ns.offset // 8
-H_PUB_SEQ = Header.publish_seq.offset // 8
-H_WINDOW = Header.window_open.offset // 4
-H_WINDOW_GRANTED = Header.window_granted.offset // 8
-
-
-def p_token(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.token.offset) // 8
-
-
-def p_charged(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.charged.offset) // 8
-
-
-def p_released(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.released.offset) // 8
-
-
-def p_pid(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.pid.offset) // 4
-
-
-def p_instance(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.instance.offset) // 4
-
-
-def p_start_time(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.start_time.offset) // 8
-
-
-def p_registered(slot: int) -> int:
-    return (layout.pool_offset(slot) + PoolRecord.registered_ns.offset) // 8
-
-
-def i_token(slot: int) -> int:
-    return (layout.instance_offset(slot) + InstanceRecord.token.offset) // 8
-
-
-def i_limit(slot: int) -> int:
-    return (layout.instance_offset(slot) + InstanceRecord.limit.offset) // 8
-
-
-def i_revision(slot: int) -> int:
-    return (layout.instance_offset(slot) + InstanceRecord.revision.offset) // 8
-
-
-def _i_name(slot: int) -> slice:
-    start = layout.instance_offset(slot) + InstanceRecord.name.offset
-    return slice(start, start + layout.NAME_BYTES)
-
-
-class MemInfo(Protocol):
-    """Anything that reports a device's free memory: every :class:`~kvcached.driver.Driver`."""
-
-    def mem_info(self) -> tuple[int, int]:
-        """``(free, total)`` bytes."""
-        ...
 
 
 def check_instance_name(name: object) -> str:
@@ -233,32 +188,20 @@ def _checked_sample(sampler: MemInfo, device_id: str) -> tuple[int, int]:
     return min(free, total), total
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """What one :meth:`Ledger.calibrate` call did."""
-
-    published: bool
-    #: "published", "busy" (another calibrator holds the lease), "stale" (a newer
-    #: sample was published first) or "locked" (the data lock stayed held)
-    reason: str
-    retired: int = 0
-    budget: int = 0
-    free: int = 0
-    charged: int = 0
-    seq: int = 0
-
-
 class Ledger:
     """One device's ledger file, mapped into this process.
 
     Share one per device in a process (:func:`kvcached.ledger.open_ledger` does);
     every thread may use it. Pools are registered with :meth:`register_pool`;
-    the accounting of one pool is :class:`~kvcached.ledger.pool.PoolBudget`.
+    the accounting of one pool is :class:`~kvcached.ledger.pool.PoolBudget`,
+    which uses only the members :class:`~kvcached.ledger.pool.PoolLedger`
+    lists (the data lock through a pool's descriptor, the busy episode,
+    :meth:`room`, refusal, retiring a closing pool).
     """
 
-    #: The class :meth:`register_pool` makes (None: ``PoolBudget``); a subclass
-    #: of Ledger may name a subclass of it (the benchmark's variants do).
-    pool_class: type[PoolBudget] | None = None
+    #: The class :meth:`register_pool` makes; a subclass of Ledger may name a
+    #: subclass of it (the benchmark's variants do).
+    pool_class: type[PoolBudget] = PoolBudget
 
     def __init__(self, lfile: LedgerFile, sampler: MemInfo | None = None) -> None:
         self.file = lfile
@@ -272,7 +215,7 @@ class Ledger:
         self._fd = lfile.fd  # the data lock is a flock lock on this descriptor
         #: Why this process grants nothing more on this file (corrupt, replaced), or None.
         self.refusal: str | None = None
-        self._busy_since = 0.0  # monotonic start of a lock-busy episode (0: none)
+        self.busy_since = 0.0  # monotonic start of a lock-busy episode (0: none)
         self._busy_misses = 0
         self._calib_lease = ByteLock(
             lfile.fd, layout.CALIBRATOR_LEASE_BYTE, f"calibrator lease of {self.path}"
@@ -291,6 +234,13 @@ class Ledger:
         self.instances = lfile.view(u32[p_instance(0) : p_instance(0) + 16 * n : 16])
         self.tokens = lfile.view(u64[p_token(0) : p_token(0) + 8 * n : 8])
         self.released = lfile.view(i64[p_released(0) : p_released(0) + 8 * n : 8])
+        w = layout.INSTANCE_WORDS
+        self.limits = lfile.view(i64[i_limit(0) : i_limit(0) + w * layout.INSTANCE_SLOTS : w])
+        # A pool takes the data lock with a bare flock, inline in its grant, only
+        # where the lock is this class's own: a subclass that replaces it (the
+        # benchmark's baseline) is never bypassed.
+        cls = type(self)
+        self.plain_lock = cls.lock_fd is Ledger.lock_fd and cls.unlock_fd is Ledger.unlock_fd
         self.closed = False
         _LIVE.add(self)
 
@@ -378,45 +328,53 @@ class Ledger:
         threads are serialised by ``_tlock`` (they share the description)."""
         tlock = self._tlock
         if not tlock.acquire(False) and not tlock.acquire(True, timeout):
-            raise self._busy_error(timeout, "another thread of this process")
+            raise self.busy_error(timeout, "another thread of this process")
         try:
-            self._lock_fd(self._fd, timeout)
+            self.lock_fd(self._fd, timeout)
         except BaseException:
             tlock.release()
             raise
 
     def _unlock_data(self) -> None:
         try:
-            self._unlock_fd(self._fd)
+            self.unlock_fd(self._fd)
         finally:
             self._tlock.release()
 
-    def _lock_fd(self, fd: int, timeout: float) -> None:
+    def lock_fd(self, fd: int, timeout: float | None = None) -> None:
         """Take the data lock through ``fd``, an open file description of the
         ledger that only one thread uses at a time (a pool's own, under the
         pool's lock; or the ledger's, under ``_tlock``): flock excludes every
         other description, in this process too. Finishes a journal that a
-        process killed under the lock left pending."""
+        process killed under the lock left pending.
+
+        Waits ``timeout`` seconds, then raises :class:`LedgerBusyError`;
+        ``None`` is a grant's wait: :data:`GRANT_LOCK_WAIT_S` once, then none
+        while the busy episode lasts (each grant of a stalled ledger is a
+        quick miss)."""
+        if timeout is None:
+            timeout = 0.0 if self.busy_since else GRANT_LOCK_WAIT_S
         try:
             _flock(fd, _EX_NB)
         except BlockingIOError:
             if not wait_flock(fd, timeout):
-                raise self._busy_error(timeout) from None
-        self._locked_fd(fd)
+                raise self.busy_error(timeout) from None
+        self.locked_fd(fd)
 
-    def _locked_fd(self, fd: int) -> None:
+    def locked_fd(self, fd: int) -> None:
         """What follows taking the data lock through ``fd`` (a pool's inline
-        grant path calls it when there is a journal or a test hook)."""
+        grant path, which takes the flock itself when :attr:`plain_lock`,
+        calls it when there is a journal or a test hook)."""
         if self.u64[H_JOURNAL]:
             try:
                 self._apply_journal()  # a process died halfway through a journaled change
             except BaseException:
-                self._unlock_fd(fd)
+                self.unlock_fd(fd)
                 raise
         if _hooks.point is not None:
             _hooks.point("data-locked")
 
-    def _unlock_fd(self, fd: int) -> None:
+    def unlock_fd(self, fd: int) -> None:
         if _hooks.point is not None:
             _hooks.point("data-unlocking")
         _flock(fd, _UN)
@@ -437,7 +395,9 @@ class Ledger:
         pid = flock_holder(self._fd)
         return pid, process_state(pid) if pid > 0 else "unknown"
 
-    def _busy_error(self, waited: float, who: str | None = None) -> LedgerBusyError:
+    def busy_error(self, waited: float, who: str | None = None) -> LedgerBusyError:
+        """The error for a data lock not free within ``waited`` seconds, naming
+        its holder (``who``, else as the kernel lists it)."""
         pid, state = self.lock_holder() if who is None else (0, who)
         holder = (
             f"pid {pid} ({state})"
@@ -452,31 +412,28 @@ class Ledger:
             waited,
         )
 
-    def _note_busy(self, exc: LedgerBusyError) -> None:
-        """Count a miss caused by a busy data lock; log once per episode."""
+    def note_busy(self, exc: LedgerBusyError) -> None:
+        """Count a miss caused by a busy data lock; log once per episode (which
+        :attr:`busy_since` then dates)."""
         self._busy_misses += 1
-        if not self._busy_since:
-            self._busy_since = time.monotonic()
+        if not self.busy_since:
+            self.busy_since = time.monotonic()
             log.warning("%s. Grants are misses (requests wait) until it is free.", exc)
 
-    def _busy_over(self) -> None:
+    def busy_over(self) -> None:
+        """End the busy episode (the lock was taken again): log what it cost."""
         log.warning(
             "ledger %s: the data lock is free again after %.1f s; %d grant(s) were "
             "misses meanwhile",
             self.path,
-            time.monotonic() - self._busy_since,
+            time.monotonic() - self.busy_since,
             self._busy_misses,
         )
-        self._busy_since = 0.0
+        self.busy_since = 0.0
         self._busy_misses = 0
 
-    def _grant_lock_wait(self) -> float:
-        """How long a grant waits: the full bound once, then not at all while the
-        episode lasts (each grant of a stalled ledger is a quick miss)."""
-        return 0.0 if self._busy_since else GRANT_LOCK_WAIT_S
-
     # -- refusal: corrupt or replaced files -------------------------------------------------
-    def _refuse(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
         """Stop granting on this file, for ``reason`` (logged once)."""
         if self.refusal is None:
             self.refusal = reason
@@ -493,7 +450,7 @@ class Ledger:
         try:
             check_image(image, self.path, locked=locked)
         except LedgerError as exc:
-            self._refuse(str(exc))
+            self.refuse(str(exc))
             raise
 
     def check_identity(self) -> None:
@@ -512,7 +469,7 @@ class Ledger:
             "the old file would count this GPU twice. Restart every kvcached process "
             "of this device, and never remove a ledger file that is in use"
         )
-        self._refuse(reason)
+        self.refuse(reason)
         raise LedgerReplacedError(reason)
 
     # -- sums (call under the data lock for an exact figure) ---------------------------------
@@ -523,7 +480,25 @@ class Ledger:
         """Bytes released but still charged (refunds batched in their processes)."""
         return sum(self.released[: self.u32[H_HIGH_WATER]])
 
+    def room(self, instance_slot: int) -> int:
+        """The admission test: the bytes a pool of instance ``instance_slot`` may
+        still be granted. The budget less every pool's charge, and no more than
+        the instance's limit, if it has one, less its pools' charges. Negative
+        when a calibration or a limit went below the charges.
+
+        Exact under the data lock. Without it (a pool re-using its batch) each
+        word is read once and at most a moment old, which is safe there: such a
+        grant moves no charge. :meth:`PoolBudget.grant
+        <kvcached.ledger.pool.PoolBudget.grant>` writes this out twice for
+        speed; ``tests/ledger/test_grant_paths.py`` holds the copies to it."""
+        room = self.i64[H_BUDGET] - sum(self.charges[: self.u32[H_HIGH_WATER]])
+        limit = self.limits[instance_slot]
+        if limit:
+            return min(room, limit - self.instance_charged(instance_slot))
+        return room
+
     def instance_charged(self, instance_slot: int) -> int:
+        """The sum of the charges of instance ``instance_slot``'s pools."""
         ref = instance_slot + 1
         hw = self.u32[H_HIGH_WATER]
         return sum(
@@ -575,7 +550,7 @@ class Ledger:
             reason = corrupt(
                 self.path, f"journal words retire_slot={slot}, publish_pending={pending}"
             )
-            self._refuse(str(reason))
+            self.refuse(str(reason))
             raise reason
         if slot:
             self._apply_retire()
@@ -637,7 +612,7 @@ class Ledger:
         encoded = name.encode()
         raw = self.file.raw
         for slot in range(layout.INSTANCE_SLOTS):
-            if self.u64[i_token(slot)] and bytes(raw[_i_name(slot)]).rstrip(b"\0") == encoded:
+            if self.u64[i_token(slot)] and bytes(raw[i_name(slot)]).rstrip(b"\0") == encoded:
                 return slot
         return None
 
@@ -670,18 +645,18 @@ class Ledger:
         u64[(layout.instance_offset(slot) + InstanceRecord.created_ns.offset) // 8] = time.time_ns()
         u64[(layout.instance_offset(slot) + InstanceRecord.limit_set_ns.offset) // 8] = 0
         encoded = name.encode()
-        self.file.raw[_i_name(slot)] = encoded + bytes(layout.NAME_BYTES - len(encoded))
+        self.file.raw[i_name(slot)] = encoded + bytes(layout.NAME_BYTES - len(encoded))
         u64[i_token(slot)] = _new_token()  # identity last
         return slot
 
-    def register_pool(self, instance: str) -> PoolBudget:
+    def register_pool(self, instance: str, *, calibrate: bool = False) -> PoolBudget:
         """Register a pool of ``instance`` on this device and take its owner lease.
 
         Retires the records of dead owners on the way. Raises
         :class:`LedgerFullError` when every pool record is held by a live pool.
+        With ``calibrate`` this process' calibrator thread runs (if the ledger
+        has a sampler) until the pool closes.
         """
-        from kvcached.ledger.pool import PoolBudget
-
         check_instance_name(instance)
         self._check_open()
         self.check_identity()
@@ -719,7 +694,7 @@ class Ledger:
                 self.u64[p_token(slot)] = token  # identity last
                 if _hooks.point is not None:
                     _hooks.point("register-written")
-                pool = (self.pool_class or PoolBudget)(self, slot, fd, token, inst, instance)
+                pool = self.pool_class(self, slot, fd, token, inst, instance)
             finally:
                 self._unlock_data()
         except BaseException:
@@ -727,6 +702,9 @@ class Ledger:
             raise
         self._pools.add(pool)
         pool.refresh()
+        if calibrate:
+            self._acquire_calibrator()
+            pool._uses_calibrator = True
         return pool
 
     def _claim_slot_locked(self, fd: int) -> int:
@@ -740,11 +718,19 @@ class Ledger:
             f"{self.path}: all {layout.POOL_SLOTS} pool records are held by live processes"
         )
 
-    def _close_pool_locked(self, slot: int, token: int) -> int:
-        """Retire the record of a pool of this process that is closing."""
+    def close_pool_locked(self, slot: int, token: int) -> int:
+        """Retire the record of a pool of this process that is closing (under
+        the data lock); returns the charge it still had."""
         if self.tokens[slot] != token:
             return 0  # already retired (a fork's child, or a finalizer after close)
         return self._retire_locked(slot)
+
+    def pool_closed(self, pool: PoolBudget, calibrated: bool) -> None:
+        """Forget ``pool``, which is closed; ``calibrated``: it kept this
+        process' calibrator thread running (:func:`kvcached.ledger.open_pool_budget`)."""
+        self._pools.discard(pool)
+        if calibrated:
+            self._release_calibrator()
 
     # -- calibration -----------------------------------------------------------------------
     def calibrate(self, sampler: MemInfo | None = None) -> Calibration:
@@ -820,7 +806,7 @@ class Ledger:
                     f"the pools charge {charged} bytes ({released} "
                     f"released) on a device of {total}",
                 )
-                self._refuse(str(error))
+                self.refuse(str(error))
                 raise error
             free = min(max(0, free), total)
             # Released but not refunded: in `free` and in `charged`. Granted in the
@@ -865,8 +851,6 @@ class Ledger:
 
     def calibrator(self, sampler: MemInfo | None = None, interval_s: float | None = None):
         """A new :class:`~kvcached.ledger.calibrator.Calibrator` for this ledger (not started)."""
-        from kvcached.ledger.calibrator import Calibrator
-
         return Calibrator(self, sampler or self.sampler, interval_s)
 
     def _acquire_calibrator(self) -> None:
@@ -933,7 +917,7 @@ class Ledger:
 
     def _instance_names_locked(self) -> list[str]:
         return [
-            bytes(self.file.raw[_i_name(s)]).rstrip(b"\0").decode(errors="replace")
+            bytes(self.file.raw[i_name(s)]).rstrip(b"\0").decode(errors="replace")
             for s in range(layout.INSTANCE_SLOTS)
             if self.u64[i_token(s)]
         ]

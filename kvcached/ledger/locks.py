@@ -2,12 +2,16 @@
 
 * The **data lock** is a whole-file ``flock(2)`` lock (:func:`wait_flock` is
   its bounded slow path; the fast path, one non-blocking ``flock``, is written
-  out in :meth:`kvcached.ledger.ledger.Ledger._lock_data`). ``flock`` costs
+  out in :meth:`kvcached.ledger.ledger.Ledger.lock_fd` and, inline, in a
+  pool's grant). ``flock`` costs
   about half of an OFD ``fcntl`` lock per lock+unlock pair here (see
   ``benchmarks/ledger.py``), and Linux keeps flock and fcntl locks apart, so it
   never conflicts with the byte-range leases below.
 * **Leases** (a pool's owner lease, the calibrator lease) are fcntl OFD
   byte-range locks (:class:`ByteLock`).
+
+How long each user waits for the data lock is part of the protocol too
+(:data:`GRANT_LOCK_WAIT_S`, :data:`CALIBRATE_LOCK_WAIT_S`, :data:`LOCK_WAIT_S`).
 
 OFD ("open file description") locks, unlike classic POSIX ``fcntl`` locks,
 belong to the open file description, not to the process: closing an unrelated
@@ -37,6 +41,14 @@ import struct
 import time
 
 from kvcached.errors import LedgerError
+
+#: Seconds a grant waits for the data lock before it counts as a miss (the
+#: first grant of an episode; later ones in the same episode do not wait).
+GRANT_LOCK_WAIT_S = 0.5
+#: Seconds a calibration waits for the data lock before it gives up this tick.
+CALIBRATE_LOCK_WAIT_S = 2.0
+#: Seconds registration, limits, closing and snapshots wait by default.
+LOCK_WAIT_S = 10.0
 
 F_OFD_GETLK = 36
 F_OFD_SETLK = 37
@@ -107,8 +119,11 @@ class ByteLock:
         return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
-_flock = fcntl.flock
-_EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+# The data lock's primitive and operations, bound once: the grant's hot path
+# calls them through module globals.
+flock = fcntl.flock
+EX_NB = fcntl.LOCK_EX | fcntl.LOCK_NB
+UN = fcntl.LOCK_UN
 
 
 def wait_flock(fd: int, timeout: float) -> bool:
@@ -126,7 +141,7 @@ def wait_flock(fd: int, timeout: float) -> bool:
     delay = 20e-6
     while True:
         try:
-            _flock(fd, _EX_NB)
+            flock(fd, EX_NB)
             return True
         except BlockingIOError:
             pass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import glob
+import os
 import time
 
 import pytest
@@ -11,7 +14,7 @@ from kvcached.control.instance import Instance, KVCachePool
 from kvcached.control.limits import ledger_snapshots, set_limit
 from kvcached.control.snapshot import read_snapshots
 from kvcached.driver.host import HostDriver
-from kvcached.errors import InstanceNotFoundError
+from kvcached.errors import InstanceNotFoundError, LedgerBusyError
 from kvcached.ledger import Ledger
 from kvcached.ledger.snapshot import LimitStatus
 from kvcached.memory.cache import KVCache
@@ -108,6 +111,22 @@ def test_stale_and_conflicting_revisions_are_reported(setup):
         set_limit("limit-test", 64 * MIB, revision=rev, directory=directory).status
         == LimitStatus.APPLIED
     )
+
+
+def test_a_held_data_lock_is_reported_busy_naming_its_holder(setup):
+    """set_limit reads each ledger through a snapshot; one taken without the
+    data lock (held past ``timeout``) is refused with the ledger's busy error."""
+    _cache, _instance, d = setup
+    (path,) = glob.glob(os.path.join(d, "kvcached-ledger-*"))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another description: excludes the ledger's
+        with pytest.raises(LedgerBusyError, match=rf"held by pid {os.getpid()} \(") as err:
+            set_limit("limit-test", 64 * MIB, directory=d, timeout=0.05)
+        assert err.value.holder == os.getpid()
+    finally:
+        os.close(fd)
+    assert set_limit("limit-test", 64 * MIB, directory=d).status is LimitStatus.APPLIED
 
 
 def test_unknown_instance(setup):

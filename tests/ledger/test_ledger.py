@@ -168,13 +168,13 @@ def test_a_ledger_that_replaces_the_data_lock_is_called_through(ledger_dir, devi
     calls = []
 
     class Counted(Ledger):
-        def _lock_fd(self, fd: int, timeout: float) -> None:
+        def lock_fd(self, fd: int, timeout: float | None = None) -> None:
             calls.append("lock")
-            super()._lock_fd(fd, timeout)
+            super().lock_fd(fd, timeout)
 
-        def _unlock_fd(self, fd: int) -> None:
+        def unlock_fd(self, fd: int) -> None:
             calls.append("unlock")
-            super()._unlock_fd(fd)
+            super().unlock_fd(fd)
 
     with Counted.open("fake-0", device, directory=ledger_dir, gpu_utilization=0.9) as led:
         pool = led.register_pool("a")

@@ -76,6 +76,10 @@ class SGLangPoolSource:
             self.slots.request_eviction(-(-short // self.token_bytes))
         return released
 
+    def leave(self) -> None:
+        """Leave the instance (the pool is closing)."""
+        unregister_pool(self)
+
 
 def register_pool(kv: ElasticKV, engine_version: str = "") -> SGLangPoolSource:
     """Join this process' instance with ``kv`` (watched through its ledger account)."""

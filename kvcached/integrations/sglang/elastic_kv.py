@@ -26,8 +26,9 @@ tested, also on the GPU) without SGLang.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -84,6 +85,21 @@ class KVShape:
         )
 
 
+class Registration(Protocol):
+    """What joining the instance returns for one pool (the control layer's
+    :class:`~kvcached.integrations.sglang.control.SGLangPoolSource`)."""
+
+    def leave(self) -> None:
+        """Leave the instance; the pool is closing."""
+        ...
+
+
+#: Joins a new pool to this process' instance. The factory that builds the
+#: pool passes it in, so this module does not import the control layer, which
+#: knows this one.
+Register = Callable[["ElasticKV"], Registration]
+
+
 class ElasticKV:
     """The kvcached side of one SGLang pool.
 
@@ -91,8 +107,10 @@ class ElasticKV:
     ``budget`` to a fresh account on that device's ledger under this process'
     instance (:func:`kvcached.ledger.open_pool_budget`: pools of one rank
     share the ledger, one account each). With ``register`` the pool joins the
-    instance (snapshots for ``kvctl``, limits) as a
-    :class:`~kvcached.integrations.sglang.control.SGLangPoolSource`.
+    instance (snapshots for ``kvctl``, limits): it is called once the pool is
+    built, and what it returns is :attr:`source` (in production a
+    :class:`~kvcached.integrations.sglang.control.SGLangPoolSource`, passed in
+    by :func:`kvcached.integrations.sglang.pools.build_joined`).
 
     :attr:`rows` is every slot row the virtual tensors hold: at least
     ``size + page_size``, rounded up to whole kvcached pages; SGLang's pool
@@ -112,7 +130,7 @@ class ElasticKV:
         driver: Any = None,
         budget: PhysicalBudget | None = None,
         engine_version: str = "",
-        register: bool = True,
+        register: Register | None = None,
         **cache_kwargs: Any,
     ) -> None:
         from kvcached.driver import get_driver
@@ -157,10 +175,8 @@ class ElasticKV:
         self.source: Any = None
         self._lock = threading.Lock()
         self._closed = False
-        if register:
-            from kvcached.integrations.sglang.control import register_pool
-
-            self.source = register_pool(self, engine_version=engine_version)
+        if register is not None:
+            self.source = register(self)
 
     # -- buffers as SGLang shapes them --------------------------------------------------
     def mha_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -204,9 +220,7 @@ class ElasticKV:
                 return
             self._closed = True
         if self.source is not None:
-            from kvcached.integrations.sglang.control import unregister_pool
-
-            unregister_pool(self.source)
+            self.source.leave()
         self.cache.close()
         if self._owned_budget is not None:
             self._owned_budget.close()
@@ -220,10 +234,16 @@ class ElasticKV:
 
 
 def build_elastic_kv(
-    shape: KVShape, *, device: Any, name: str, engine_version: str = ""
+    shape: KVShape,
+    *,
+    device: Any,
+    name: str,
+    engine_version: str = "",
+    register: Register | None = None,
 ) -> ElasticKV | None:
-    """An :class:`ElasticKV` for a pool on ``device``, or ``None`` (logged) when
-    kvcached's driver does not serve that device, so the pool stays native."""
+    """An :class:`ElasticKV` for a pool on ``device`` (joined to the instance
+    by ``register``), or ``None`` (logged) when kvcached's driver does not
+    serve that device, so the pool stays native."""
     from kvcached.driver import get_driver
 
     dev = torch.device(device)
@@ -240,4 +260,6 @@ def build_elastic_kv(
             driver.torch_device,
         )
         return None
-    return ElasticKV(shape, name=name, driver=driver, engine_version=engine_version)
+    return ElasticKV(
+        shape, name=name, driver=driver, engine_version=engine_version, register=register
+    )

@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from kvcached.integrations.patching import Patcher, PatchGroup, original
+from kvcached.integrations.sglang.state import group_states
 
 #: Groups an elastic pool depends on: when one of these failed to install,
 #: pools stay native (SGLang is never half kvcached).
@@ -51,8 +52,6 @@ class KVCacheMiss(Exception):
 
 def elastic_allowed() -> bool:
     """No group an elastic pool needs has failed in this process."""
-    from kvcached.integrations.sglang.patch import group_states
-
     states = group_states()
     return all(not states.get(name, "pending").startswith("failed") for name in REQUIRED_FOR_POOLS)
 

@@ -14,19 +14,19 @@ The groups go through kvcached's one patcher
 group is one transaction, undone if it raises halfway, and a failed group logs
 one error line and leaves only its part of SGLang native; whether the elastic
 pools may then be built is decided at pool-build time from
-:func:`group_states` (see docs/sglang-integration.md).
+:func:`~.state.group_states` (see docs/sglang-integration.md). The patch state
+itself lives in :mod:`.state`, which the groups read.
 
 Calling :func:`apply` again returns the first result and changes nothing.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass
-from importlib import metadata
 
-from kvcached.integrations.patching import FailurePolicy, Patches, PatchGroup, supported
+from kvcached.integrations.patching import PatchGroup, supported
+from kvcached.integrations.sglang.state import PATCHES, group_states, sglang_version
 
 #: SGLang releases the patch groups were written against and tested on (their
 #: real classes, ``tests/compat/run.sh sglang VERSION``). Pool, allocator and
@@ -34,7 +34,16 @@ from kvcached.integrations.patching import FailurePolicy, Patches, PatchGroup, s
 #: native rather than patched on a guess.
 SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
-PATCHES = Patches("SGLang", FailurePolicy.GROUP_NATIVE, "integrations.sglang")
+__all__ = [
+    "PATCHES",
+    "SUPPORTED_VERSIONS",
+    "ApplyResult",
+    "apply",
+    "group_states",
+    "is_supported",
+    "result",
+    "sglang_version",
+]
 
 
 @dataclass(frozen=True)
@@ -49,19 +58,6 @@ class ApplyResult:
 
 _lock = threading.RLock()
 _result: ApplyResult | None = None
-
-
-def sglang_version() -> str | None:
-    """SGLang's version from the imported module, else from its metadata;
-    ``None`` when SGLang is not installed. Never imports SGLang."""
-    module = sys.modules.get("sglang")
-    version = getattr(module, "__version__", None) if module is not None else None
-    if isinstance(version, str) and version:
-        return version
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def is_supported(version: str) -> bool:
@@ -128,11 +124,6 @@ def _apply(groups: tuple[PatchGroup, ...]) -> ApplyResult:
     # installing group may itself import modules.
     PATCHES.start(table)
     return _result
-
-
-def group_states() -> dict[str, str]:
-    """``{group: "pending" | "installed" | "failed: ..."}`` for this process."""
-    return PATCHES.states()
 
 
 def result() -> ApplyResult | None:

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -34,8 +35,10 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
+from kvcached.integrations.sglang.control import register_pool
 from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape, build_elastic_kv
 from kvcached.integrations.sglang.slots import SlotAllocator
+from kvcached.integrations.sglang.state import sglang_version
 from kvcached.log import get_logger
 
 log = get_logger("integrations.sglang")
@@ -49,10 +52,18 @@ def _native_once(pool: Any, why: str) -> None:
         log.warning("%s keeps SGLang's own KV buffers: %s", type(pool).__name__, why)
 
 
-def _sglang_version() -> str:
-    from kvcached.integrations.sglang.patch import sglang_version
-
-    return sglang_version() or ""
+def build_joined(shape: KVShape, *, device: Any, name: str) -> ElasticKV | None:
+    """An elastic pool joined to this process' instance (snapshots, limits,
+    reclaim), or ``None`` where kvcached's driver does not serve ``device``.
+    Builds both the pool and its registration, which it passes in."""
+    version = sglang_version() or ""
+    return build_elastic_kv(
+        shape,
+        device=device,
+        name=name,
+        engine_version=version,
+        register=functools.partial(register_pool, engine_version=version),
+    )
 
 
 def elastic_kv_of(kvcache: Any) -> ElasticKV | None:
@@ -89,12 +100,7 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
                 v_head_dim=self.v_head_dim,
                 dtype=self.store_dtype,
             )
-            kv = build_elastic_kv(
-                shape,
-                device=self.device,
-                name=self.allocation_label or "kv",
-                engine_version=_sglang_version(),
-            )
+            kv = build_joined(shape, device=self.device, name=self.allocation_label or "kv")
             why = None if kv is not None else "device not served by kvcached's driver"
         if kv is None:
             _native_once(self, why or "not supported")
@@ -132,9 +138,7 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
                 dtype=self.store_dtype,
                 kv_buffers=1,
             )
-            kv = build_elastic_kv(
-                shape, device=self.device, name="mla", engine_version=_sglang_version()
-            )
+            kv = build_joined(shape, device=self.device, name="mla")
             why = None if kv is not None else "device not served by kvcached's driver"
         if kv is None:
             _native_once(self, why or "not supported")

@@ -12,6 +12,7 @@ import torch
 
 from kvcached.driver.host import HostDriver
 from kvcached.errors import BlockError, ConfigError
+from kvcached.integrations.sglang.control import register_pool
 from kvcached.integrations.sglang.elastic_kv import ElasticKV, KVShape
 from kvcached.integrations.sglang.groups import enforce_cache_cap
 from kvcached.integrations.sglang.slots import SlotAllocator
@@ -52,7 +53,7 @@ def make(
         KVShape(page_size=page_size, size=size, **SHAPE),
         driver=driver,
         budget=budget,
-        register=register,
+        register=register_pool if register else None,
         background=False,
         max_handle_bytes=0,
         **kw,
@@ -96,7 +97,7 @@ def test_separate_v_head_dim_and_mla_shapes(env):
         ),
         driver=driver,
         budget=DriverFreeBudget(driver),
-        register=False,
+        register=None,
         background=False,
     )
     mla = ElasticKV(
@@ -111,7 +112,7 @@ def test_separate_v_head_dim_and_mla_shapes(env):
         ),
         driver=driver,
         budget=DriverFreeBudget(driver),
-        register=False,
+        register=None,
         background=False,
     )
     try:
@@ -270,3 +271,45 @@ def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
     finally:
         kv.close()
     assert source not in get_instance("sglang").pools
+
+
+def test_the_factory_passes_the_registration_in_and_close_leaves_once(env):
+    """ElasticKV does not import the control layer: whoever builds it passes
+    the registration in (pools.build_joined passes control.register_pool),
+    the pool keeps what it returned and leaves through it on close, once."""
+    import functools
+
+    from kvcached.control.instance import get_instance
+    from kvcached.integrations.sglang.elastic_kv import build_elastic_kv
+
+    calls = []
+
+    class Joined:
+        def leave(self) -> None:
+            calls.append("leave")
+
+    joined = Joined()
+
+    def register(kv):
+        calls.append(kv)
+        return joined
+
+    shape = KVShape(page_size=1, size=1000, **SHAPE)
+    kv = build_elastic_kv(shape, device="cpu", name="joined", register=register)
+    assert kv is not None and kv.source is joined and calls == [kv]
+    kv.close()
+    kv.close()
+    assert calls == [kv, "leave"]
+
+    kv = build_elastic_kv(
+        shape,
+        device="cpu",
+        name="joined",
+        register=functools.partial(register_pool, engine_version="0.5.23"),
+    )
+    assert kv is not None
+    try:
+        assert kv.source in get_instance("sglang").pools and kv.source.kv is kv
+    finally:
+        kv.close()
+    assert kv.source not in get_instance("sglang").pools

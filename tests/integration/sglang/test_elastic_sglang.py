@@ -335,7 +335,7 @@ def elastic_allocator(size: int, page_size: int, budget_pages: int | None):
         shape,
         driver=driver,
         budget=budget,
-        register=False,
+        register=None,
         min_reserved=1,
         max_reserved=2,
         background=False,

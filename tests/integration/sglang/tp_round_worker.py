@@ -99,7 +99,7 @@ def main() -> None:
         name="kv",
         driver=driver,
         budget=budget,
-        register=False,
+        register=None,
         min_reserved=0,
         max_reserved=0,
         background=False,
