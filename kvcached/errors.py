@@ -1,6 +1,6 @@
 """The error types of kvcached: one hierarchy under :class:`KVCachedError`.
 
-Three tiers of failure run through the package (see STYLE.md):
+Three tiers of failure run through the package:
 
 * running out is a return value (``None`` from ``alloc``), never one of these;
 * misuse and environment problems raise one of these, with a message that names

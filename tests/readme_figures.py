@@ -1,6 +1,10 @@
-"""The README's measured figures, checked against the result files they come from.
+"""The measured figures of the README and docs/benchmarks.md, checked against the
+result files they come from.
 
-A :class:`Figure` names a piece of README text, the committed JSON under
+The write-ups of every measurement live in ``docs/benchmarks.md``; the README keeps
+a short table of headline figures. Both are checked the same way.
+
+A :class:`Figure` names a piece of a document's text, the committed JSON under
 ``benchmarks/results/`` it quotes, and the key (or keys) in it. In the text, each
 checked number is in braces:
 
@@ -11,16 +15,16 @@ checked number is in braces:
   second (an en dash or a hyphen);
 - ``{#eight}``: how many files the glob matched that have the key (a word or digits).
 
-The braces are removed and the rest must appear in the README as it is (whitespace
+The braces are removed and the rest must appear in the document as it is (whitespace
 and ``**`` bold markers ignored). A file whose ``provenance`` has ``stale`` may be
 quoted only by text that says "stale"; a file that is not stale only by text that does
 not. Every file quoted must carry a provenance block (``benchmarks/_provenance.py``)
 naming its commit, command and machine.
 
 :func:`unclaimed` finds the figures nobody checks: every ratio (``1.5x``), time in
-``µs``, percentage and bold number in the README's prose (code blocks, HTML comments
-and the generated variables table left out) must lie inside some Figure's text or in
-an :class:`Unmeasured` entry that says why it is not ours to measure.
+``µs``, percentage and bold number in a document's prose (code blocks, HTML comments
+and the README's generated variables table left out) must lie inside some Figure's
+text or in an :class:`Unmeasured` entry that says why it is not ours to measure.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ FIGURE_TOKEN = re.compile(rf"(?<![\w.]){NUMBER}(?:\s*[–-]\s*{NUMBER})?(?:x\b|\
 
 @dataclass(frozen=True)
 class Figure:
-    """README ``text`` with braced figures, checked against ``source`` at ``key``.
+    """A document's ``text`` with braced figures, checked against ``source`` at ``key``.
 
     ``source`` is a path or glob relative to ``benchmarks/results`` (or a tuple of them); ``key`` a dotted
     path into the JSON (a number, or a list of numbers that a range covers), or a
@@ -91,7 +95,7 @@ class Figure:
 
 @dataclass(frozen=True)
 class Unmeasured:
-    """README ``text`` holding a number that is not a figure of ours, and ``why``."""
+    """A document's ``text`` holding a number that is not a figure of ours, and ``why``."""
 
     text: str
     why: str
@@ -102,7 +106,8 @@ def normalize(text: str) -> str:
 
 
 def readme_prose(readme: str) -> str:
-    """The README without fenced code, HTML comments and the generated variables table."""
+    """A document without fenced code, HTML comments and the README's generated variables
+    table."""
     text = re.sub(r"<!-- variables:begin -->.*?<!-- variables:end -->", " ", readme, flags=re.S)
     text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
     return re.sub(r"^(```|~~~).*?^\1\s*$", " ", text, flags=re.S | re.M)
@@ -182,13 +187,14 @@ def provenance_problems(path: Path, data: dict | list) -> list[str]:
     return problems
 
 
-def check(figure: Figure, readme: str) -> list[str]:
-    """What is wrong with ``figure`` against ``readme`` and its files (empty: all true)."""
+def check(figure: Figure, readme: str, doc: str = "README") -> list[str]:
+    """What is wrong with ``figure`` against ``readme`` (the text of ``doc``) and its
+    files (empty: all true)."""
     plain = PLACEHOLDER.sub(lambda m: m.group(1).lstrip("#"), figure.text)
-    where = f"README text {normalize(plain)!r}"
+    where = f"{doc} text {normalize(plain)!r}"
     problems = []
     if normalize(plain) not in normalize(readme):
-        problems.append(f"{where} is not in the README (reworded? update its Figure)")
+        problems.append(f"{where} is not in {doc} (reworded? update its Figure)")
     paths = files_of(figure.source)
     if not paths:
         return problems + [f"{where}: no file matches benchmarks/results/{figure.source}"]
@@ -255,7 +261,7 @@ def check(figure: Figure, readme: str) -> list[str]:
 
 
 def unclaimed(readme: str, claims: Iterable[str]) -> list[str]:
-    """Figure-like tokens of the README's prose that no claimed text covers."""
+    """Figure-like tokens of a document's prose that no claimed text covers."""
     prose = normalize(readme_prose(readme))
     covered = [False] * len(prose)
     for text in claims:

@@ -134,6 +134,7 @@ def test_the_backend_against_the_fake_driver(fake_libcuda):
     }
 
 
+@pytest.mark.slow  # a benchmark script run end to end
 def test_driver_benchmark_runs_both_loops_on_the_fake_driver(fake_libcuda, tmp_path):
     out = tmp_path / "driver.json"
     result = _run_with_fake(

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from test_driver_cuda import _run_with_fake, fake_libcuda  # noqa: F401 (fixture)
+
+# Benchmark scripts run end to end (3-18 s each on 2 cores): CI runs them, the
+# developer loop (-m "not slow") does not.
+pytestmark = pytest.mark.slow
 
 FAKE = {"FAKE_CUDA_NOOP": "1", "FAKE_CUDA_TOTAL": str(4 << 30)}
 

@@ -52,6 +52,7 @@ def test_a_result_must_be_a_dict(tmp_path):
         _provenance.write_result(tmp_path / "x.json", [1], _provenance.start([]))
 
 
+@pytest.mark.slow  # a real demo run, ~13 s
 def test_the_demo_benchmark_writes_the_summary_with_its_provenance(tmp_path):
     out = tmp_path / "demo.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -32,6 +32,7 @@ def run_pytest(require: str | None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # two pytest runs in subprocesses, ~14 s
 @pytest.mark.skipif(cuda_marks.has_torch_gpu(), reason="a GPU is here: nothing would skip")
 def test_without_a_gpu_the_gpu_tests_skip_unless_required():
     skipped = run_pytest(None)

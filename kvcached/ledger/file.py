@@ -9,7 +9,7 @@ or ``chmod``-ed: one of another magic, version or size is refused with an
 error that says which and what to do. Files are opened with ``O_NOFOLLOW``
 (a symbolic link in the ledger's place is refused) and created with mode
 ``0o666`` filtered by the process umask, so a shared group and a umask of
-``0007`` let several users share it (see the README).
+``0007`` let several users share it (see docs/ledger.md, Requirements).
 """
 
 from __future__ import annotations

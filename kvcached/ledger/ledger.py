@@ -1,6 +1,7 @@
 """The per-GPU ledger: one mapped file that every process on a device shares.
 
-Rules the ledger keeps (the seed PR #487's semantics, see DESIGN.md):
+Rules the ledger keeps (the seed PR #487's semantics; what they guarantee users,
+and the tests that show it, is in docs/ledger.md):
 
 * **Totals are sums.** The file stores each pool's charge and each instance's
   limit, never a total: the device's charges are the sum over pool records,

@@ -137,6 +137,7 @@ def _counts(text: str, label: str) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
+@pytest.mark.slow  # the whole 20 s demo, ~1 min on 2 cores
 def test_the_demo_with_its_defaults():
     """The README's main command, as a newcomer runs it (stdout not a terminal)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -167,6 +168,7 @@ def test_the_demo_with_its_defaults():
         assert re.search(rf"^  {name} .* (\d+)\s+(\d+)\s+(\d+)$", out, re.M), out
 
 
+@pytest.mark.slow  # a real demo run, ~10-30 s
 def test_the_demo_on_a_terminal_draws_the_top_view_then_the_summary():
     term = Terminal(
         "demo", "--instances", "2", "--duration", "6", "--budget", "256M", module="kvcached"
@@ -202,6 +204,7 @@ def test_bad_demo_options_exit_2(argv, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # a real demo run, ~10-30 s
 def test_the_demo_started_beside_a_kvcached_folder_runs_the_installed_package(tmp_path):
     """Workers start with ``python -c``; a ``kvcached/`` folder in the working directory
     (the clone, seen from its parent) must not replace the package they import."""

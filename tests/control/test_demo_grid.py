@@ -53,6 +53,7 @@ def run_demo(budget: str, instances: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # six real demo runs, 11-32 s each on 2 cores
 @pytest.mark.parametrize("budget, instances", GRID, ids=[f"{b}x{n}" for b, n in GRID])
 def test_kvcached_never_delays_more_than_a_static_split(budget, instances):
     done = run_demo(budget, instances)

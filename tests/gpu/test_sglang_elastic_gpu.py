@@ -103,9 +103,11 @@ def test_kv_written_by_cuda_kernels_reads_back_across_pages(env, page_size):
             )
             assert torch.equal(got, ref)
         slots.free_pages(pages)
-        assert slots.clear() >= 0
+        mapped = kv.cache.usage().pages_mapped
+        released = slots.clear()  # returns the pages it unmapped
         torch.cuda.synchronize()
         assert kv.cache.usage().pages_mapped == 1  # only the padding page
+        assert released == mapped - 1, (released, mapped)
     finally:
         kv.close()
 

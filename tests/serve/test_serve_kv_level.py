@@ -54,6 +54,7 @@ def held() -> int:
     return reading.charged_bytes
 
 
+@pytest.mark.slow  # waits out real reclaim and wake, ~10 s
 def test_sleep_releases_everything_idle_and_wake_restores_the_users_limit(instance):
     cache = instance
     ids = cache.alloc(cache.blocks_per_page * 3)

@@ -30,8 +30,26 @@ def test_shipped_file_is_the_documented_line() -> None:
 def test_prefilter_agrees_with_the_config_parser(value: str) -> None:
     """The .pth line's cheap test imports kvcached exactly for the values the
     config parser does not read as false (a bad value then fails loudly)."""
-    imports = value.strip().lower() not in ("", "0", "false", "no", "off")
-    assert imports == (value.strip().lower() not in _FALSE | {""})
+    imported: list[str] = []
+
+    class Autopatch:  # what the line's __import__ hands back for kvcached's module
+        @staticmethod
+        def install() -> None:
+            imported.append("install")
+
+    class Os:  # what it hands back for os: ENABLE_KVCACHED set to the value
+        environ = {"ENABLE_KVCACHED": value}
+
+    def line_import(name, *args, **kwargs):
+        if name == "os":
+            return Os
+        imported.append(name)
+        return Autopatch
+
+    # The shipped line itself, run as site.py runs it, with only __import__ in its builtins.
+    exec(PTH_LINE, {"__builtins__": {"__import__": line_import}})
+    expected = value.strip().lower() not in _FALSE | {""}
+    assert imported == (["kvcached.integrations.sglang.autopatch", "install"] if expected else [])
 
 
 @pytest.fixture(scope="module")

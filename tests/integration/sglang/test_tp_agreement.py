@@ -193,6 +193,7 @@ def batches(record: dict) -> list[list[int]]:
     return [r["admitted"] for r in record["rounds"]]
 
 
+@pytest.mark.slow  # a process per rank, 60 rounds over gloo: 10-18 s each on 2 cores
 @pytest.mark.parametrize(
     ("world", "capacities", "extra"),
     [
@@ -239,6 +240,7 @@ def test_ranks_admit_the_same_batches(
             assert [r["misses"] for r in record["rounds"]] == misses
 
 
+@pytest.mark.slow  # two rank processes over gloo, ~9 s
 def test_without_agreement_ranks_diverge(tmp_path: Path) -> None:
     """Negative control: each rank reading its own count admits other batches."""
     records = run_ranks(tmp_path, 2, [28, 64], "--rounds", "60", "--mode", "local")
