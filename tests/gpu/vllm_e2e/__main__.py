@@ -36,6 +36,9 @@ from tests.gpu.vllm_e2e.server import Server, gpu_pids, log_findings
 LOGPROB_TOL = 0.05
 GEN_TOKENS, APC_TOKENS = 64, 32
 READY_S = 600.0
+#: 1/1000 of the capacity: more than one kvcached page on every model here
+#: (qwen2.5-0.5b's page is 4,096 tokens of 11.4 M), far less than native's 25.21 vs 0.89 GiB.
+PAGES_TOLERANCE = 1000
 
 KINDS = {
     "kvcached-contiguous": {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "true"},
@@ -197,7 +200,11 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
         details.setdefault("co_started", {})[name] = dict(zip(co, tokens, strict=True))
         checks[f"{name}/co-started"] = {
             "both_sized": all(t is not None for t in tokens),
-            "kv_capacity_equal": tokens[0] is not None and tokens[0] == tokens[1],
+            # Capacity is total x KVCACHED_GPU_UTILIZATION less the process' own
+            # peak, rounded to pages; CUDA-graph capture moves that peak by a few
+            # MiB, so "equal" is within one page of the larger's pages.
+            "kv_capacity_equal": None not in tokens
+            and abs(tokens[0] - tokens[1]) <= max(tokens) // PAGES_TOLERANCE,
         }
     return checks
 

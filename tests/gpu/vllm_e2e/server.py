@@ -203,11 +203,20 @@ def gpu_used_mib() -> int:
         return -1
 
 
+#: vLLM 0.26 answers SIGINT by killing its engine core at once ("mode=abort
+#: timeout=0s", then "force killing remaining processes", native servers too), and
+#: the API server may then log the dead engine's EngineDeadError: a traceback of the
+#: stop itself, reported apart (``shutdown_tracebacks``), not a failure of the run.
+SHUTDOWN_MARK = "[shutdown]"
+
+
 def log_findings(log: Path, kvcached: bool) -> dict[str, Any]:
-    text = log.read_text(errors="replace") if log.exists() else ""
-    bad = [b for b in BAD_LINES if b in text]
-    kv_lines = [ln for ln in text.splitlines() if "[kvcached]" in ln]
-    kv_bad = [b for b in KVCACHED_BAD if b in text]
+    full = log.read_text(errors="replace") if log.exists() else ""
+    cut = full.find(SHUTDOWN_MARK)
+    text, tail = (full, "") if cut < 0 else (full[:cut], full[cut:])
+    bad = [b for b in BAD_LINES if b in text] + [b for b in BAD_LINES[1:] if b in tail]
+    kv_lines = [ln for ln in full.splitlines() if "[kvcached]" in ln]
+    kv_bad = [b for b in KVCACHED_BAD if b in full]
     active = all(any(a in ln for ln in kv_lines) for a in KVCACHED_ACTIVE)
     return {
         "no_traceback_or_cuda_error": not bad,
@@ -216,4 +225,5 @@ def log_findings(log: Path, kvcached: bool) -> dict[str, Any]:
         if kvcached
         else not kv_lines,
         "kvcached_lines": kv_lines[:12],
+        "shutdown_tracebacks": tail.count(BAD_LINES[0]),
     }
