@@ -4,6 +4,7 @@ exactly the releases proven there (no engine needed)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def test_every_row_is_complete_and_in_the_matrix() -> None:
     for row in table.rows():
         missing = FIELDS - set(row)
         assert not missing, f"{row.get('engine')} {row.get('version')}: {missing}"
-        assert (row["engine"], row["version"]) in known
+        assert row.get("gpu") or (row["engine"], row["version"]) in known
         assert re.fullmatch(r"\d+\.\d+\.\d+", row["version"]), "as released, e.g. 0.30.0"
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", row["commit"])
 
@@ -59,3 +60,25 @@ def test_a_row_with_a_failure_is_not_supported() -> None:
     data = [row("0.30.0", 145, 1), row("0.31.0", 0, 0), row("0.32.0", 146, 0)]
     assert table.supported(data, "vllm") == ["0.32.0"]
     assert table.supported(data, "sglang") == []
+
+
+def test_a_gpu_row_counts_each_case_by_its_newest_run(tmp_path) -> None:
+    def summary(run: str, date: str, cases: dict) -> None:
+        folder = tmp_path / "vllm-0.26.0" / run
+        folder.mkdir(parents=True)
+        info = {"date": date, "commit": "c" * 40, "command": "x", "device": "H200", "load_avg": 0.5}
+        info["vllm_version"] = "0.26.0"
+        (folder / "summary.json").write_text(json.dumps({**info, "cases": cases}))
+
+    summary("run1", "2026-12-04T10:00:00Z", {"a/kv": {"x": True, "y": False}, "b/kv": {"x": True}})
+    summary("run2", "2026-12-04T11:00:00Z", {"a/kv": {"x": True, "y": True}})
+    (row,) = table.gpu_rows(tmp_path)
+    assert (row["version"], row["passed"], row["failed"], row["runs"]) == ("0.26.0", 3, 0, 2)
+    summary("run3", "2026-12-04T12:00:00Z", {"b/kv": {"x": False}})
+    (row,) = table.gpu_rows(tmp_path)
+    assert (row["passed"], row["failed"]) == (2, 1) and not table.proven(row)
+
+
+def test_the_committed_gpu_row_of_vllm_026_is_proven() -> None:
+    (row,) = [r for r in table.gpu_rows() if r["version"] == "0.26.0"]
+    assert table.proven(row) and row["cases"] >= 12, row
