@@ -230,12 +230,27 @@ def provenance(argv: list[str]) -> dict[str, Any]:
         version = vllm.__version__
     except Exception:
         version = None
-    return {
-        "commit": os.environ.get("KVCACHED_BENCH_COMMIT") or sh(["git", "rev-parse", "HEAD"]),
+    commit = os.environ.get("KVCACHED_BENCH_COMMIT") or sh(["git", "rev-parse", "HEAD"])
+    device = sh(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    )
+    block = {  # benchmarks/_provenance.py's block, which tests/test_readme_figures.py reads
+        "commit": commit,
         "command": "python -m tests.gpu.vllm_e2e " + " ".join(argv),
-        "device": sh(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
-        ),
+        "machine": {
+            "device": device,
+            "host": platform.node(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return {
+        "provenance": block,
+        "commit": commit,
+        "command": "python -m tests.gpu.vllm_e2e " + " ".join(argv),
+        "device": device,
         "vllm_version": version,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {**provenance(argv), "logprob_tol": LOGPROB_TOL, "cases": {}}
-    details: dict[str, Any] = {}
+    details: dict[str, Any] = {"provenance": summary["provenance"]}
     for name in args.models:
         t = time.time()
         checks = model_cases(name, args, details)
