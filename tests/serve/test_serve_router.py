@@ -259,6 +259,7 @@ def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
                 restart={"policy": "on-failure", "backoff_s": 0.2, "max_restarts": 1},
             )
         ],
+        on_model_failure="keep-serving",
     )
 
     async def body() -> None:
@@ -273,7 +274,8 @@ def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
             os.kill(m.record.pid, signal.SIGKILL)  # past max_restarts: stays failed
             await until(lambda: m.counters.deaths == 2, what="the second death")
             await asyncio.sleep(0.6)
-            assert m.state == "failed" and "1 restarts" in m.failure
+            assert m.state == "failed" and "failed 2 times" in m.failure and m.given_up
+            assert not serve._stop_requested.is_set()  # keep-serving: serve goes on
             c = Client(serve.port)
             try:
                 status, doc, headers = await c.post("/v1/completions", {"model": "alpha"})
