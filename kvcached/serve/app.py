@@ -112,6 +112,8 @@ class Serve:
                 await self._runner.cleanup()
                 self._runner = None
             self._lock.release()
+            with contextlib.suppress(OSError):
+                os.rmdir(self.store.directory)  # only when it holds nothing of anyone
             raise
         log.info(
             "kvcached serve: router on http://%s:%d, %d model(s), state in %s",

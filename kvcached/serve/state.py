@@ -112,8 +112,7 @@ class StateStore:
     """The state directory: one JSON file per model, written atomically."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.directory = directory  # made by the first write (or the serve's lock)
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.json")
@@ -125,6 +124,7 @@ class StateStore:
         record.updated_at = time.time()
         record.router_pid = os.getpid()
         tmp = self.path(record.name) + f".{os.getpid()}.tmp"
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(record.as_dict(), f)
         os.replace(tmp, self.path(record.name))
@@ -239,6 +239,9 @@ class ServeLock:
         self._fd: int | None = None
 
     def acquire(self, info: dict[str, Any]) -> None:
+        directory = os.path.dirname(self.path)
+        made = not os.path.isdir(directory)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -248,6 +251,9 @@ class ServeLock:
             except ValueError:
                 doc = {}
             os.close(fd)
+            if made:  # a directory that only a race between two serves created
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
             raise ServeError(
                 f"another kvcached serve (pid {doc.get('pid', '?')}, config "
                 f"{doc.get('config', '?')}) already runs with state directory "
