@@ -131,11 +131,31 @@ def test_api_key(tmp_path):
                 assert status == 401 and doc["error"]["code"] == "invalid_api_key"
                 assert (await bad.post("/v1/completions", {"model": "alpha"}))[0] == 401
                 assert (await good.post("/v1/completions", {"model": "alpha"}))[0] == 200
+                # the probes an orchestrator calls need no key; /metrics does by default
+                assert (await anon.get("/ready"))[0] == 200
+                assert (await anon.get("/metrics"))[0] == 401
+                assert (await anon.get("/v1/models/alpha/state"))[0] == 401
+                assert (await good.get("/metrics"))[0] == 200
             finally:
                 for c in (anon, good, bad):
                     await c.close()
 
     run(body())
+    public = config(
+        tmp_path, [fake_model("alpha", tmp_path / "a.log")], api_key="k1", public_metrics=True
+    )
+
+    async def open_metrics() -> None:
+        async with Serve(public) as serve:
+            anon = Client(serve.port)
+            try:
+                status, text = await anon.get("/metrics")
+                assert status == 200 and "kvcached_serve_requests_total" in text
+                assert (await anon.get("/v1/models"))[0] == 401
+            finally:
+                await anon.close()
+
+    run(open_metrics())
 
 
 def test_idle_counts_from_the_end_of_the_last_request_and_one_wake_serves_all(tmp_path):
