@@ -69,6 +69,10 @@ def test_routing_pass_through_and_openai_errors(tmp_path):
                 assert 'kvcached_serve_errors_total{model="beta"} 1' in text
                 assert 'kvcached_serve_state{model="alpha",state="ready"} 1' in text
                 assert 'kvcached_serve_ttft_seconds_count{model="alpha"} 1' in text
+                # one client session per model for its probes, reused, never one per probe
+                session = serve.find("alpha")._session
+                assert session is not None and await serve.find("alpha")._healthy()
+                assert serve.find("alpha")._session is session
             finally:
                 await c.close()
 
