@@ -91,7 +91,11 @@ class Serve:
         return self._by_name.get(name)
 
     def is_up(self, m: ModelRuntime) -> bool:
-        """For ``/ready``: the model is where the config wants it."""
+        """For ``/ready``: the model is where the config wants it. Under
+        ``keep-serving`` a model given up on holds nothing back: it will not
+        come up, and the others serve (``/ready`` lists it as failed)."""
+        if m.given_up and self.config.on_model_failure == "keep-serving":
+            return True
         if m.state in (STARTING, FAILED):
             return False
         return m.config.start == "lazy" or m.counters.starts > 0 or m.name in self._adopted

@@ -188,8 +188,10 @@ class Router:
         states = {m.name: m.state for m in self.serve.models}
         waiting = [m.name for m in self.serve.models if not self.serve.is_up(m)]
         status = 200 if not waiting else 503
+        failed = [m.name for m in self.serve.models if m.given_up]
         return web.json_response(
-            {"ready": not waiting, "models": states, "waiting_for": waiting}, status=status
+            {"ready": not waiting, "models": states, "waiting_for": waiting, "failed": failed},
+            status=status,
         )
 
     async def metrics(self, _request: web.Request) -> web.Response:
