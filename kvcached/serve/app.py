@@ -51,7 +51,6 @@ from kvcached.serve.state import (
     READY,
     SLEEPING,
     STARTING,
-    STOPPED,
     ServeError,
     ServeLock,
     StatePublisher,
@@ -132,10 +131,8 @@ class Serve:
                 self._adopted.add(m.name)
                 if m.state == STARTING:
                     self._spawn_task(m.wait_started(), f"model {m.name}: adoption")
-            elif m.state != STOPPED:
-                m.set_state(STOPPED, "not running")
             else:
-                m.publish()
+                m.publish()  # stopped, for kvctl, until it starts
             # Engines of this state directory that no state file names (one it lost,
             # or a second copy): never left running beside the one serve manages.
             await m.stop_orphans(keep=m.record.pid if m.name in self._adopted else 0)

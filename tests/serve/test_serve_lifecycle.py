@@ -190,8 +190,9 @@ def test_the_same_config_on_another_port_is_refused(tmp_path, kill_marked, monke
         assert out.stderr.strip().count("\n") == 0
         assert f"already runs with config {cfg}" in out.stderr
     finally:
-        assert first.stop() == 0
-    assert not list(tmp_path.glob("kvcached-serve-*"))  # its state dir went at exit
+        assert first.stop(signal.SIGTERM) == 0
+    assert not list(tmp_path.glob("kvcached-serve-*"))  # SIGTERM too: its state dir went
+    assert not marked_groups(f"{tmp_path}/kvcached-serve-{port}/alpha")
 
 
 def test_a_port_in_use_is_one_line(tmp_path):
