@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="one OpenAI-compatible router in front of several engines",
         description="Start every model of CONFIG.yaml as a supervised engine with kvcached, "
         "route OpenAI requests to them by model name, put idle models to sleep "
-        "and wake them on request (docs/serve.md). Needs the serve extra.",
+        "and wake them on request (docs/serve.md). Needs the serve extra. Exits 0 after "
+        "Ctrl-C or SIGTERM, 1 when a model failed past its restart policy, 2 when it "
+        "cannot start (the reason in one line per problem).",
     )
     p_serve.add_argument("config", metavar="CONFIG.yaml", help="the serve configuration")
     p_serve.add_argument(
