@@ -79,7 +79,8 @@ class ModelConfig:
     wake_timeout: float = 120.0  #: a request waits this long for its model to wake
     startup_timeout: float = 600.0  #: an engine not ready after this is ``failed``
     stop_timeout: float = 60.0  #: SIGINT to the engine's group, then SIGKILL after this
-    ready_path: str = "/health"  #: GET answering 200 once the engine serves
+    #: GET answering 200 once the engine serves (from the config: its engine row's health_path)
+    ready_path: str = "/health"
     kvcached: bool = True  #: set ENABLE_KVCACHED=true and KVCACHED_IPC_NAME=<name>
 
     @property
@@ -363,7 +364,7 @@ def _model(r: _Reader) -> ModelConfig:
         wake_timeout=r.get("wake_timeout", "float", d.wake_timeout, minimum=0),
         startup_timeout=r.get("startup_timeout", "float", d.startup_timeout, minimum=1),
         stop_timeout=r.get("stop_timeout", "float", d.stop_timeout, minimum=0),
-        ready_path=r.get("ready_path", "str", d.ready_path),
+        ready_path=r.get("ready_path", "str", engine_kind(engine).health_path),
         kvcached=r.get("kvcached", "bool", d.kvcached),
     )
     r.done()

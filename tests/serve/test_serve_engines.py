@@ -38,6 +38,7 @@ def test_every_engine_row_launches_and_only_rows_with_an_api_sleep_at_weights():
                 parse_config({"models": [doc]})
             continue
         m = parse_config({"models": [doc]}).models[0]
+        assert m.ready_path == kind.health_path
         argv = m.argv("127.0.0.1", 9)
         assert argv[1:3] == ["-m", kind.module] and kind.weights_flag in argv
         assert m.environment({}).items() >= dict(kind.weights_env).items()
