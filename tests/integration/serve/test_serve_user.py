@@ -230,3 +230,78 @@ def test_direct_clients_keep_it_awake_probes_are_open_and_ctrl_c_leaves_nothing(
     assert _shm(tag, port) == before, "left in /dev/shm after Ctrl-C"
     # the ledger file stays (docs/serve.md says so): it is the GPU's, not serve's
     assert list(tmp_path.glob("kvcached-ledger-*"))
+
+
+def test_a_router_killed_while_its_vllm_starts_adopts_it_and_starts_no_second(tmp_path):
+    """SIGKILL the router while its vLLM engine is still starting: the next router
+    adopts that engine (same pid, no start of its own) and waits for it; Ctrl-C
+    then leaves none of its processes."""
+    from kvcached.serve.engine import marked_groups
+
+    model = write_model(tmp_path / "tiny", "alpha")
+    name = f"adopt-{os.getpid() % 100000}"
+    port = free_port()
+    state_dir = tmp_path / "state"
+    cfg = {
+        "port": port,
+        "state_dir": str(state_dir),
+        "models": [
+            {
+                "name": name,
+                "model": str(model),
+                "args": VLLM_ARGS,
+                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                "startup_timeout": START_S,
+            }
+        ],
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(json.dumps(cfg))
+    log = tmp_path / "serve.log"
+
+    def start() -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "kvcached", "serve", str(path)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=serve_env(tmp_path),
+                start_new_session=True,
+            )
+
+    def model_state() -> dict[str, Any]:
+        return request(port, f"/v1/models/{name}/state")[1]
+
+    first = start()
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(OSError):
+            doc = model_state()
+            if doc["state"] == "starting" and doc["pid"]:
+                break
+        assert first.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    pid = doc["pid"]
+    first.kill()
+    first.wait(30)
+    second = start()
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            with contextlib.suppress(OSError):
+                if request(port, "/ready")[0] == 200:
+                    break
+            assert second.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        doc = model_state()
+        assert doc["pid"] == pid and doc["starts"] == 0 and doc["state"] == "ready", doc
+        assert set(marked_groups(f"{state_dir}/{name}")) == {pid}  # one engine, not two
+        status, out = request(
+            port, "/v1/completions", {"model": name, "prompt": words(5, 6), "max_tokens": 2}
+        )
+        assert status == 200, out
+    finally:
+        second.send_signal(signal.SIGINT)
+        code = second.wait(180)
+    assert code == 0, log.read_text()
+    assert not marked_groups(f"{state_dir}/{name}")
