@@ -64,13 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="one OpenAI-compatible router in front of several engines",
         description="Start every model of CONFIG.yaml as a supervised engine with kvcached, "
         "route OpenAI requests to them by model name, put idle models to sleep "
-        "and wake them on request (docs/serve.md). Needs kvcached[serve].",
+        "and wake them on request (docs/serve.md). Needs the serve extra. Exits 0 after "
+        "Ctrl-C or SIGTERM, 1 when a model failed past its restart policy, 2 when it "
+        "cannot start (the reason in one line per problem).",
     )
     p_serve.add_argument("config", metavar="CONFIG.yaml", help="the serve configuration")
     p_serve.add_argument(
         "--check",
         action="store_true",
-        help="validate the configuration, print the plan, start nothing",
+        help="validate the configuration and what it needs (engines importable, model "
+        "paths, free ports), print the plan, start nothing",
     )
     p_serve.add_argument("--host", help="override the config's host (the router's address)")
     p_serve.add_argument("--port", type=int, help="override the config's port")
@@ -86,11 +89,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(
             f"kvcached serve: needs the serve extra ({exc.name} is missing): "
-            'pip install "kvcached[serve]"',
+            'pip install ".[serve]" in a checkout of kvcached (docs/serve.md)',
             file=sys.stderr,
         )
         return 2
     import dataclasses
+
+    from kvcached.serve.preflight import preflight
+    from kvcached.serve.state import ServeError
 
     try:
         config = load_config(args.config)
@@ -106,10 +112,21 @@ def _serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, port=args.port)
     if args.check:
         print(describe(config))
+    problems = preflight(config)
+    for problem in problems:
+        print(f"kvcached serve: {config.source}: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    if args.check:
+        print("\nchecks passed: nothing found that would stop these engines from starting")
         return 0
     from kvcached.serve import run
 
-    return run(config)
+    try:
+        return run(config)
+    except ServeError as exc:
+        print(f"kvcached serve: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

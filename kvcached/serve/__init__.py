@@ -4,8 +4,8 @@ It starts each configured engine (vLLM, SGLang, or any HTTP command) as a
 supervised child with kvcached enabled, routes requests to them by model name,
 puts idle models to sleep and wakes them on request. Engines are reached over
 HTTP and kvcached instances through :mod:`kvcached.control`; no engine is
-imported. Needs the ``serve`` extra (``pip install "kvcached[serve]"``:
-aiohttp, PyYAML); the core package never imports this one.
+imported. Needs the ``serve`` extra (aiohttp, PyYAML: ``pip install ".[serve]"`` in a
+checkout of this repository); the core package never imports this one.
 
 From a script::
 
@@ -28,6 +28,7 @@ from kvcached.serve.config import (
     load_config,
     parse_config,
 )
+from kvcached.serve.state import ServeError
 
 if TYPE_CHECKING:
     from kvcached.serve.app import Serve
@@ -38,6 +39,7 @@ __all__ = [
     "Serve",
     "ServeConfig",
     "ServeConfigError",
+    "ServeError",
     "SleepConfig",
     "load_config",
     "parse_config",

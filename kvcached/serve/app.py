@@ -10,10 +10,19 @@ router's HTTP site and one policy loop that, every ``idle_check_s``:
   memory (its allocation misses grow) and its GPU's ledger has no headroom,
   puts the least recently used idle model on that GPU to sleep.
 
-Start-up adopts engines a previous router left running (state files), then
-starts the ``eager`` models that are not running. Stop (SIGINT, SIGTERM, or
-:meth:`Serve.stop`) stops every engine, in reverse order, and removes the
-state files and snapshot segments, so nothing is left behind.
+Start-up takes the state directory's lock (one serve per port or
+``state_dir``; a second one is refused before it touches anything), binds the
+router (a port in use is one line), adopts the engines a previous router of
+this state directory left running (state files; the engines carry serve's
+mark, so one it does not adopt is stopped, never doubled), then starts the
+``eager`` models that are not running. A model that fails past its restart
+policy stops serve with status 1, naming it (``on_model_failure: exit``, the
+default) or is left failed while the others serve (``keep-serving``).
+
+Stop (SIGINT, SIGTERM, or :meth:`Serve.stop`) stops every engine, in reverse
+order, then any process still carrying a model's mark, and removes the state
+files, the lock, the snapshot segments (serve's and the engines'), the logs
+of models that did not fail and the state directory if that empties it.
 
 From a script: ``kvcached.serve.run(config)`` blocks until stopped;
 ``async with Serve(config) as serve:`` gives the running object.
@@ -23,6 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import glob
+import os
 import signal
 import time
 from typing import Any
@@ -30,17 +42,20 @@ from typing import Any
 from aiohttp import web
 
 from kvcached.log import get_logger
-from kvcached.serve.config import ServeConfig
+from kvcached.serve.config import ServeConfig, _runtime_dir
 from kvcached.serve.model import ModelRuntime
 from kvcached.serve.router import Router
 from kvcached.serve.state import (
     FAILED,
+    LOCK_FILE,
     READY,
     SLEEPING,
     STARTING,
-    STOPPED,
+    ServeError,
+    ServeLock,
     StatePublisher,
     StateStore,
+    lock_holder,
 )
 
 log = get_logger("kvcached.serve")
@@ -53,9 +68,13 @@ class Serve:
         self.config = config
         self.store = StateStore(config.resolved_state_dir())
         self.publisher = StatePublisher()
-        self.models = [ModelRuntime(m, config, self.store, self.publisher) for m in config.models]
+        self.models = [
+            ModelRuntime(m, config, self.store, self.publisher, self._given_up)
+            for m in config.models
+        ]
         self._by_name = {n: m for m in self.models for n in m.config.served_names}
         self.router = Router(self)
+        self._lock = ServeLock(self.store.directory)
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._stop_requested = asyncio.Event()
@@ -63,26 +82,42 @@ class Serve:
         self._adopted: set[str] = set()
         self._misses: dict[str, int] = {}
         self.port = config.port
+        #: what :func:`run` returns: 1 once a model failed past its restart policy
+        self.exit_code = 0
+        self._why_exit = ""
 
     def find(self, name: str) -> ModelRuntime | None:
         return self._by_name.get(name)
 
     def is_up(self, m: ModelRuntime) -> bool:
-        """For ``/ready``: the model is where the config wants it."""
+        """For ``/ready``: the model is where the config wants it. Under
+        ``keep-serving`` a model given up on holds nothing back: it will not
+        come up, and the others serve (``/ready`` lists it as failed)."""
+        if m.given_up and self.config.on_model_failure == "keep-serving":
+            return True
         if m.state in (STARTING, FAILED):
             return False
         return m.config.start == "lazy" or m.counters.starts > 0 or m.name in self._adopted
 
     # -- lifetime ---------------------------------------------------------------------------
     async def start(self) -> None:
-        self._runner = web.AppRunner(self.router.app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
+        """Take the lock, bind the router, adopt, start the eager models. Raises
+        :class:`~kvcached.serve.state.ServeError` (one line) when another serve
+        runs with this state directory or config, or the port is in use."""
+        self._refuse_same_config()
+        self._lock.acquire(
+            {"port": self.config.port, "host": self.config.host, "config": self._config_path()}
+        )
+        try:
+            await self._bind()
+        except BaseException:
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+            self._lock.release()
+            with contextlib.suppress(OSError):
+                os.rmdir(self.store.directory)  # only when it holds nothing of anyone
+            raise
         log.info(
             "kvcached serve: router on http://%s:%d, %d model(s), state in %s",
             self.config.host,
@@ -94,12 +129,87 @@ class Serve:
             record = self.store.read(m.name)
             if record is not None and await m.adopt(record):
                 self._adopted.add(m.name)
+                if m.state == STARTING:
+                    self._spawn_task(m.wait_started(), f"model {m.name}: adoption")
             else:
-                m.set_state(STOPPED, "not running")
+                m.publish()  # stopped, for kvctl, until it starts
+            # Engines of this state directory that no state file names (one it lost,
+            # or a second copy): never left running beside the one serve manages.
+            await m.stop_orphans(keep=m.record.pid if m.name in self._adopted else 0)
         for m in self.models:
             if m.config.start == "eager" and m.name not in self._adopted:
-                self._tasks.append(asyncio.ensure_future(m.start()))
-        self._tasks.append(asyncio.ensure_future(self._policy_loop()))
+                self._spawn_task(m.start(), f"model {m.name}: start")
+        self._spawn_task(self._policy_loop(), "the policy loop")
+
+    async def _bind(self) -> None:
+        self._runner = web.AppRunner(self.router.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            why = (
+                "is in use (another kvcached serve or another server)"
+                if exc.errno == errno.EADDRINUSE
+                else f"cannot be bound: {exc.strerror}"
+            )
+            raise ServeError(
+                f"router address {self.config.host}:{self.config.port} {why}; "
+                f"choose another port (port: in {self.config.source}, or --port)"
+            ) from None
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+
+    def _config_path(self) -> str:
+        return os.path.realpath(self.config.source) if os.path.isfile(self.config.source) else ""
+
+    def _refuse_same_config(self) -> None:
+        """One serve per config file, even on another port: its engines would
+        share kvcached instance names (and ledger limits) with the first's."""
+        ours = self._config_path()
+        if not ours:
+            return
+        mine = os.path.realpath(os.path.join(self.store.directory, LOCK_FILE))
+        for path in glob.glob(os.path.join(_runtime_dir(), "kvcached-serve-*", LOCK_FILE)):
+            if os.path.realpath(path) == mine:
+                continue
+            holder = lock_holder(os.path.dirname(path))
+            if holder and holder.get("config") == ours:
+                raise ServeError(
+                    f"another kvcached serve (pid {holder.get('pid', '?')}, router port "
+                    f"{holder.get('port', '?')}) already runs with config {ours}; stop it first"
+                )
+
+    def _spawn_task(self, coro: Any, what: str) -> None:  # noqa: ANN401
+        task = asyncio.ensure_future(coro)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("kvcached serve: %s failed", what, exc_info=t.exception())
+
+        task.add_done_callback(done)
+        self._tasks.append(task)
+
+    def _given_up(self, m: ModelRuntime) -> None:
+        if self.config.on_model_failure == "keep-serving":
+            log.error(
+                "kvcached serve: model %s failed and will not be restarted: %s; serving the "
+                "other models (on_model_failure: keep-serving)",
+                m.name,
+                m.failure,
+            )
+            return
+        log.error(
+            "kvcached serve: model %s failed and will not be restarted: %s; stopping serve "
+            "(on_model_failure: exit; keep-serving would keep the other models up)",
+            m.name,
+            m.failure,
+        )
+        self.exit_code = 1
+        self._why_exit = f"; exit status 1: model {m.name} failed"
+        self.request_stop()
 
     def request_stop(self) -> None:
         """Ask :meth:`wait_stopped`'s waiter to stop (safe from a signal handler)."""
@@ -114,6 +224,8 @@ class Serve:
         await asyncio.shield(self._stop_task)
 
     async def _stop(self) -> None:
+        if not self._lock.held:  # never started, or refused: nothing here is ours
+            return
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -123,12 +235,35 @@ class Serve:
             await m.close()
         for m in reversed(self.models):
             await m.stop()
+        for m in self.models:
+            await m.stop_orphans()
+            await m.close_session()
         if self._runner is not None:
             await self._runner.cleanup()
         for m in self.models:
             self.store.remove(m.name)
         self.publisher.close()
-        log.info("kvcached serve: stopped")
+        await asyncio.get_running_loop().run_in_executor(None, _remove_dead_snapshots)
+        self._clean_state_dir()
+        self._lock.release()
+        with contextlib.suppress(OSError):
+            os.rmdir(self.store.directory)  # only if nothing (a kept log) is left
+        log.info("kvcached serve: stopped%s", self._why_exit)
+
+    def _clean_state_dir(self) -> None:
+        """Logs of models that never failed go; a failed one's stay, and say where."""
+        for m in self.models:
+            paths = [m.log_path, m.log_path + ".1"]
+            if m.failures:
+                log.info(
+                    "kvcached serve: model %s failed this run; its log stays: %s",
+                    m.name,
+                    m.log_path,
+                )
+                continue
+            for path in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     async def wait_stopped(self) -> None:
         """Return once a stop was asked for (:meth:`request_stop`, :meth:`stop`)."""
@@ -153,20 +288,24 @@ class Serve:
                 log.exception("kvcached serve: policy pass failed")
 
     async def policy_pass(self) -> None:
-        now = time.monotonic()
         for m in self.models:
             await m.check_process()
             level = m.config.sleep.level
-            if level == "none" or m.lock.locked():
+            if level == "none":
                 continue
-            if m.state == READY and m.idle_for(now) >= m.config.sleep.idle_after:
-                await m.sleep(reason=f"idle for {m.config.sleep.idle_after:g} s")
+            if m.state == READY and not m.in_flight:
+                await m.poll_activity()
+                idle = m.config.sleep.idle_after
+                if m.idle_for(time.monotonic()) >= idle:
+                    await m.poll_activity(force=True)  # a direct client, just now?
+                    if m.idle_for(time.monotonic()) >= idle:
+                        await m.sleep(reason=f"idle for {idle:g} s", if_free=True)
             elif (
                 level == "stop"
                 and m.state == SLEEPING
-                and now - m.slept_at >= m.config.sleep.stop_after
+                and time.monotonic() - m.slept_at >= m.config.sleep.stop_after
             ):
-                await m.stop_sleeping()
+                await m.stop_sleeping(if_free=True)
         if self.config.pressure == "sleep-lru":
             await self._relieve_pressure()
 
@@ -190,12 +329,10 @@ class Serve:
                 if o is not m
                 and o.state == READY
                 and not o.in_flight
-                and not o.lock.locked()
                 and pressure.get(o.name, (0, (), 0, 0))[1]
                 and set(pressure[o.name][1]) & set(gpus)
             ]
-            if idle:
-                victim = min(idle, key=lambda o: o.last_used)
+            for victim in sorted(idle, key=lambda o: o.last_used):
                 log.info(
                     "model %s misses memory on %s (headroom %d B): putting %s, the "
                     "least recently used idle model there, to sleep",
@@ -204,7 +341,20 @@ class Serve:
                     headroom,
                     victim.name,
                 )
-                await victim.sleep(reason=f"memory pressure from {m.name}")
+                if await victim.sleep(reason=f"memory pressure from {m.name}", if_free=True):
+                    break
+
+
+def _remove_dead_snapshots() -> None:
+    """An engine's snapshot segment outlives it when it was killed (or its
+    interpreter ended without closing its instance); kvctl would sweep it on
+    its next call, serve does now."""
+    try:
+        from kvcached.control.snapshot import read_snapshots
+
+        read_snapshots(cleanup=True)
+    except Exception:  # a segment we may not remove is not worth failing a shutdown
+        log.debug("kvcached serve: dead snapshot sweep failed", exc_info=True)
 
 
 def _pressure_view(names: list[str]) -> dict[str, tuple[int, tuple[str, ...], int, int]]:
@@ -241,10 +391,12 @@ async def _main(config: ServeConfig, ready: Any = None) -> int:  # noqa: ANN401
         await serve.wait_stopped()
     finally:
         await serve.stop()
-    return 0
+    return serve.exit_code
 
 
 def run(config: ServeConfig, ready: Any = None) -> int:  # noqa: ANN401
-    """Serve ``config`` until SIGINT or SIGTERM; returns the exit status.
-    ``ready(serve)`` is called once the router listens."""
+    """Serve ``config`` until SIGINT or SIGTERM, or until a model fails past its
+    restart policy (``on_model_failure: exit``); returns the exit status (0, or
+    1 then). ``ready(serve)`` is called once the router listens. Raises
+    :class:`~kvcached.serve.state.ServeError` when serve cannot start."""
     return asyncio.run(_main(config, ready))

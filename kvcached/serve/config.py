@@ -21,11 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-ENGINES = ("vllm", "sglang", "command")
+from kvcached.serve.engines import ENGINE_KINDS, EngineKind, engine_kind
+
+ENGINES = tuple(ENGINE_KINDS)
 SLEEP_LEVELS = ("none", "kv", "weights", "stop")
 START_MODES = ("eager", "lazy")
 RESTART_POLICIES = ("never", "on-failure", "always")
 PRESSURE_POLICIES = ("off", "sleep-lru")
+ON_MODEL_FAILURE = ("exit", "keep-serving")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -41,6 +44,8 @@ class SleepConfig:
     idle_after: float = 300.0  #: seconds with nothing in flight, from the last request's end
     stop_after: float = 600.0  #: ``stop`` level: seconds asleep before the process is stopped
     weights_level: int = 1  #: vLLM's ``/sleep?level=`` (1: weights to CPU, 2: discarded)
+    #: requests the engine serves without the router (seen in its metrics) keep it awake
+    engine_activity: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,12 +79,17 @@ class ModelConfig:
     wake_timeout: float = 120.0  #: a request waits this long for its model to wake
     startup_timeout: float = 600.0  #: an engine not ready after this is ``failed``
     stop_timeout: float = 60.0  #: SIGINT to the engine's group, then SIGKILL after this
-    ready_path: str = "/health"  #: GET answering 200 once the engine serves
+    #: GET answering 200 once the engine serves (from the config: its engine row's health_path)
+    ready_path: str = "/health"
     kvcached: bool = True  #: set ENABLE_KVCACHED=true and KVCACHED_IPC_NAME=<name>
 
     @property
     def served_names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    @property
+    def kind(self) -> EngineKind:
+        return engine_kind(self.engine)
 
     def argv(self, host: str, port: int | str, python: str = sys.executable) -> list[str]:
         """The engine's command line on ``host:port`` (``port`` may be a placeholder
@@ -88,41 +98,11 @@ class ModelConfig:
             return [
                 part.replace("{port}", str(port)).replace("{host}", host) for part in self.command
             ]
-        if self.engine == "vllm":
-            argv = [
-                python,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                self.model,
-                "--served-model-name",
-                self.name,
-                "--host",
-                host,
-                "--port",
-                str(port),
-            ]
-            if self.sleep.level == "weights" and "--enable-sleep-mode" not in self.args:
-                argv.append("--enable-sleep-mode")
-            return argv + list(self.args)
-        if self.engine == "sglang":
-            argv = [
-                python,
-                "-m",
-                "sglang.launch_server",
-                "--model-path",
-                self.model,
-                "--served-model-name",
-                self.name,
-                "--host",
-                host,
-                "--port",
-                str(port),
-            ]
-            if self.sleep.level == "weights" and "--enable-memory-saver" not in self.args:
-                argv.append("--enable-memory-saver")
-            return argv + list(self.args)
-        raise AssertionError(f"model {self.name}: engine command without a command")
+        kind = self.kind
+        argv = kind.launch(python, self.model, self.name, host, str(port))
+        if self.sleep.level == "weights" and kind.weights_flag not in self.args:
+            argv.append(kind.weights_flag)
+        return argv + list(self.args)
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The engine's environment: ``base``, this model's ``env``, then what serve sets."""
@@ -131,8 +111,8 @@ class ModelConfig:
         if self.kvcached:
             env["ENABLE_KVCACHED"] = "true"
             env["KVCACHED_IPC_NAME"] = self.name
-        if self.engine == "vllm" and self.sleep.level == "weights":
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM serves /sleep and /wake_up only then
+        if self.sleep.level == "weights":
+            env.update(self.kind.weights_env)
         return env
 
 
@@ -148,6 +128,11 @@ class ServeConfig:
     state_dir: str = ""  #: per-model state files, engine logs ("": the default below)
     pressure: str = "off"  #: off | sleep-lru
     idle_check_s: float = 0.25  #: how often the sleep policy looks
+    #: a model that failed past its restart policy: ``exit`` stops serve (status 1,
+    #: naming it); ``keep-serving`` keeps the others up and answers 503 for it
+    on_model_failure: str = "exit"
+    #: ``/metrics`` without the API key (``/health`` and ``/ready`` never need it)
+    public_metrics: bool = False
     source: str = "<config>"  #: the file it came from, for messages
 
     def model(self, name: str) -> ModelConfig | None:
@@ -323,6 +308,7 @@ def _sleep(r: _Reader | None) -> SleepConfig:
         idle_after=r.get("idle_after", "float", d.idle_after, minimum=0),
         stop_after=r.get("stop_after", "float", d.stop_after, minimum=0),
         weights_level=r.get("weights_level", "int", d.weights_level, minimum=1),
+        engine_activity=r.get("engine_activity", "bool", d.engine_activity),
     )
     if out.weights_level > 2:
         r.fail(
@@ -378,13 +364,13 @@ def _model(r: _Reader) -> ModelConfig:
         wake_timeout=r.get("wake_timeout", "float", d.wake_timeout, minimum=0),
         startup_timeout=r.get("startup_timeout", "float", d.startup_timeout, minimum=1),
         stop_timeout=r.get("stop_timeout", "float", d.stop_timeout, minimum=0),
-        ready_path=r.get("ready_path", "str", d.ready_path),
+        ready_path=r.get("ready_path", "str", engine_kind(engine).health_path),
         kvcached=r.get("kvcached", "bool", d.kvcached),
     )
     r.done()
     if m.port is not None and m.port > 65535:
         r.fail(f"must be a TCP port (1-65535), got {m.port}", r.line_of("port"), r.where("port"))
-    if engine in ("vllm", "sglang") and not (m.model or m.command):
+    if m.kind.module and not (m.model or m.command):
         r.fail(
             f"engine {engine} needs model (the model path or id to serve) or command "
             "(your own launch command of that engine)",
@@ -398,9 +384,9 @@ def _model(r: _Reader) -> ModelConfig:
             r.line_of(key),
             r.where(key),
         )
-    if engine == "command" and not m.command:
+    if not m.kind.module and not m.command:
         r.fail("engine command needs command: the argv that serves HTTP on {port}", r.line, r.path)
-    if engine == "command" and m.sleep.level == "weights":
+    if m.kind.weights_sleep is None and m.sleep.level == "weights":
         r.fail(
             "sleep level weights needs an engine with a sleep API (vllm or sglang); use kv or stop",
             r.line_of("sleep"),
@@ -439,6 +425,8 @@ def parse_config(data: Any, source: str = "<config>") -> ServeConfig:  # noqa: A
     state_dir = top.get("state_dir", "str", "")
     pressure = top.get("pressure", "str", "off", choices=PRESSURE_POLICIES)
     idle_check_s = top.get("idle_check_s", "float", 0.25, minimum=0.01)
+    on_model_failure = top.get("on_model_failure", "str", "exit", choices=ON_MODEL_FAILURE)
+    public_metrics = top.get("public_metrics", "bool", False)
     top.taken.add("models")
     raw_models = data.get("models")
     line = top.line_of("models")
@@ -472,6 +460,8 @@ def parse_config(data: Any, source: str = "<config>") -> ServeConfig:  # noqa: A
         state_dir=state_dir,
         pressure=pressure,
         idle_check_s=idle_check_s,
+        on_model_failure=on_model_failure,
+        public_metrics=public_metrics,
         source=source,
     )
 
@@ -517,7 +507,7 @@ def describe(config: ServeConfig) -> str:
             sleep += f" after {m.sleep.idle_after:g} s idle"
             if m.sleep.level == "stop":
                 sleep += f", process stopped after {m.sleep.stop_after:g} s asleep"
-            if m.sleep.level == "weights" and m.engine == "vllm":
+            if m.sleep.level == "weights" and "{level}" in str(m.kind.weights_sleep):
                 sleep += f" (vLLM sleep level {m.sleep.weights_level})"
         lines += [
             "",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -52,6 +53,63 @@ def group_pids(pgid: int) -> list[int]:
     return sorted(out)
 
 
+#: The variable serve marks each engine with (``<state dir>/<model>``): how a
+#: restarted router finds exactly the engines it started, even without their
+#: state file, and how a stopping one makes sure none of them outlives it.
+MARKER = "KVCACHED_SERVE_ENGINE"
+#: An engine log past this size is rotated (one ``.1`` kept) when the engine next starts.
+LOG_ROTATE_BYTES = 16 * 1024 * 1024
+
+
+def marked_groups(marker: str) -> dict[int, int]:
+    """Process groups with a live process whose environment has ``MARKER=marker``:
+    group id -> the start ticks of its leader (-1 if the leader is gone)."""
+    needle = f"\0{MARKER}={marker}\0".encode()
+    groups: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in b"\0" + f.read() + b"\0":
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone, or another user's
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) < 20 or fields[0] in ("Z", "X"):
+            continue
+        pgid = int(fields[2])
+        ticks = process_start_ticks(pgid)
+        groups[pgid] = ticks if ticks is not None else -1
+    return groups
+
+
+def rotate_log(path: str) -> None:
+    """Keep one old copy of an engine log that grew past :data:`LOG_ROTATE_BYTES`."""
+    try:
+        if os.path.getsize(path) > LOG_ROTATE_BYTES:
+            os.replace(path, path + ".1")
+    except FileNotFoundError:
+        pass
+
+
+def log_excerpt(path: str, offset: int, head: int = 5, tail: int = 15) -> str:
+    """The output an engine wrote to ``path`` from ``offset`` on (its latest
+    start): the first ``head`` lines and the last ``tail``, indented."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"    (log {path} unreadable: {exc.strerror})"
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) > head + tail:
+        lines = [*lines[:head], f"... {len(lines) - head - tail} lines ...", *lines[-tail:]]
+    return "\n".join("    " + line for line in lines) or "    (the engine wrote nothing)"
+
+
 class EngineProcess:
     """An engine's main process (the leader of its process group)."""
 
@@ -65,17 +123,23 @@ class EngineProcess:
 
     @classmethod
     def spawn(cls, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> EngineProcess:
+        """Start ``argv``; raises ``OSError`` when it cannot be run (no such
+        program, not executable), with the log already saying so."""
         with open(log_path, "ab") as out:
-            out.write(f"\n$ {' '.join(argv)}\n".encode())
+            out.write(f"\n$ {shlex.join(argv)}\n".encode())
             out.flush()
-            popen = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(env),
-                start_new_session=True,
-            )
+            try:
+                popen = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env),
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                out.write(f"cannot run {argv[0]}: {exc.strerror}\n".encode())
+                raise
         ticks = process_start_ticks(popen.pid)
         return cls(popen.pid, ticks if ticks is not None else -1, popen)
 

@@ -3,8 +3,9 @@
 Rules the class keeps:
 
 * a model is in one state of :data:`~kvcached.serve.state.STATES`; every
-  change goes through :meth:`ModelRuntime.set_state`, which writes the state
-  file and the snapshot ``kvctl`` reads;
+  change goes through :meth:`ModelRuntime.set_state`, which refuses one that
+  :data:`~kvcached.serve.state.TRANSITIONS` does not allow and writes the
+  state file and the snapshot ``kvctl`` reads;
 * transitions that act (start, sleep, wake, stop, restart) run under one
   per-model lock, so they never overlap; a wake is one task that every request
   arriving meanwhile joins, so sixteen requests to a sleeping model cause one
@@ -13,7 +14,12 @@ Rules the class keeps:
   byte is sent; the sleep policy acts only with nothing in flight and
   ``idle_after`` seconds after the *end* of the last request, and it re-checks
   under the lock, so a request that arrives while a sleep runs waits for that
-  sleep, then for the wake, and is served.
+  sleep, then for the wake, and is served. Requests that reach the engine
+  without the router count too where its engine kind has request metrics
+  (``sleep.engine_activity``);
+* a start that fails and an engine that dies are one thing to the restart
+  policy; once it gives up, ``on_given_up`` tells serve (which exits, or keeps
+  serving the others, as ``on_model_failure`` says).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +37,15 @@ import aiohttp
 from kvcached.log import get_logger
 from kvcached.serve import sleep as sleep_levels
 from kvcached.serve.config import ModelConfig, ServeConfig
-from kvcached.serve.engine import EngineProcess, free_port
+from kvcached.serve.engine import (
+    MARKER,
+    EngineProcess,
+    free_port,
+    log_excerpt,
+    marked_groups,
+    rotate_log,
+)
+from kvcached.serve.engines import read_activity
 from kvcached.serve.state import (
     FAILED,
     READY,
@@ -41,11 +56,15 @@ from kvcached.serve.state import (
     ModelRecord,
     StatePublisher,
     StateStore,
+    check_transition,
     same_process,
 )
 
 log = get_logger("kvcached.serve")
 
+#: The shortest interval between two readings of a ready model's engine metrics
+#: (for requests that bypass the router); a quarter of ``idle_after`` up to 60 s.
+ACTIVITY_POLL_S = 1.0
 #: TTFT histogram buckets, seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -87,12 +106,19 @@ class ModelRuntime:
     """See the module docstring."""
 
     def __init__(
-        self, config: ModelConfig, serve: ServeConfig, store: StateStore, publisher: StatePublisher
+        self,
+        config: ModelConfig,
+        serve: ServeConfig,
+        store: StateStore,
+        publisher: StatePublisher,
+        on_given_up: Callable[[ModelRuntime], None] | None = None,
     ) -> None:
         self.config = config
+        self.kind = config.kind
         self.serve = serve
         self.store = store
         self.publisher = publisher
+        self.on_given_up = on_given_up
         self.record = ModelRecord(name=config.name, port=config.port or 0)
         self.process: EngineProcess | None = None
         self.in_flight = 0
@@ -103,11 +129,17 @@ class ModelRuntime:
         self.counters = Counters()
         self.lock = asyncio.Lock()
         self.failure = ""
+        self.given_up = False  #: failed past its restart policy: serve no longer tries
+        self.failures = 0  #: times it failed this run (its log is then kept at exit)
         self.stopping = False  #: serve is shutting down: no restarts
         self._wake_task: asyncio.Task[None] | None = None
         self._restart_times: list[float] = []
         self._next_restart = 0.0
         self._kv_ledgers: tuple[str, ...] = ()  #: the ledgers it last slept on
+        self._log_offset = 0  #: where the latest start's output begins in the log
+        self._session: aiohttp.ClientSession | None = None
+        self._next_poll = 0.0
+        self._engine_requests: float | None = None  #: the engine's request counters, last read
         self.last_released_fraction: float | None = None
         self.last_kv_released = 0
 
@@ -124,7 +156,17 @@ class ModelRuntime:
     def base_url(self) -> str:
         return f"http://{self.serve.engine_host}:{self.record.port}"
 
+    @property
+    def marker(self) -> str:
+        """This model's engine mark (:data:`~kvcached.serve.engine.MARKER`)."""
+        return f"{os.path.abspath(self.store.directory)}/{self.name}"
+
+    @property
+    def log_path(self) -> str:
+        return self.store.log_path(self.name)
+
     def set_state(self, state: str, reason: str = "") -> None:
+        check_transition(self.name, self.record.state, state)
         if state != self.record.state:
             log.info(
                 "model %s: %s -> %s%s",
@@ -158,6 +200,14 @@ class ModelRuntime:
         self.in_flight -= 1
         self.last_end = time.monotonic()
 
+    def record_first_byte(self, seconds: float) -> None:
+        """A successful request's time to the engine's first byte (the TTFT histogram)."""
+        self.counters.observe_ttft(seconds)
+
+    def record_error(self) -> None:
+        """A request answered with a status >= 400, or broken off."""
+        self.counters.errors += 1
+
     async def ensure_ready(self) -> None:
         """Return once the model serves; wake or start it first (one task for all
         waiting requests). Raises :class:`ModelUnavailable` after ``wake_timeout``."""
@@ -182,12 +232,72 @@ class ModelRuntime:
     async def _bring_up(self) -> None:
         async with self.lock:
             state = self.state
-            if state == READY:
-                return
             if state in (SLEEPING, WAKING):
                 await self._wake_locked()
             elif state in (STOPPED, STARTING):
                 await self._start_locked(reason="request")
+
+    # -- HTTP to the engine ---------------------------------------------------------------
+    def _client(self) -> aiohttp.ClientSession:
+        # One session (one connection pool) per model for probes, metrics and
+        # sleep calls, opened in the event loop that uses it.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            async with self._client().get(
+                self.base_url + self.config.ready_path,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _engine_call(self, method: str, path: str, body: dict[str, object] | None) -> int:
+        try:
+            async with self._client().request(
+                method,
+                self.base_url + path,
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=300),
+            ) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            log.warning("model %s: %s %s failed: %r", self.name, method, path, exc)
+            return 0
+
+    async def poll_activity(self, force: bool = False) -> None:
+        """Count requests the engine served without the router (a client that
+        talks to its port directly) as activity: ``last_end`` moves to now when
+        requests run or wait in it, or its request counters moved since the
+        last reading."""
+        if not (self.config.sleep.engine_activity and self.kind.watches_activity):
+            return
+        now = time.monotonic()
+        if self.state != READY or (not force and now < self._next_poll):
+            return
+        # Often enough that a direct request moves last_end by at most a quarter
+        # of idle_after; rarely for a model that sleeps after hours.
+        self._next_poll = now + min(max(ACTIVITY_POLL_S, self.config.sleep.idle_after / 4), 60.0)
+        try:
+            async with self._client().get(
+                self.base_url + self.kind.metrics_path, timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        reading = read_activity(text, self.kind)
+        if reading is None:
+            return
+        busy, requests = reading
+        if busy > 0 or (self._engine_requests is not None and requests != self._engine_requests):
+            self.last_end = time.monotonic()
+        self._engine_requests = requests
 
     # -- start / stop ---------------------------------------------------------------------
     async def start(self, reason: str = "configured") -> None:
@@ -199,23 +309,38 @@ class ModelRuntime:
             if await self._healthy():
                 self.set_state(READY, "already running")
                 return
-        else:
-            self._spawn(reason)
+        elif not self._spawn(reason):
+            return
         await self._wait_ready()
 
-    def _spawn(self, reason: str) -> None:
+    def _spawn(self, reason: str) -> bool:
+        """Start the engine process; False (the model failed, for good) when it
+        cannot be run at all."""
         cfg = self.config
         if not self.record.port:
             self.record.port = cfg.port or free_port(self.serve.engine_host)
         argv = cfg.argv(self.serve.engine_host, self.record.port)
         env = cfg.environment(os.environ)
-        self.process = EngineProcess.spawn(argv, env, self.store.log_path(self.name))
+        env[MARKER] = self.marker
+        rotate_log(self.log_path)
+        try:
+            self._log_offset = os.path.getsize(self.log_path)
+        except OSError:
+            self._log_offset = 0
+        self.counters.starts += 1
+        try:
+            self.process = EngineProcess.spawn(argv, env, self.log_path)
+        except OSError as exc:
+            # Not a crash a restart could mend: the program itself is missing or unusable.
+            self._fail(f"cannot run {argv[0]!r}: {exc.strerror}", None, retry=False)
+            return False
         self.record.pid = self.process.pid
         self.record.start_ticks = self.process.start_ticks
         self.record.sleep_level = ""
-        self.counters.starts += 1
         self.failure = ""
+        self._engine_requests = None
         self.set_state(STARTING, f"{reason}; pid {self.process.pid}, port {self.record.port}")
+        return True
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout
@@ -223,36 +348,75 @@ class ModelRuntime:
         while time.monotonic() < deadline:
             assert self.process is not None, "waiting for an engine that was never spawned"
             if not self.process.alive():
-                self.failure = (
-                    f"engine exited with {self.process.returncode} while starting; "
-                    f"log {self.store.log_path(self.name)}"
-                )
-                self.set_state(FAILED, self.failure)
+                code = self.process.returncode
+                await self._stop_process()
+                self._fail(f"engine exited with {code} while starting", code, starting=True)
                 return
             if await self._healthy():
                 self.last_end = time.monotonic()
                 self.set_state(READY, f"up in {time.monotonic() - started:.1f} s")
                 return
             await asyncio.sleep(0.25)
-        self.failure = (
-            f"not ready within startup_timeout={self.config.startup_timeout:g} s; "
-            f"log {self.store.log_path(self.name)}"
-        )
         await self._stop_process()
-        self.set_state(FAILED, self.failure)
+        self._fail(
+            f"not ready within startup_timeout={self.config.startup_timeout:g} s",
+            None,
+            starting=True,
+        )
 
-    async def _healthy(self, timeout_s: float = 2.0) -> bool:
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.get(
-                    self.base_url + self.config.ready_path,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s),
-                ) as resp,
-            ):
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+    async def wait_started(self) -> None:
+        """Wait for an adopted engine that was still starting."""
+        async with self.lock:
+            if self.state == STARTING:
+                await self._wait_ready()
+
+    def _fail(
+        self, failure: str, code: int | None, *, retry: bool = True, starting: bool = False
+    ) -> None:
+        """The model failed: say why on serve's terminal (with the engine's own
+        output), then schedule a restart as ``restart`` says, or give up."""
+        self.failures += 1
+        self.failure = f"{failure}; log {self.log_path}"
+        self.set_state(FAILED, self.failure)
+        log.error(
+            "model %s: %s; its output (%s):\n%s",
+            self.name,
+            failure,
+            self.log_path,
+            log_excerpt(self.log_path, self._log_offset),
+        )
+        policy = self.config.restart
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < policy.window_s]
+        # A failed start always counts as a failure, whatever its exit code.
+        wanted = (
+            retry
+            and not self.stopping
+            and (
+                policy.policy == "always"
+                or (policy.policy == "on-failure" and (starting or code != 0))
+            )
+        )
+        if wanted and len(self._restart_times) < policy.max_restarts:
+            delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** len(self._restart_times))
+            self._next_restart = now + delay
+            log.info("model %s: restarting in %.1f s", self.name, delay)
+            return
+        self._next_restart = 0.0
+        if self.stopping:
+            return
+        if wanted:
+            self.failure += (
+                f"; it failed {len(self._restart_times) + 1} times within "
+                f"restart.window_s={policy.window_s:g} s (restart.max_restarts="
+                f"{policy.max_restarts})"
+            )
+        elif retry:
+            self.failure += f" (restart.policy={policy.policy})"
+        self.given_up = True
+        self.publish()
+        if self.on_given_up is not None:
+            self.on_given_up(self)
 
     async def _stop_process(self) -> None:
         if self.process is not None:
@@ -279,13 +443,36 @@ class ModelRuntime:
             self.record.sleep_level = ""
             self.set_state(STOPPED, reason)
 
+    async def stop_orphans(self, keep: int = 0) -> int:
+        """Stop every engine group marked as this model's but ``keep`` (a previous
+        router's engine it does not adopt, or one that outlived its stop); the
+        number stopped."""
+        stopped = 0
+        for pgid, ticks in marked_groups(self.marker).items():
+            if pgid == keep:
+                continue
+            log.warning(
+                "model %s: stopping engine process group %d, which a previous serve "
+                "started and this one does not adopt",
+                self.name,
+                pgid,
+            )
+            await EngineProcess(pgid, ticks).stop(min(self.config.stop_timeout, 10.0))
+            stopped += 1
+        if stopped:
+            await self._retire_dead()
+        return stopped
+
     # -- sleep / wake ---------------------------------------------------------------------
     def idle_for(self, now: float) -> float:
         return 0.0 if self.in_flight else now - self.last_end
 
-    async def sleep(self, reason: str = "idle") -> bool:
+    async def sleep(self, reason: str = "idle", if_free: bool = False) -> bool:
         """Put the model to sleep at its configured level (``kv`` for ``stop``;
-        the process stops later). False when it was not idle or not ready."""
+        the process stops later). False when it was not idle or not ready, or
+        (``if_free``) another transition of it runs now."""
+        if if_free and self.lock.locked():
+            return False
         level = self.config.sleep.level
         if level == "none":
             level = "kv"  # an explicit sleep request (admin, pressure) on a model with none
@@ -301,8 +488,9 @@ class ModelRuntime:
                 else 0
             )
             if level == "weights":
-                api = sleep_levels.weights_api(self.config.engine, self.config.sleep.weights_level)
-                status = await self._engine_call(*api.sleep)
+                status = await self._engine_call(
+                    *self.kind.sleep_call(self.config.sleep.weights_level)
+                )
                 if status != 200:
                     log.warning(
                         "model %s: the engine's sleep answered %s; sleeping at kv level only",
@@ -338,15 +526,13 @@ class ModelRuntime:
         self.set_state(WAKING)
         loop = asyncio.get_running_loop()
         if self.process is None or not self.process.alive():
-            self.failure = "the engine process is gone"
-            self.set_state(FAILED, self.failure)
+            await self._died()
             return
         if self.record.sleep_level == "weights":
-            api = sleep_levels.weights_api(self.config.engine, self.config.sleep.weights_level)
-            status = await self._engine_call(*api.wake)
+            status = await self._engine_call(*self.kind.wake_call())
             if status != 200:
-                self.failure = f"the engine's wake_up answered {status}"
-                self.set_state(FAILED, self.failure)
+                await self._stop_process()
+                self._fail(f"the engine's wake call answered {status}", None)
                 return
         await loop.run_in_executor(
             None, sleep_levels.kv_wake, self.name, self.record.restore_limit, self._kv_ledgers
@@ -357,8 +543,10 @@ class ModelRuntime:
         self.last_end = time.monotonic()
         self.set_state(READY, f"woken in {1000 * (time.monotonic() - began):.1f} ms")
 
-    async def stop_sleeping(self) -> bool:
+    async def stop_sleeping(self, if_free: bool = False) -> bool:
         """The ``stop`` level, ``stop_after`` seconds into a sleep: stop the process."""
+        if if_free and self.lock.locked():
+            return False
         async with self.lock:
             if self.state != SLEEPING or self.in_flight:
                 return False
@@ -367,61 +555,33 @@ class ModelRuntime:
             self.set_state(STOPPED, f"asleep for {self.config.sleep.stop_after:g} s")
             return True
 
-    async def _engine_call(self, method: str, path: str, body: dict[str, object] | None) -> int:
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.request(
-                    method,
-                    self.base_url + path,
-                    json=body,
-                    timeout=aiohttp.ClientTimeout(total=300),
-                ) as resp,
-            ):
-                await resp.read()
-                return resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            log.warning("model %s: %s %s failed: %r", self.name, method, path, exc)
-            return 0
-
     # -- supervision ----------------------------------------------------------------------
     async def check_process(self) -> None:
         """Notice an engine that died on its own; restart it as the config says."""
         if self.stopping or self.lock.locked():
             return
-        if self.state not in (READY, SLEEPING, WAKING, STARTING):
-            if (
-                self.state == FAILED
-                and self._next_restart
-                and time.monotonic() >= self._next_restart
-            ):
+        if self.state == FAILED:
+            if self._next_restart and time.monotonic() >= self._next_restart:
                 await self._restart()
+            return
+        if self.state not in (READY, SLEEPING, WAKING, STARTING):
             return
         if self.process is not None and self.process.alive():
             return
+        async with self.lock:
+            await self._died()
+
+    async def _died(self) -> None:
         code = self.process.returncode if self.process is not None else None
         self.counters.deaths += 1
-        self.failure = f"engine pid {self.record.pid} died (exit {code})"
-        log.warning("model %s: %s; log %s", self.name, self.failure, self.store.log_path(self.name))
+        pid = self.record.pid
         if self.process is not None:
             await self.process.stop(5.0)  # its workers may outlive it
             await self._retire_dead()
         self.process = None
         self.record.pid = 0
-        self.set_state(FAILED, self.failure)
-        policy = self.config.restart
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < policy.window_s]
-        wanted = policy.policy == "always" or (policy.policy == "on-failure" and code != 0)
-        if not wanted or len(self._restart_times) >= policy.max_restarts:
-            self._next_restart = 0.0
-            if wanted:
-                self.failure += f"; {policy.max_restarts} restarts in {policy.window_s:g} s"
-                self.set_state(FAILED, self.failure)
-            return
-        delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** len(self._restart_times))
-        self._next_restart = now + delay
-        log.info("model %s: restarting in %.1f s", self.name, delay)
+        self.record.sleep_level = ""
+        self._fail(f"engine pid {pid} died (exit {code})", code)
 
     async def _restart(self) -> None:
         self._next_restart = 0.0
@@ -431,8 +591,10 @@ class ModelRuntime:
 
     # -- adoption -------------------------------------------------------------------------
     async def adopt(self, record: ModelRecord) -> bool:
-        """Take over the engine a previous router left running, if it still runs and
-        serves. Its state is rebuilt from the record and checked against the engine."""
+        """Take over the engine a previous router left running, whatever state it
+        was in, if it is still the process that router started (same pid and
+        start time). One that does not answer yet is adopted as ``starting``
+        (:meth:`wait_started`); one asleep as ``sleeping``."""
         if not (record.pid and same_process(record.pid, record.start_ticks)):
             return False
         self.record.port = record.port
@@ -440,29 +602,17 @@ class ModelRuntime:
         self.record.restore_limit = record.restore_limit
         self.record.held_before_sleep = record.held_before_sleep
         self.process = EngineProcess(record.pid, record.start_ticks)
-        if not await self._healthy(timeout_s=5.0):
-            if record.state == STARTING:
-                self.set_state(STARTING, "adopted while starting")
-                async with self.lock:
-                    await self._wait_ready()
-                return True
-            log.warning(
-                "model %s: adopted pid %d does not answer %s; stopping it",
-                self.name,
-                record.pid,
-                self.config.ready_path,
-            )
-            await self._stop_process()
-            return False
         if record.state in (SLEEPING, WAKING) and record.sleep_level:
             self.record.sleep_level = record.sleep_level
             self.slept_at = time.monotonic()
             self.set_state(SLEEPING, f"adopted pid {record.pid} asleep")
             if record.state == WAKING:
                 await self.wake()
-        else:
+        elif await self._healthy(timeout_s=5.0):
             self.last_end = time.monotonic()
             self.set_state(READY, f"adopted pid {record.pid} on port {record.port}")
+        else:
+            self.set_state(STARTING, f"adopted pid {record.pid}, not answering yet")
         return True
 
     def describe(self) -> dict[str, Any]:
@@ -476,6 +626,8 @@ class ModelRuntime:
             "in_flight": self.in_flight,
             "sleep_level": self.record.sleep_level,
             "failure": self.failure,
+            "given_up": self.given_up,
+            "log": self.log_path,
             "wakes": self.counters.wakes,
             "sleeps": self.counters.sleeps,
             "starts": self.counters.starts,
@@ -485,9 +637,15 @@ class ModelRuntime:
         }
 
     async def close(self) -> None:
+        """Serve is stopping: no more restarts, and the wake in progress ends."""
         self.stopping = True
         task = self._wake_task
         if task is not None and not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+    async def close_session(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

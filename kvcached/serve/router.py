@@ -15,8 +15,13 @@
   engine's own) for cluster routers; ``POST
   /admin/models/{model}/sleep|wake`` to act by hand.
 
-With an API key configured every route but ``/health`` wants ``Authorization:
-Bearer <key>``.
+With an API key configured every route but the probes (``/health``,
+``/ready``, and ``/metrics`` with ``public_metrics: true``) wants
+``Authorization: Bearer <key>``. Whatever goes wrong in a handler is answered
+in OpenAI's error schema, never aiohttp's plain-text 500.
+
+The router knows serve only through :class:`Front` (the models, by name),
+so it does not import :mod:`kvcached.serve.app`, which imports it.
 """
 
 from __future__ import annotations
@@ -25,18 +30,17 @@ import asyncio
 import hmac
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from kvcached.log import get_logger
+from kvcached.serve.config import ServeConfig
 from kvcached.serve.metrics import render_metrics
 from kvcached.serve.model import ModelRuntime, ModelUnavailable
 from kvcached.serve.state import SLEEPING, STOPPED, WAKING
-
-if TYPE_CHECKING:
-    from kvcached.serve.app import Serve
 
 log = get_logger("kvcached.serve")
 
@@ -69,13 +73,30 @@ def openai_error(
     return web.json_response(body, status=status, headers=headers)
 
 
-class Router:
-    """The aiohttp application of one :class:`~kvcached.serve.app.Serve`."""
+class Front(Protocol):
+    """What the router needs of serve (:class:`~kvcached.serve.app.Serve` is one)."""
 
-    def __init__(self, serve: Serve) -> None:
+    config: ServeConfig
+    models: Sequence[ModelRuntime]
+
+    def find(self, name: str) -> ModelRuntime | None: ...
+
+    def is_up(self, m: ModelRuntime) -> bool: ...
+
+
+#: Routes open without the API key: the probes an orchestrator calls.
+OPEN_ROUTES = ("/health", "/ready")
+
+
+class Router:
+    """The aiohttp application in front of one serve's models."""
+
+    def __init__(self, serve: Front) -> None:
         self.serve = serve
         self.session: aiohttp.ClientSession | None = None
-        self.app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
+        self.app = web.Application(
+            middlewares=[self._errors, self._auth], client_max_size=64 * 1024 * 1024
+        )
         self.app.add_routes(
             [
                 web.get("/health", self.health),
@@ -108,9 +129,34 @@ class Router:
             await self.session.close()
 
     @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:  # noqa: ANN401
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return openai_error(exc.status, f"{request.method} {request.path}: {exc.reason}", kind)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            log.exception("kvcached serve: %s %s failed", request.method, request.path)
+            return openai_error(
+                500,
+                f"kvcached serve could not handle {request.method} {request.path}: {exc!r}",
+                "server_error",
+                "internal_error",
+            )
+
+    def _needs_key(self, path: str) -> bool:
+        if path in OPEN_ROUTES:
+            return False
+        return not (path == "/metrics" and self.serve.config.public_metrics)
+
+    @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:  # noqa: ANN401
         key = self.serve.config.api_key
-        if key and request.path != "/health":
+        if key and self._needs_key(request.path):
             got = request.headers.get("Authorization", "")
             if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), key)):
                 return openai_error(
@@ -142,8 +188,10 @@ class Router:
         states = {m.name: m.state for m in self.serve.models}
         waiting = [m.name for m in self.serve.models if not self.serve.is_up(m)]
         status = 200 if not waiting else 503
+        failed = [m.name for m in self.serve.models if m.given_up]
         return web.json_response(
-            {"ready": not waiting, "models": states, "waiting_for": waiting}, status=status
+            {"ready": not waiting, "models": states, "waiting_for": waiting, "failed": failed},
+            status=status,
         )
 
     async def metrics(self, _request: web.Request) -> web.Response:
@@ -271,7 +319,7 @@ class Router:
             try:
                 await m.ensure_ready()
             except ModelUnavailable as exc:
-                m.counters.errors += 1
+                m.record_error()
                 return openai_error(
                     503,
                     str(exc),
@@ -297,7 +345,7 @@ class Router:
             upstream_cm = self.session.post(url, data=body, headers=headers)
             upstream = await upstream_cm.__aenter__()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            m.counters.errors += 1
+            m.record_error()
             return openai_error(
                 502,
                 f"model {m.name!r}: its engine at {m.base_url} could not be reached ({exc!r})",
@@ -318,13 +366,13 @@ class Router:
                 if first:
                     first = False
                     if upstream.status == 200:
-                        m.counters.observe_ttft(time.monotonic() - began)
+                        m.record_first_byte(time.monotonic() - began)
             await resp.write_eof()
             if upstream.status >= 400:
-                m.counters.errors += 1
+                m.record_error()
             return resp
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as exc:
-            m.counters.errors += 1
+            m.record_error()
             log.warning("model %s: a response broke off: %r", m.name, exc)
             raise
         finally:

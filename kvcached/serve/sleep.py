@@ -6,10 +6,8 @@
   then releases its idle memory (reserved pages, unreferenced prefix-cache
   blocks) and grows no more. Waking writes back the limit the user had,
   unless someone (``kvctl limit``) changed it meanwhile: then theirs stays.
-* ``weights``: the engine's own sleep API, with its parameters where the engine
-  reads them (vLLM: ``POST /sleep?level=N`` in the query string, ``POST
-  /wake_up``; SGLang: ``POST /release_memory_occupation`` and ``POST
-  /resume_memory_occupation`` with a JSON body), then ``kv``.
+* ``weights``: the engine's own sleep API (its row in
+  :mod:`kvcached.serve.engines`), then ``kv``.
 * ``stop`` is the supervisor's: ``kv`` first, then the process is stopped.
 
 These calls block on the ledgers (a few ms), so the router runs them in a
@@ -18,6 +16,7 @@ thread. Nothing here imports an engine.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -42,13 +41,14 @@ class KvReading:
     ledgers: tuple[str, ...] = ()  #: the ledger files, in ``devices`` order
 
 
-def read_kv(name: str) -> KvReading | None:
-    """Where instance ``name`` holds memory now; ``None`` when no ledger has a pool of it."""
+def read_kv(name: str, directory: str | None = None) -> KvReading | None:
+    """Where instance ``name`` holds memory now; ``None`` when no ledger has a pool
+    of it (``directory``: only the ledgers there)."""
     from kvcached.control.limits import ledger_snapshots
 
     charged = 0
     devices, limits, headrooms, paths = [], [], [], []
-    for snap in ledger_snapshots(problems=[]):
+    for snap in ledger_snapshots(directory, problems=[]):
         inst = snap.instance(name)
         if inst is None or inst.pools == 0:
             continue
@@ -93,14 +93,18 @@ def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> boo
     """Give instance ``name`` back ``restore_limit`` (0: unlimited) where it is
     still held at zero. False when it holds no pool or someone changed the limit.
 
-    ``ledgers``: the files it slept on (:attr:`KvReading.ledgers`): then only
-    those are opened, a few ms on the request's path instead of a scan of every
-    snapshot and ledger on the machine; otherwise (or if one is gone) the scan."""
+    ``ledgers``: the files it slept on (:attr:`KvReading.ledgers`): when they
+    share a directory only that one is read, a few ms on the request's path
+    instead of a scan of every snapshot and ledger on the machine; otherwise
+    (or if the instance is no longer found there) the scan. Written through
+    :func:`kvcached.control.limits.set_limit`, as ``kvctl limit`` would."""
     from kvcached.control.limits import set_limit
 
-    if ledgers and _wake_on(name, restore_limit, ledgers):
-        return True
-    now = read_kv(name)
+    dirs = {os.path.dirname(p) for p in ledgers}
+    directory = dirs.pop() if len(dirs) == 1 else None
+    now = read_kv(name, directory)
+    if now is None and directory is not None:
+        directory, now = None, read_kv(name)
     if now is None:
         return False
     if any(limit != HOLD_AT_ZERO for limit in now.limits):
@@ -109,39 +113,10 @@ def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> boo
         )
         return False
     try:
-        set_limit(name, restore_limit or None)
+        set_limit(name, restore_limit or None, directory=directory)
     except InstanceNotFoundError:
         return False
     return True
-
-
-def _wake_on(name: str, restore_limit: int, ledgers: tuple[str, ...]) -> bool:
-    """:func:`kv_wake` on known ledger files; False (nothing written) when one of
-    them cannot be used or no longer holds the instance at zero."""
-    from kvcached.errors import LedgerError
-    from kvcached.ledger.ledger import Ledger
-
-    opened = []
-    try:
-        for path in ledgers:
-            try:
-                opened.append(Ledger.open_existing(path))
-            except (LedgerError, OSError):
-                return False
-        records = []
-        for ledger in opened:
-            inst = ledger.snapshot().instance(name)
-            if inst is None or inst.pools == 0 or inst.limit != HOLD_AT_ZERO:
-                return False
-            records.append((ledger, inst.revision))
-        for ledger, revision in records:
-            ledger.set_limit(name, restore_limit or None, revision + 1)
-        return True
-    except InstanceNotFoundError:
-        return False
-    finally:
-        for ledger in opened:
-            ledger.close()
 
 
 def retire_dead_pools(name: str) -> int:
@@ -179,23 +154,3 @@ def wait_released(name: str, timeout_s: float) -> int:
         if held == 0 or time.monotonic() >= deadline:
             return held
         time.sleep(0.05)
-
-
-@dataclass(frozen=True)
-class WeightsApi:
-    """An engine's own sleep endpoints: (method, path with query, JSON body or None)."""
-
-    sleep: tuple[str, str, dict[str, object] | None]
-    wake: tuple[str, str, dict[str, object] | None]
-
-
-def weights_api(engine: str, level: int = 1) -> WeightsApi:
-    """The documented sleep/wake calls of ``engine`` (vllm, sglang)."""
-    if engine == "vllm":
-        # vLLM reads the level from the query string (a JSON body is ignored: level 1)
-        return WeightsApi(("POST", f"/sleep?level={int(level)}", None), ("POST", "/wake_up", None))
-    if engine == "sglang":
-        return WeightsApi(
-            ("POST", "/release_memory_occupation", {}), ("POST", "/resume_memory_occupation", {})
-        )
-    raise ValueError(f"engine={engine!r} has no weights sleep API: vllm or sglang")

@@ -19,6 +19,7 @@ written to two places:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import time
@@ -40,6 +41,33 @@ STARTING, READY, SLEEPING, WAKING, STOPPED, FAILED = (
 STATES = (STARTING, READY, SLEEPING, WAKING, STOPPED, FAILED)
 #: The ``serve_state`` gauge's value per state (``kvctl metrics``, ``/metrics``).
 STATE_CODES = {s: i for i, s in enumerate(STATES)}
+
+#: The states each state may go to (a state may always be re-published as itself).
+#: Like llama-swap's process states: anything else is a bug, refused loudly.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    # not running: started, or adopted as the previous router left it
+    STOPPED: frozenset({STARTING, READY, SLEEPING, FAILED}),
+    STARTING: frozenset({READY, FAILED, STOPPED}),
+    READY: frozenset({SLEEPING, FAILED, STOPPED}),
+    SLEEPING: frozenset({WAKING, FAILED, STOPPED}),
+    WAKING: frozenset({READY, FAILED, STOPPED}),
+    FAILED: frozenset({STARTING, STOPPED}),  # a restart, or serve stopping
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A model was asked to go from one state to another that its table does not allow."""
+
+
+def check_transition(name: str, old: str, new: str) -> None:
+    """Raise :class:`IllegalTransition` unless ``old -> new`` is in :data:`TRANSITIONS`."""
+    if new not in TRANSITIONS:
+        raise IllegalTransition(f"model {name}: {new!r} is not a state: one of {', '.join(STATES)}")
+    if new != old and new not in TRANSITIONS[old]:
+        allowed = ", ".join(sorted(TRANSITIONS[old]))
+        raise IllegalTransition(
+            f"model {name}: {old} -> {new} is not a transition; from {old}: {allowed}"
+        )
 
 
 @dataclass
@@ -84,8 +112,7 @@ class StateStore:
     """The state directory: one JSON file per model, written atomically."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.directory = directory  # made by the first write (or the serve's lock)
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.json")
@@ -97,31 +124,33 @@ class StateStore:
         record.updated_at = time.time()
         record.router_pid = os.getpid()
         tmp = self.path(record.name) + f".{os.getpid()}.tmp"
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(record.as_dict(), f)
         os.replace(tmp, self.path(record.name))
 
     def read(self, name: str) -> ModelRecord | None:
+        return self.read_from(self.directory, name)
+
+    @staticmethod
+    def read_from(directory: str, name: str) -> ModelRecord | None:
+        """Model ``name``'s record in ``directory`` (None: none, or unreadable)."""
+        path = os.path.join(directory, f"{name}.json")
         try:
-            with open(self.path(name)) as f:
+            with open(path) as f:
                 doc = json.load(f)
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
             log.warning(
-                "serve state file %s is unreadable (%s); starting %s afresh",
-                self.path(name),
-                exc,
-                name,
+                "serve state file %s is unreadable (%s); starting %s afresh", path, exc, name
             )
             return None
         known = set(ModelRecord.__dataclass_fields__)
         try:
             return ModelRecord(**{k: v for k, v in doc.items() if k in known})
         except TypeError as exc:
-            log.warning(
-                "serve state file %s does not hold a model record (%s)", self.path(name), exc
-            )
+            log.warning("serve state file %s does not hold a model record (%s)", path, exc)
             return None
 
     def remove(self, name: str) -> None:
@@ -134,6 +163,7 @@ class StatePublisher:
 
     def __init__(self) -> None:
         self._publishers: dict[str, Any] = {}
+        self._started_at = time.time()  # the router's start, not each publish's
 
     def publish(self, record: ModelRecord, extra: dict[str, Any] | None = None) -> None:
         from kvcached.control.snapshot import SnapshotPublisher
@@ -155,7 +185,7 @@ class StatePublisher:
                 "instance": record.name,
                 "pid": os.getpid(),
                 "engine": "kvcached-serve",
-                "started_at": time.time(),
+                "started_at": self._started_at,
                 "updated_at": time.time(),
                 "pools": [],
                 "serve": serve,
@@ -166,3 +196,82 @@ class StatePublisher:
         for pub in self._publishers.values():
             pub.close()
         self._publishers.clear()
+
+
+class ServeError(RuntimeError):
+    """Serve cannot start as asked; the message is one line saying why and what to do."""
+
+
+LOCK_FILE = "serve.lock"
+
+
+def lock_holder(directory: str) -> dict[str, Any] | None:
+    """What the serve that holds ``directory``'s lock wrote there (pid, port,
+    config), or None when no live serve holds it. Creates nothing."""
+    path = os.path.join(directory, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                doc = {}
+            return doc if isinstance(doc, dict) else {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+class ServeLock:
+    """One serve per state directory (by default: per router port): an exclusive
+    ``flock`` on ``<state dir>/serve.lock``, held for the serve's life. The
+    kernel drops it when the process dies, even by SIGKILL, so a restarted
+    router takes it over; a second serve is refused before it touches anything."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self, info: dict[str, Any]) -> None:
+        directory = os.path.dirname(self.path)
+        made = not os.path.isdir(directory)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                doc = {}
+            os.close(fd)
+            if made:  # a directory that only a race between two serves created
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise ServeError(
+                f"another kvcached serve (pid {doc.get('pid', '?')}, config "
+                f"{doc.get('config', '?')}) already runs with state directory "
+                f"{os.path.dirname(self.path)} (router port {doc.get('port', '?')}); "
+                "stop it first, or give this one another port or state_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), **info}).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still held: a newcomer never sees ours as free
+        os.close(self._fd)
+        self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None

@@ -1,7 +1,9 @@
 """A small engine for the router's unit tests: real HTTP on loopback, the
 endpoint shapes of vLLM's and SGLang's servers, every request it gets logged.
 
-``python fake_engine.py PORT LOGFILE [--slow-start S] [--exit-after S]``. Each
+``python fake_engine.py PORT LOGFILE [--slow-start S] [--fail-start CODE]``
+(``--fail-start``: print a few lines, as an engine that cannot start would, and
+exit with CODE). Each
 request is appended to LOGFILE as one JSON line: method, path, query string,
 body. Routes:
 
@@ -29,6 +31,10 @@ def main() -> None:
     args = sys.argv[3:]
     slow_start = float(args[args.index("--slow-start") + 1]) if "--slow-start" in args else 0
     state = {"sleeping": False, "level": 0}
+    if "--fail-start" in args:
+        print("fake engine: starting", flush=True)
+        print("fake engine: error: the model cannot be loaded (asked to fail)", flush=True)
+        sys.exit(int(args[args.index("--fail-start") + 1]))
 
     def record(request: web.Request, body: bytes) -> None:
         with open(log_path, "a") as f:

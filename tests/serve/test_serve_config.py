@@ -119,12 +119,19 @@ def test_a_plain_dict_is_accepted_too():
 
 
 def test_check_prints_the_plan_and_starts_nothing(tmp_path):
-    path = write(tmp_path, GOOD)
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    script = tmp_path / "serve.sh"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    text = GOOD.replace("/models/", f"{tmp_path}/").replace("8123", "0").replace("8002", "0")
+    path = write(tmp_path, text.replace("port: 0\n    start", "start"))
     out = subprocess.run(
         [sys.executable, "-m", "kvcached", "serve", "--check", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr
     assert "model    llama-b" in out.stdout and "--enable-sleep-mode" in out.stdout
@@ -150,4 +157,4 @@ def test_the_core_package_imports_without_the_serve_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert 'pip install "kvcached[serve]"' in out.stderr
+    assert 'pip install ".[serve]"' in out.stderr

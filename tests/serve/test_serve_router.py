@@ -69,6 +69,10 @@ def test_routing_pass_through_and_openai_errors(tmp_path):
                 assert 'kvcached_serve_errors_total{model="beta"} 1' in text
                 assert 'kvcached_serve_state{model="alpha",state="ready"} 1' in text
                 assert 'kvcached_serve_ttft_seconds_count{model="alpha"} 1' in text
+                # one client session per model for its probes, reused, never one per probe
+                session = serve.find("alpha")._session
+                assert session is not None and await serve.find("alpha")._healthy()
+                assert serve.find("alpha")._session is session
             finally:
                 await c.close()
 
@@ -131,11 +135,31 @@ def test_api_key(tmp_path):
                 assert status == 401 and doc["error"]["code"] == "invalid_api_key"
                 assert (await bad.post("/v1/completions", {"model": "alpha"}))[0] == 401
                 assert (await good.post("/v1/completions", {"model": "alpha"}))[0] == 200
+                # the probes an orchestrator calls need no key; /metrics does by default
+                assert (await anon.get("/ready"))[0] == 200
+                assert (await anon.get("/metrics"))[0] == 401
+                assert (await anon.get("/v1/models/alpha/state"))[0] == 401
+                assert (await good.get("/metrics"))[0] == 200
             finally:
                 for c in (anon, good, bad):
                     await c.close()
 
     run(body())
+    public = config(
+        tmp_path, [fake_model("alpha", tmp_path / "a.log")], api_key="k1", public_metrics=True
+    )
+
+    async def open_metrics() -> None:
+        async with Serve(public) as serve:
+            anon = Client(serve.port)
+            try:
+                status, text = await anon.get("/metrics")
+                assert status == 200 and "kvcached_serve_requests_total" in text
+                assert (await anon.get("/v1/models"))[0] == 401
+            finally:
+                await anon.close()
+
+    run(open_metrics())
 
 
 def test_idle_counts_from_the_end_of_the_last_request_and_one_wake_serves_all(tmp_path):
@@ -259,6 +283,7 @@ def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
                 restart={"policy": "on-failure", "backoff_s": 0.2, "max_restarts": 1},
             )
         ],
+        on_model_failure="keep-serving",
     )
 
     async def body() -> None:
@@ -273,13 +298,17 @@ def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
             os.kill(m.record.pid, signal.SIGKILL)  # past max_restarts: stays failed
             await until(lambda: m.counters.deaths == 2, what="the second death")
             await asyncio.sleep(0.6)
-            assert m.state == "failed" and "1 restarts" in m.failure
+            assert m.state == "failed" and "failed 2 times" in m.failure and m.given_up
+            assert not serve._stop_requested.is_set()  # keep-serving: serve goes on
             c = Client(serve.port)
             try:
                 status, doc, headers = await c.post("/v1/completions", {"model": "alpha"})
                 assert status == 503 and "Retry-After" in headers
                 assert doc["error"]["code"] == "model_unavailable"
-                assert (await c.get("/ready"))[0] == 503
+                # keep-serving: a model given up on does not hold /ready back
+                status, ready = await c.get("/ready")
+                assert status == 200 and ready["failed"] == ["alpha"]
+                assert ready["models"] == {"alpha": "failed"}
             finally:
                 await c.close()
 
