@@ -1,0 +1,233 @@
+"""Serving speed of a kvcached vLLM server on a GPU, as ratios against native vLLM.
+
+Three servers of one model run side by side on the GPU, each started once and
+warmed up: the baseline (native), the candidate (kvcached) and a control (a
+second native server, the method's own noise). Every round sends the same
+fresh open-loop request set to each server, one server at a time, in the
+order A B C then C B A (a drift linear within the round hits all alike).
+A request set is ``--requests`` prompts of ``--min-prompt``..``--max-prompt``
+words, arriving as a seeded Poisson process at ``--rate`` requests/s, streamed,
+greedy, ``--max-tokens`` output tokens each (``ignore_eos``).
+
+Per server and round: throughput (output tokens over the wall time from the
+first arrival to the last completion), p95 TTFT and p95 TPOT (per request,
+(end - first token) / (tokens - 1)). The ratios are candidate over baseline
+within a round; the result is their median with min and max over the rounds
+(``throughput_ratio``, ``p95_ttft_ratio``, ``p95_tpot_ratio``), and the
+control's under ``control``. Written to ``benchmarks/results/h200/vllm-gpu.json``
+(``--out``) with its provenance block.
+
+    python benchmarks/vllm_gpu.py --model-dir /tmp/m --tokenizer word-level
+
+Needs an interpreter that imports vLLM with kvcached installed (its entry point);
+the model folder as ``tests/gpu/vllm_e2e`` makes it. ``--device-args`` passes
+arguments to every server (e.g. ``--enforce-eager``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _provenance  # noqa: E402
+
+from tests.gpu.vllm_e2e.prompts import text, word_maker  # noqa: E402
+from tests.gpu.vllm_e2e.server import Server  # noqa: E402
+
+ROLES = ("baseline", "candidate", "control")
+
+
+def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion: when each token arrived."""
+    body = {
+        "model": server.name,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        server.url("/v1/completions"),
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    sent = time.monotonic()
+    stamps: list[float] = []
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    stamps.append(time.monotonic())
+    except Exception as exc:  # a failed request fails the run below
+        return {"ok": False, "error": repr(exc)}
+    if not stamps:
+        return {"ok": False, "error": "no token"}
+    n = len(stamps)
+    return {
+        "ok": True,
+        "sent": sent,
+        "ttft_s": stamps[0] - sent,
+        "tpot_s": (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0,
+        "end": stamps[-1],
+        "tokens": n,
+    }
+
+
+def open_loop(server: Server, prompts: list[str], gaps: list[float], max_tokens: int) -> dict:
+    """Send ``prompts`` at the given inter-arrival gaps, each in its own thread."""
+    results: list[dict] = [{} for _ in prompts]
+    threads = []
+    start = time.monotonic()
+    due = start
+    for i, (prompt, gap) in enumerate(zip(prompts, gaps, strict=True)):
+        due += gap
+        time.sleep(max(0.0, due - time.monotonic()))
+        th = threading.Thread(
+            target=lambda i=i, p=prompt: results.__setitem__(i, stream(server, p, max_tokens))
+        )
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    failed = [r.get("error") for r in results if not r.get("ok")]
+    if failed:
+        raise RuntimeError(f"{server.name}: {len(failed)} requests failed, e.g. {failed[0]}")
+    wall = max(r["end"] for r in results) - start
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "throughput_tok_s": tokens / wall,
+        "p95_ttft_s": p95([r["ttft_s"] for r in results]),
+        "p95_tpot_s": p95([r["tpot_s"] for r in results]),
+        "mean_ttft_s": statistics.fmean(r["ttft_s"] for r in results),
+    }
+
+
+def p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20, method="inclusive")[-1]
+
+
+def request_set(args: argparse.Namespace, seed: int) -> tuple[list[str], list[float]]:
+    rng = random.Random(seed)
+    words = word_maker(args.tokenizer, seed)
+    prompts = [
+        text(words, rng.randint(args.min_prompt, args.max_prompt)) for _ in range(args.requests)
+    ]
+    gaps = [rng.expovariate(args.rate) for _ in prompts]
+    return prompts, gaps
+
+
+def ratios(rounds: list[dict], role: str) -> dict[str, dict[str, float]]:
+    out = {}
+    for key, metric in (
+        ("throughput_ratio", "throughput_tok_s"),
+        ("p95_ttft_ratio", "p95_ttft_s"),
+        ("p95_tpot_ratio", "p95_tpot_s"),
+    ):
+        values = [r[role][metric] / r["baseline"][metric] for r in rounds]
+        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--tokenizer", default="word-level", choices=("word-level", "byte-level"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=8.0, help="requests/s, Poisson")
+    ap.add_argument("--min-prompt", type=int, default=128)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--native-util", type=float, default=0.25)
+    ap.add_argument("--device-args", default="", help="more server arguments, one string")
+    ap.add_argument("--port", type=int, default=8200)
+    ap.add_argument("--logs", default="/tmp/vllm-gpu-logs")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/h200/vllm-gpu.json")
+    args = ap.parse_args(argv)
+    block = _provenance.start(argv)
+    common = ["--max-model-len", str(args.max_model_len), "--seed", "0", *args.device_args.split()]
+    servers = {}
+    for i, role in enumerate(ROLES):
+        kvcached = role == "candidate"
+        env = {
+            "ENABLE_KVCACHED": "true" if kvcached else "false",
+            "KVCACHED_IPC_NAME": f"bench-{role}",
+        }
+        extra = common if kvcached else [*common, "--gpu-memory-utilization", str(args.native_util)]
+        servers[role] = Server(
+            f"bench-{role}",
+            args.port + i,
+            args.model_dir,
+            extra,
+            env,
+            Path(args.logs) / f"{role}.log",
+        )
+    # kvcached first; each native one alone after it (vLLM's profiler counts memory
+    # others take while it profiles as its own).
+    ready = {}
+    try:
+        for role in ("candidate", "baseline", "control"):
+            servers[role].start()
+            ready[role] = servers[role].wait_ready(600)
+            if ready[role] is None:
+                raise RuntimeError(f"{role} did not start; log {servers[role].log}")
+        warm, gaps = request_set(args, 0)
+        for s in servers.values():
+            open_loop(s, warm[:16], [0.0] * 16, args.max_tokens)
+        rounds = []
+        for k in range(args.rounds):
+            first, second = request_set(args, 1000 + 2 * k), request_set(args, 1001 + 2 * k)
+            halves: dict[str, list[dict]] = {r: [] for r in ROLES}
+            for order, (prompts, gaps) in ((ROLES, first), (ROLES[::-1], second)):
+                for role in order:
+                    halves[role].append(open_loop(servers[role], prompts, gaps, args.max_tokens))
+            rounds.append(
+                {
+                    role: {key: statistics.fmean(h[key] for h in hs) for key in hs[0]}
+                    for role, hs in halves.items()
+                }
+            )
+            print(json.dumps({"round": k, **ratios(rounds[-1:], "candidate")}), flush=True)
+    finally:
+        exits = {role: s.stop() for role, s in servers.items()}
+    result = {
+        **ratios(rounds, "candidate"),
+        "control": ratios(rounds, "control"),
+        "rounds": rounds,
+        "ready_s": ready,
+        "exit_s": exits,
+        "trace": {
+            k: getattr(args, k)
+            for k in ("requests", "rate", "min_prompt", "max_prompt", "max_tokens")
+        },
+        "model_dir": args.model_dir,
+    }
+    _provenance.write_result(args.out, result, block)
+    print(
+        json.dumps({k: result[k] for k in ("throughput_ratio", "p95_ttft_ratio", "p95_tpot_ratio")})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
