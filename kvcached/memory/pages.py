@@ -44,6 +44,8 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvcached.errors import ConfigError
 from kvcached.log import get_logger
@@ -174,6 +176,8 @@ class PageAllocator:
         self._closed = False
         self._refill_wanted = False
         self._wake = threading.Event()
+        # Held by the pool thread around each round of maintain(), and by paused().
+        self._round = threading.Lock()
         self._thread: threading.Thread | None = None
         # Growth maps every span of a take behind one call when the mapper can
         # (PageMapper.map_runs); any other PageBackend gets map_run per span.
@@ -772,10 +776,25 @@ class PageAllocator:
             self._wake.clear()
             if self._closed:
                 break
-            try:
-                self.maintain()
-            except Exception:  # the pool thread must outlive one bad round
-                log.exception("page pool maintenance failed; retrying on the next round")
+            with self._round:
+                if self._closed:
+                    break
+                try:
+                    self.maintain()
+                except Exception:  # the pool thread must outlive one bad round
+                    log.exception("page pool maintenance failed; retrying on the next round")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the pool thread still: it finishes the round in flight, then
+        starts no refill or shrink until the block ends (a wake-up meanwhile
+        is served after it). For a reader that needs the pages, the charges
+        and the device to agree: a refill is granted before it creates its
+        handles, so a reading taken while one runs sees the grant first.
+        Calls from other threads (takes, trims, limits) go on as usual; do
+        not :meth:`close` inside the block."""
+        with self._round:
+            yield
 
     # -- control ------------------------------------------------------------------------------
     def set_cap(self, pages: int) -> None:
