@@ -10,6 +10,10 @@ Invariants (checked by ``tests/memory``):
 * every page is in exactly one state: *unmapped*, *idle* (mapped, no blocks),
   *used* (mapped, held by the block manager), *busy* (being mapped or unmapped
   by one thread) or *quarantined* (an unmap or release failed; still charged);
+* the mapper's quarantine is the only list of what stays charged: a page here
+  is quarantined only while the mapper holds an extent on it, and a failed
+  span, a trim and ``close`` ask the mapper (``extent_of``) rather than keep
+  a list of their own that a retry elsewhere could leave stale;
 * the counters ``n_idle``, ``n_used``, ``n_busy``, ``n_quarantined`` and
   ``n_unmapped`` equal a recount of the states, and sum to ``num_pages``;
 * pages are mapped in *runs* (extents, see the mapper); a run is released only
@@ -55,6 +59,7 @@ log = get_logger("kvcached.memory")
 
 UNMAPPED, IDLE, USED, BUSY, QUARANTINED = range(5)
 _UNMAPPED_BYTE = bytes([UNMAPPED])
+_QUARANTINED_BYTE = bytes([QUARANTINED])
 _BYTE = tuple(bytes([s]) for s in range(5))  # state -> one byte, for slice stores
 
 #: A take of up to this many pages looks for a hole that holds them all when
@@ -165,7 +170,6 @@ class PageAllocator:
         # runs stay idle and can be released).
         self._pinned: list[int] = []
         self._loose: list[int] = []
-        self._quarantined: dict[int, int] = {}  # first page -> count, as the mapper has them
         self._unmapped_lo = 0  # no unmapped page below this index
         self.n_idle = 0
         self.n_used = 0
@@ -507,19 +511,38 @@ class PageAllocator:
             self._unmapped_lo = first
 
     def _fail_span(self, first: int, count: int) -> None:
-        """A busy span did not get mapped: unmapped again, or quarantined when
-        the mapper could not undo its attempt."""
+        """A busy span did not get mapped (or released): unmapped when the
+        mapper holds nothing there, else quarantined. Another thread's trim
+        may have finished the release since the mapper reported the failure,
+        so the mapper's book decides, not the failure."""
         if self.mapper.extent_of(first) is None:
             self._unbusy(first, count)
         else:
-            self._quarantine(first, count)
+            self._state[first : first + count] = _BYTE[QUARANTINED] * count
+            self.n_busy -= count
+            self.n_quarantined += count
 
-    def _quarantine(self, first: int, count: int) -> None:
-        """A busy span the mapper could not release (or undo): quarantined."""
-        self._state[first : first + count] = _BYTE[QUARANTINED] * count
-        self.n_busy -= count
-        self.n_quarantined += count
-        self._quarantined[first] = count
+    def _drop_released_quarantine(self) -> int:
+        """Quarantined pages the mapper holds no extent on any more (a retry,
+        by this pool or by anyone else, released them) become unmapped;
+        returns how many. Lock held."""
+        state, run_of, extent_of = self._state, self._run, self.mapper.extent_of
+        released = 0
+        p = state.find(_QUARANTINED_BYTE)
+        while p >= 0:
+            span = extent_of(p)
+            if span is None:
+                state[p] = UNMAPPED
+                run_of[p] = None
+                if p < self._unmapped_lo:
+                    self._unmapped_lo = p
+                released += 1
+                p = state.find(_QUARANTINED_BYTE, p + 1)
+            else:
+                p = state.find(_QUARANTINED_BYTE, span[0] + span[1])
+        self.n_quarantined -= released
+        self.n_unmapped += released
+        return released
 
     def _needs_shrink(self) -> bool:
         over = self.num_pages - self.n_unmapped - self.cap_pages
@@ -589,7 +612,8 @@ class PageAllocator:
                         lo = first
                     released += count
                 else:
-                    self._quarantine(first, count)
+                    # Another thread's trim may have retried it since: ask the mapper.
+                    self._fail_span(first, count)
             self._unmapped_lo = lo
             self.n_busy -= released
             self.n_unmapped += released
@@ -820,32 +844,15 @@ class PageAllocator:
         return released + self.retry_quarantined()
 
     def retry_quarantined(self) -> int:
-        """Retry the release of every quarantined run; returns pages freed."""
+        """Retry the release of everything the mapper holds quarantined, also
+        a failed growth or release whose thread has not settled it here yet
+        (that thread then finds it gone and leaves it unmapped). Returns the
+        quarantined pages of this pool now unmapped."""
+        done = self.mapper.retry_quarantined()
         with self._lock:
-            spans = list(self._quarantined.items())
-            self._quarantined.clear()
-            for first, count in spans:
-                self._state[first : first + count] = _BYTE[BUSY] * count
-                self.n_quarantined -= count
-                self.n_busy += count
-        if not spans:
-            return 0
-        try:
-            done = set(self.mapper.retry_quarantined(spans))
-        except BaseException:
-            with self._lock:
-                for first, count in spans:
-                    self._quarantine(first, count)
-            raise
-        released = 0
-        with self._lock:
-            for first, count in spans:
-                if (first, count) in done:
-                    self._unbusy(first, count)
-                    released += count
-                else:
-                    self._quarantine(first, count)
-        self.budget.flush()
+            released = self._drop_released_quarantine() if self.n_quarantined else 0
+        if done:
+            self.budget.flush()
         return released
 
     def counts(self) -> dict[str, int]:
@@ -895,22 +902,18 @@ class PageAllocator:
         clean = self.mapper.unmap_all()
         with self._lock:
             for p in range(self.num_pages):
-                if self._state[p] != UNMAPPED and self.mapper.extent_of(p) is None:
+                state = self._state[p]
+                if state == UNMAPPED:
+                    continue
+                if self.mapper.extent_of(p) is None:
                     self._state[p] = UNMAPPED
                     self._run[p] = None
+                elif state != BUSY:  # kept by the mapper's quarantine; a trim retries it
+                    self._state[p] = QUARANTINED
             s = self._state
             self.n_idle, self.n_used, self.n_busy = s.count(IDLE), s.count(USED), s.count(BUSY)
             self.n_quarantined, self.n_unmapped = s.count(QUARANTINED), s.count(UNMAPPED)
             self._idle_runs.clear()
             self._pinned.clear()
             self._loose.clear()
-            self._quarantined = {}
-            p = 0
-            while p < self.num_pages:  # what stays is quarantined, in the mapper's extents
-                span = self.mapper.extent_of(p)
-                if span is None:
-                    p += 1
-                    continue
-                self._quarantined[span[0]] = span[1]
-                p = span[0] + span[1]
         return clean

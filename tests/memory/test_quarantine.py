@@ -1,10 +1,13 @@
-"""Charges across threads, driven step by step by events.
+"""Quarantine and charges across threads, driven step by step by events.
 
-These tests hold a thread at a chosen point (an event it waits on) and let
-the other act, so each interleaving runs the same way every time.
+A growth whose undo cannot release a handle leaves that handle charged and
+its extent quarantined in the mapper, the one book of what stays charged;
+the page pool reads the mapper's book when it settles a failed span or a
+trim. These tests hold a thread at a chosen point (an event it waits on)
+and let the other act, so each interleaving runs the same way every time.
 
-The random thread test's failure, as it happened: a reading of
-``budget.used``, ``held_bytes()`` and ``own_bytes()`` taken while the pool
+The last test is the random thread test's failure, as it happened: a reading
+of ``budget.used``, ``held_bytes()`` and ``own_bytes()`` taken while the pool
 thread grows sees the grant before the handles exist. That is a reading in
 flight, not a leak; :meth:`PageAllocator.paused` makes the reading quiet.
 """
@@ -13,12 +16,31 @@ from __future__ import annotations
 
 import threading
 
-from kvmem_helpers import make_cache, small_spec
+from kvmem_helpers import ExactBudget, make_cache, small_spec
 
 from kvcached.driver.faulty import FaultyDriver
+from kvcached.memory.pages import QUARANTINED, UNMAPPED
 from kvcached.units import MIB
 
 WAIT_S = 30.0  # only a broken run waits this long
+
+
+class HoldingBudget(ExactBudget):
+    """An :class:`ExactBudget` that holds one thread inside its next refund
+    (before the bytes come back) until ``go`` is set; ``held`` says it is there."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.hold_thread: str | None = None
+        self.held = threading.Event()
+        self.go = threading.Event()
+
+    def refund(self, nbytes: int) -> None:
+        if threading.current_thread().name == self.hold_thread:
+            self.hold_thread = None
+            self.held.set()
+            assert self.go.wait(WAIT_S), "the test never let the refund go on"
+        super().refund(nbytes)
 
 
 class HoldingDriver(FaultyDriver):
@@ -39,11 +61,103 @@ class HoldingDriver(FaultyDriver):
         return super().create(size)
 
 
+def _one_page_cache(driver):
+    """One handle per page, one page per extent, no pool, no thread: a take
+    of two new pages maps two one-page extents behind one map_runs."""
+    return make_cache(
+        driver, small_spec(1, 1), pages=8, max_handle_bytes=0, budget_type=HoldingBudget
+    )
+
+
 def _adds_up(cache, budget, host) -> None:
     pa = cache.pages
     assert pa.counts() == pa.recount()
     assert pa.n_quarantined == cache.mapper.quarantined_pages
     assert budget.used == cache.mapper.held_bytes() == host.own_bytes()
+
+
+def test_a_trim_while_a_failed_growth_settles_frees_what_its_undo_left(host):
+    """Thread A's take maps pages 1 and 2: page 1's map fails, its undo cannot
+    release the handle (quarantined in the mapper), and A is held inside the
+    refund of page 2, before the pool settles either page. Thread B trims
+    then. B's trim retries what the mapper holds quarantined, page 1 with it;
+    A, let go, finds page 1 gone from the mapper and leaves it unmapped. With
+    two books (the pool's held only what A had settled), B's trim passed page
+    1 by and it stayed charged until a later trim."""
+    faulty = FaultyDriver(host)
+    cache, budget = _one_page_cache(faulty)
+    page = cache.geometry.page_bytes
+    bpp = cache.blocks_per_page
+    assert budget.used == page  # page 0, the null block's
+    faulty.fail_next("map")
+    faulty.fail_next("release")
+    budget.hold_thread = "A"
+    got: list[object] = []
+    a = threading.Thread(target=lambda: got.append(cache.alloc(2 * bpp)), name="A", daemon=True)
+    a.start()
+    try:
+        assert budget.held.wait(WAIT_S), "A never reached the refund of page 2"
+        assert cache.mapper.quarantined_extents() == [(1, 1)]
+        assert cache.pages.state_of(1) != QUARANTINED  # A has not settled it yet
+        b = threading.Thread(target=cache.trim, name="B", daemon=True)
+        b.start()
+        b.join(WAIT_S)
+        assert not b.is_alive(), "B's trim waited for A"
+        assert cache.mapper.quarantined_pages == 0, "the trim left page 1 charged"
+        assert host.own_bytes() == page  # page 1's handle is gone, page 2 never had one
+    finally:
+        budget.go.set()
+    a.join(WAIT_S)
+    assert not a.is_alive()
+    assert got == [None]  # the take missed: its growth failed
+    assert cache.pages.state_of(1) == cache.pages.state_of(2) == UNMAPPED
+    _adds_up(cache, budget, host)
+    assert budget.used == page
+    again = cache.alloc(2 * bpp)  # page 0's free blocks, and pages 1 and 2 grown again
+    assert again is not None and {b // bpp for b in again} == {0, 1, 2}
+    cache.free(again)
+    cache.close()
+    assert budget.used == 0 == host.own_bytes()
+
+
+def test_a_failed_growth_settled_first_is_freed_by_the_next_trim(host):
+    """The other order: A settles page 1 (quarantined) before anyone trims;
+    the next trim frees it and counts it."""
+    faulty = FaultyDriver(host)
+    cache, budget = _one_page_cache(faulty)
+    bpp = cache.blocks_per_page
+    faulty.fail_next("map")
+    faulty.fail_next("release")
+    assert cache.alloc(2 * bpp) is None
+    assert cache.pages.state_of(1) == QUARANTINED and cache.pages.state_of(2) == UNMAPPED
+    _adds_up(cache, budget, host)
+    assert cache.trim() == 1
+    assert cache.pages.state_of(1) == UNMAPPED
+    _adds_up(cache, budget, host)
+    cache.close()
+    assert budget.used == 0 == host.own_bytes()
+
+
+def test_a_retry_by_the_mapper_itself_leaves_no_page_quarantined_in_the_pool(host):
+    """The mapper can finish a quarantined release on its own (``unmap_all``
+    does, a worker's executor calls ``retry_quarantined``). The pool holds
+    no second list that could miss it: its next trim sees the page gone and
+    counts it unmapped. With two books, the pool asked the mapper for a span
+    it no longer had and kept the page quarantined for good."""
+    faulty = FaultyDriver(host)
+    cache, budget = _one_page_cache(faulty)
+    bpp = cache.blocks_per_page
+    faulty.fail_next("map")
+    faulty.fail_next("release")
+    assert cache.alloc(2 * bpp) is None
+    assert cache.pages.n_quarantined == 1
+    assert cache.mapper.retry_quarantined() == [(1, 1)]
+    assert cache.trim() == 1
+    assert cache.pages.n_quarantined == 0 and cache.pages.state_of(1) == UNMAPPED
+    _adds_up(cache, budget, host)
+    assert cache.alloc(2 * bpp) is not None  # page 1 grows again
+    cache.close()
+    assert budget.used == 0 == host.own_bytes()
 
 
 def test_the_random_thread_tests_failure_is_a_reading_taken_mid_growth(host):
