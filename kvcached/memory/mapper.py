@@ -381,14 +381,7 @@ class PageMapper:
             self._abandon(exts, done)
             self._go_live(exts, done)
             raise
-        if done == 1:  # _go_live, written out
-            lock.acquire()
-            try:
-                exts[0].busy = False
-            finally:
-                lock.release()
-        else:
-            self._go_live(exts, done)
+        self._go_live(exts, done)
         return done
 
     def _check_span(self, first: object, count: object) -> tuple[int, int]:
@@ -563,22 +556,9 @@ class PageMapper:
         ``before_unmap``; one result per span. Validates every span before
         touching any."""
         claimed: list[list[Extent]] = []
-        owner = self._owner
-        n_pages = self._num_pages
         with self._lock:  # claim every span, or none
             try:
                 for first, count in spans:
-                    if count == 1 and first.__class__ is int and 0 <= first < n_pages:
-                        ext = owner[first]  # one page: _claim_locked, written out
-                        if (
-                            ext is not None
-                            and ext.count == 1
-                            and not ext.busy
-                            and not ext.quarantined
-                        ):
-                            ext.busy = True
-                            claimed.append([ext])
-                            continue
                     claimed.append(self._claim_locked(first, count))
             except BaseException:
                 for exts in claimed:
@@ -603,7 +583,7 @@ class PageMapper:
         """Mark the live extents that make up ``[first, first+count)`` busy;
         :class:`MappingError` (claiming none of them) if they do not. Lock held."""
         owner = self._owner
-        if count == 1 and 0 <= first < len(owner):  # one page: the common case
+        if count == 1 and first.__class__ is int and 0 <= first < len(owner):
             ext = owner[first]
             if (
                 ext is not None

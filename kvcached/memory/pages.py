@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvcached.errors import ConfigError
@@ -251,10 +251,7 @@ class PageAllocator:
                     refill = self._after_take()
                     spans = None
                 else:
-                    limit = self.cap_pages - self.num_pages + self.n_unmapped  # growable(room)
-                    if limit > self.n_unmapped:
-                        limit = self.n_unmapped
-                    if grow > limit:
+                    if self.growable(grow) < grow:  # the budget answers at the grant
                         return None
                     pages = self._pop_idle(n_idle) if n_idle else []
                     if grow == 1:  # _pick_unmapped(1), written out
@@ -286,23 +283,10 @@ class PageAllocator:
             lock.acquire()
             try:
                 if done == len(spans):
-                    state, run_of = self._state, self._run
-                    for first, count in spans:  # _publish(first, count, USED), written out
-                        run = _Run(first, count, count)
-                        if count == 1:
-                            state[first] = USED
-                            run_of[first] = run
-                            pages.append(first)
-                        else:
-                            state[first : first + count] = _BYTE[USED] * count
-                            run_of[first : first + count] = [run] * count
-                            pages.extend(range(first, first + count))
-                    self.n_busy -= grow
-                    self.n_used += grow
+                    self._publish(spans, USED, pages)
                     refill = self.n_idle < self.min_reserved and self._after_take()
                 else:
-                    for first, count in spans[:done]:
-                        self._publish(first, count, IDLE)
+                    self._publish(spans[:done], IDLE)
                     for first, count in spans[done:]:
                         self._fail_span(first, count)
                     self._push_idle(pages)
@@ -332,7 +316,7 @@ class PageAllocator:
             raise
         lock.acquire()
         try:
-            if ok:  # _publish(first, 1, USED), written out
+            if ok:  # _publish(((first, 1),), USED, pages), written out
                 self._state[first] = USED
                 self._run[first] = _Run(first, 1, 1)
                 self.n_busy -= 1
@@ -482,29 +466,46 @@ class PageAllocator:
         self._unmapped_lo = end  # every page in [old lo, end) is now not unmapped
         return spans
 
-    def _publish(self, first: int, count: int, to: int) -> None:
-        """A busy span was mapped: it becomes a run of used or idle pages."""
-        run = _Run(first, count, count if to == USED else 0)
-        if count == 1:
-            self._state[first] = to
-            self._run[first] = run
+    def _publish(
+        self, spans: Sequence[tuple[int, int]], to: int, out: list[int] | None = None
+    ) -> None:
+        """Busy spans were mapped: each becomes a run of used or idle pages,
+        appended to ``out`` if given. Several spans at once, as a take that
+        grows publishes them: one call and one counter update for them all."""
+        state, run_of = self._state, self._run
+        used = to == USED
+        total = 0
+        for first, count in spans:
+            run = _Run(first, count, count if used else 0)
+            if count == 1:
+                state[first] = to
+                run_of[first] = run
+                if out is not None:
+                    out.append(first)
+            else:
+                state[first : first + count] = _BYTE[to] * count
+                run_of[first : first + count] = [run] * count
+                if out is not None:
+                    out.extend(range(first, first + count))
+            total += count
+            if not used:
+                self._idle_runs[first] = run
+                for p in range(first, first + count):
+                    heapq.heappush(self._loose, p)
+        self.n_busy -= total
+        if used:
+            self.n_used += total
         else:
-            self._state[first : first + count] = _BYTE[to] * count
-            self._run[first : first + count] = [run] * count
-        self.n_busy -= count
-        if to == USED:
-            self.n_used += count
-        else:
-            self.n_idle += count
-            self._idle_runs[first] = run
-            for p in range(first, first + count):
-                heapq.heappush(self._loose, p)
+            self.n_idle += total
 
     def _unbusy(self, first: int, count: int) -> None:
         """A busy span is unmapped again (growth failed, or release succeeded)."""
-        self._state[first : first + count] = _UNMAPPED_BYTE * count
-        for p in range(first, first + count):
-            self._run[p] = None
+        if count == 1:
+            self._state[first] = UNMAPPED
+            self._run[first] = None
+        else:
+            self._state[first : first + count] = _UNMAPPED_BYTE * count
+            self._run[first : first + count] = [None] * count
         self.n_busy -= count
         self.n_unmapped += count
         if first < self._unmapped_lo:
@@ -560,8 +561,7 @@ class PageAllocator:
                 ok = self.mapper.map_run(first, count)
             except BaseException:
                 with self._lock:
-                    for f, c in spans[:i]:
-                        self._publish(f, c, IDLE)
+                    self._publish(spans[:i], IDLE)
                     for f, c in spans[i:]:
                         self._fail_span(f, c)
                 raise
@@ -576,7 +576,7 @@ class PageAllocator:
         is_mapped = getattr(self.mapper, "is_mapped", None)
         for first, count in spans:
             if is_mapped is not None and is_mapped(first):
-                self._publish(first, count, IDLE)
+                self._publish(((first, count),), IDLE)
             else:
                 self._fail_span(first, count)
 
@@ -597,26 +597,13 @@ class PageAllocator:
             raise
         released = 0
         with self._lock:
-            state, run_of = self._state, self._run
-            lo = self._unmapped_lo
             for r, ok in zip(chosen, results, strict=True):
-                first, count = r.first, r.count
-                if ok:  # _unbusy(first, count), written out
-                    if count == 1:
-                        state[first] = UNMAPPED
-                        run_of[first] = None
-                    else:
-                        state[first : first + count] = _UNMAPPED_BYTE * count
-                        run_of[first : first + count] = [None] * count
-                    if first < lo:
-                        lo = first
-                    released += count
+                if ok:
+                    self._unbusy(r.first, r.count)
+                    released += r.count
                 else:
                     # Another thread's trim may have retried it since: ask the mapper.
-                    self._fail_span(first, count)
-            self._unmapped_lo = lo
-            self.n_busy -= released
-            self.n_unmapped += released
+                    self._fail_span(r.first, r.count)
         self.budget.flush()
         return released
 
@@ -697,7 +684,7 @@ class PageAllocator:
                 raise
             with self._lock:
                 if ok:
-                    self._publish(page, 1, USED)
+                    self._publish(((page, 1),), USED)
                 else:
                     self._fail_span(page, 1)
         if not ok:
@@ -776,8 +763,7 @@ class PageAllocator:
                     self._settle_interrupted(spans)
             raise
         with self._lock:
-            for first, count in spans[:done]:
-                self._publish(first, count, IDLE)
+            self._publish(spans[:done], IDLE)
             for first, count in spans[done:]:
                 self._fail_span(first, count)
         return sum(c for _, c in spans[:done]), want
