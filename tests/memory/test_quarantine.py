@@ -14,6 +14,7 @@ flight, not a leak; :meth:`PageAllocator.paused` makes the reading quiet.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from kvmem_helpers import ExactBudget, make_cache, small_spec
@@ -195,5 +196,66 @@ def test_the_random_thread_tests_failure_is_a_reading_taken_mid_growth(host):
         assert cache.pages.n_idle == 2 and cache.pages.n_busy == 0
         _adds_up(cache, budget, host)
         assert budget.used == 3 * page
+    cache.close()
+    assert budget.used == 0 == host.own_bytes()
+
+
+class _HoldOnLog(logging.Handler):
+    """Holds the thread that logs a message containing ``text`` until ``go``.
+    It waits in ``handle``, outside the handler's lock, so that other
+    threads' records pass meanwhile."""
+
+    def __init__(self, text: str, thread: str) -> None:
+        super().__init__()
+        self.text, self.thread = text, thread
+        self.held, self.go = threading.Event(), threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if threading.current_thread().name == self.thread and self.text in record.getMessage():
+            self.thread = ""
+            self.held.set()
+            if not self.go.wait(WAIT_S):
+                raise AssertionError("the test never let the thread go on")
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_a_failed_release_a_trim_finished_first_goes_back_to_the_lowest_unmapped_page(host):
+    """Thread A frees page 1's blocks; the pool releases the page and its
+    release fails (quarantined in the mapper); A is held right after, before
+    the pool settles the page. Thread B's trim finishes the release. A, let
+    go, finds the page gone from the mapper and leaves it unmapped, and the
+    next growth takes it: the lowest unmapped page, as growth always picks.
+    (A copy of _unbusy in the pool's release kept its own lowest-unmapped
+    mark and wrote it back over the one _unbusy lowered, so the page was
+    skipped: the next take grew page 4.)"""
+    faulty = FaultyDriver(host)
+    cache, budget = _one_page_cache(faulty)
+    bpp = cache.blocks_per_page
+    blocks = cache.alloc(3 * bpp)  # the rest of page 0, then pages 1, 2 and 3
+    assert blocks is not None and cache.pages.state_of(3) != UNMAPPED
+    page1 = [b for b in blocks if b // bpp == 1]
+    hold = _HoldOnLog("quarantined", "A")
+    logger = logging.getLogger("kvcached.memory")
+    logger.addHandler(hold)
+    faulty.fail_next("release")
+    a = threading.Thread(target=cache.free, args=(page1,), name="A", daemon=True)
+    a.start()
+    try:
+        assert hold.held.wait(WAIT_S), "A's release of page 1 never failed"
+        assert cache.mapper.quarantined_extents() == [(1, 1)]
+        cache.trim()  # B: the test's own thread
+        assert cache.mapper.quarantined_pages == 0
+    finally:
+        hold.go.set()
+        logger.removeHandler(hold)
+    a.join(WAIT_S)
+    assert not a.is_alive()
+    assert cache.pages.state_of(1) == UNMAPPED
+    _adds_up(cache, budget, host)
+    again = cache.alloc(bpp)
+    assert again is not None and {b // bpp for b in again} == {1}, again
     cache.close()
     assert budget.used == 0 == host.own_bytes()
