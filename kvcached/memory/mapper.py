@@ -81,6 +81,8 @@ class PageBackend(Protocol):
     # Optional: ``map_runs(spans) -> int`` (how many leading spans were mapped;
     # see PageMapper.map_runs) and ``is_mapped(page) -> bool``. The page pool
     # uses them when both are there, else calls map_run once per span.
+    # The pool keeps no list of its own quarantine: it calls
+    # ``retry_quarantined()`` (every extent) and asks ``extent_of`` what stays.
 
     def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]: ...
 
