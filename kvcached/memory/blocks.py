@@ -153,7 +153,8 @@ class BlockManager:
         if n <= self._free_in_held:
             # Fast path: the fullest page has more than n free blocks, so
             # one page serves the request (most decode and short prefill
-            # calls). The same placement as _take, written out.
+            # calls). The same placement as _take, written out (pinned to it
+            # by tests/memory/test_inlined_copies.py).
             buckets = self._buckets
             k = self._lo
             bucket = buckets[k]
@@ -278,7 +279,8 @@ class BlockManager:
             lst.extend(ids)
         else:
             return
-        # One page got n blocks back: refile it (_refile, written out).
+        # One page got n blocks back: refile it (_refile, written out; pinned to
+        # it by tests/memory/test_inlined_copies.py).
         k = len(lst)
         if k == bpp:
             self._refile((p,), n)

@@ -81,6 +81,8 @@ class PageBackend(Protocol):
     # Optional: ``map_runs(spans) -> int`` (how many leading spans were mapped;
     # see PageMapper.map_runs) and ``is_mapped(page) -> bool``. The page pool
     # uses them when both are there, else calls map_run once per span.
+    # The pool keeps no list of its own quarantine: it calls
+    # ``retry_quarantined()`` (every extent) and asks ``extent_of`` what stays.
 
     def unmap_runs(self, spans: list[tuple[int, int]]) -> list[bool]: ...
 
@@ -209,7 +211,9 @@ class PageMapper:
 
         :meth:`map_runs` for one span, written out without its lists: growing
         by one page at a time (a decode step, a refill of one page) is the
-        common case."""
+        common case (about 11% of a grow-and-release cycle of one page on a
+        null driver). ``tests/memory/test_inlined_copies.py`` pins it to
+        ``map_runs``."""
         if (
             first.__class__ is not int
             or count.__class__ is not int
@@ -241,7 +245,7 @@ class PageMapper:
             self._forget(ext)
             return False
         try:
-            if self._one_handle and count == 1:  # _build written out
+            if self._one_handle and count == 1:  # _build written out; a test pins it
                 driver = self.driver
                 base, span = self._strides[0]
                 va = base + first * span
@@ -320,7 +324,8 @@ class PageMapper:
         try:
             if self._one_handle and pages == len(exts):
                 # One handle per page, one page per extent (coalescing off), as
-                # a refill or a prefill burst grows: _build_run written out.
+                # a refill or a prefill burst grows: _build_run written out (pinned
+                # to it by tests/memory/test_inlined_copies.py).
                 # Each run of adjacent pages gets one set_access over all its
                 # mappings: one call instead of one per page (a run of 32 grew
                 # 1.04x the per-page calls on an H200, benchmarks/driver_runs.py).
@@ -381,14 +386,7 @@ class PageMapper:
             self._abandon(exts, done)
             self._go_live(exts, done)
             raise
-        if done == 1:  # _go_live, written out
-            lock.acquire()
-            try:
-                exts[0].busy = False
-            finally:
-                lock.release()
-        else:
-            self._go_live(exts, done)
+        self._go_live(exts, done)
         return done
 
     def _check_span(self, first: object, count: object) -> tuple[int, int]:
@@ -563,22 +561,9 @@ class PageMapper:
         ``before_unmap``; one result per span. Validates every span before
         touching any."""
         claimed: list[list[Extent]] = []
-        owner = self._owner
-        n_pages = self._num_pages
         with self._lock:  # claim every span, or none
             try:
                 for first, count in spans:
-                    if count == 1 and first.__class__ is int and 0 <= first < n_pages:
-                        ext = owner[first]  # one page: _claim_locked, written out
-                        if (
-                            ext is not None
-                            and ext.count == 1
-                            and not ext.busy
-                            and not ext.quarantined
-                        ):
-                            ext.busy = True
-                            claimed.append([ext])
-                            continue
                     claimed.append(self._claim_locked(first, count))
             except BaseException:
                 for exts in claimed:
@@ -603,7 +588,7 @@ class PageMapper:
         """Mark the live extents that make up ``[first, first+count)`` busy;
         :class:`MappingError` (claiming none of them) if they do not. Lock held."""
         owner = self._owner
-        if count == 1 and 0 <= first < len(owner):  # one page: the common case
+        if count == 1 and first.__class__ is int and 0 <= first < len(owner):
             ext = owner[first]
             if (
                 ext is not None
@@ -726,7 +711,7 @@ class PageMapper:
             else:
                 sizes = [count * span for _, span in strides]
                 ext_bytes = sum(sizes)
-                if nh == 1:  # one handle per extent: the loop below, written out
+                if self._one_handle:  # the loop below for one handle written out; pinned
                     for e in run:
                         try:
                             release(e.handles[0])

@@ -10,6 +10,10 @@ Invariants (checked by ``tests/memory``):
 * every page is in exactly one state: *unmapped*, *idle* (mapped, no blocks),
   *used* (mapped, held by the block manager), *busy* (being mapped or unmapped
   by one thread) or *quarantined* (an unmap or release failed; still charged);
+* the mapper's quarantine is the only list of what stays charged: a page here
+  is quarantined only while the mapper holds an extent on it, and a failed
+  span, a trim and ``close`` ask the mapper (``extent_of``) rather than keep
+  a list of their own that a retry elsewhere could leave stale;
 * the counters ``n_idle``, ``n_used``, ``n_busy``, ``n_quarantined`` and
   ``n_unmapped`` equal a recount of the states, and sum to ``num_pages``;
 * pages are mapped in *runs* (extents, see the mapper); a run is released only
@@ -44,6 +48,8 @@ from __future__ import annotations
 import heapq
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from kvcached.errors import ConfigError
 from kvcached.log import get_logger
@@ -53,6 +59,7 @@ log = get_logger("kvcached.memory")
 
 UNMAPPED, IDLE, USED, BUSY, QUARANTINED = range(5)
 _UNMAPPED_BYTE = bytes([UNMAPPED])
+_QUARANTINED_BYTE = bytes([QUARANTINED])
 _BYTE = tuple(bytes([s]) for s in range(5))  # state -> one byte, for slice stores
 
 #: A take of up to this many pages looks for a hole that holds them all when
@@ -163,7 +170,6 @@ class PageAllocator:
         # runs stay idle and can be released).
         self._pinned: list[int] = []
         self._loose: list[int] = []
-        self._quarantined: dict[int, int] = {}  # first page -> count, as the mapper has them
         self._unmapped_lo = 0  # no unmapped page below this index
         self.n_idle = 0
         self.n_used = 0
@@ -174,6 +180,8 @@ class PageAllocator:
         self._closed = False
         self._refill_wanted = False
         self._wake = threading.Event()
+        # Held by the pool thread around each round of maintain(), and by paused().
+        self._round = threading.Lock()
         self._thread: threading.Thread | None = None
         # Growth maps every span of a take behind one call when the mapper can
         # (PageMapper.map_runs); any other PageBackend gets map_run per span.
@@ -243,13 +251,10 @@ class PageAllocator:
                     refill = self._after_take()
                     spans = None
                 else:
-                    limit = self.cap_pages - self.num_pages + self.n_unmapped  # growable(room)
-                    if limit > self.n_unmapped:
-                        limit = self.n_unmapped
-                    if grow > limit:
+                    if self.growable(grow) < grow:  # the budget answers at the grant
                         return None
                     pages = self._pop_idle(n_idle) if n_idle else []
-                    if grow == 1:  # _pick_unmapped(1), written out
+                    if grow == 1:  # _pick_unmapped(1) written out; a test pins it
                         first = self._state.find(_UNMAPPED_BYTE, self._unmapped_lo)
                         assert first >= 0, "n_unmapped counts more unmapped pages than exist"
                         self._state[first] = BUSY
@@ -278,23 +283,10 @@ class PageAllocator:
             lock.acquire()
             try:
                 if done == len(spans):
-                    state, run_of = self._state, self._run
-                    for first, count in spans:  # _publish(first, count, USED), written out
-                        run = _Run(first, count, count)
-                        if count == 1:
-                            state[first] = USED
-                            run_of[first] = run
-                            pages.append(first)
-                        else:
-                            state[first : first + count] = _BYTE[USED] * count
-                            run_of[first : first + count] = [run] * count
-                            pages.extend(range(first, first + count))
-                    self.n_busy -= grow
-                    self.n_used += grow
+                    self._publish(spans, USED, pages)
                     refill = self.n_idle < self.min_reserved and self._after_take()
                 else:
-                    for first, count in spans[:done]:
-                        self._publish(first, count, IDLE)
+                    self._publish(spans[:done], IDLE)
                     for first, count in spans[done:]:
                         self._fail_span(first, count)
                     self._push_idle(pages)
@@ -324,7 +316,7 @@ class PageAllocator:
             raise
         lock.acquire()
         try:
-            if ok:  # _publish(first, 1, USED), written out
+            if ok:  # _publish(((first, 1),), USED, pages) written out; a test pins it
                 self._state[first] = USED
                 self._run[first] = _Run(first, 1, 1)
                 self.n_busy -= 1
@@ -474,48 +466,84 @@ class PageAllocator:
         self._unmapped_lo = end  # every page in [old lo, end) is now not unmapped
         return spans
 
-    def _publish(self, first: int, count: int, to: int) -> None:
-        """A busy span was mapped: it becomes a run of used or idle pages."""
-        run = _Run(first, count, count if to == USED else 0)
-        if count == 1:
-            self._state[first] = to
-            self._run[first] = run
+    def _publish(
+        self, spans: Sequence[tuple[int, int]], to: int, out: list[int] | None = None
+    ) -> None:
+        """Busy spans were mapped: each becomes a run of used or idle pages,
+        appended to ``out`` if given. Several spans at once, as a take that
+        grows publishes them: one call and one counter update for them all."""
+        state, run_of = self._state, self._run
+        used = to == USED
+        total = 0
+        for first, count in spans:
+            run = _Run(first, count, count if used else 0)
+            if count == 1:
+                state[first] = to
+                run_of[first] = run
+                if out is not None:
+                    out.append(first)
+            else:
+                state[first : first + count] = _BYTE[to] * count
+                run_of[first : first + count] = [run] * count
+                if out is not None:
+                    out.extend(range(first, first + count))
+            total += count
+            if not used:
+                self._idle_runs[first] = run
+                for p in range(first, first + count):
+                    heapq.heappush(self._loose, p)
+        self.n_busy -= total
+        if used:
+            self.n_used += total
         else:
-            self._state[first : first + count] = _BYTE[to] * count
-            self._run[first : first + count] = [run] * count
-        self.n_busy -= count
-        if to == USED:
-            self.n_used += count
-        else:
-            self.n_idle += count
-            self._idle_runs[first] = run
-            for p in range(first, first + count):
-                heapq.heappush(self._loose, p)
+            self.n_idle += total
 
     def _unbusy(self, first: int, count: int) -> None:
         """A busy span is unmapped again (growth failed, or release succeeded)."""
-        self._state[first : first + count] = _UNMAPPED_BYTE * count
-        for p in range(first, first + count):
-            self._run[p] = None
+        if count == 1:
+            self._state[first] = UNMAPPED
+            self._run[first] = None
+        else:
+            self._state[first : first + count] = _UNMAPPED_BYTE * count
+            self._run[first : first + count] = [None] * count
         self.n_busy -= count
         self.n_unmapped += count
         if first < self._unmapped_lo:
             self._unmapped_lo = first
 
     def _fail_span(self, first: int, count: int) -> None:
-        """A busy span did not get mapped: unmapped again, or quarantined when
-        the mapper could not undo its attempt."""
+        """A busy span did not get mapped (or released): unmapped when the
+        mapper holds nothing there, else quarantined. Another thread's trim
+        may have finished the release since the mapper reported the failure,
+        so the mapper's book decides, not the failure."""
         if self.mapper.extent_of(first) is None:
             self._unbusy(first, count)
         else:
-            self._quarantine(first, count)
+            self._state[first : first + count] = _BYTE[QUARANTINED] * count
+            self.n_busy -= count
+            self.n_quarantined += count
 
-    def _quarantine(self, first: int, count: int) -> None:
-        """A busy span the mapper could not release (or undo): quarantined."""
-        self._state[first : first + count] = _BYTE[QUARANTINED] * count
-        self.n_busy -= count
-        self.n_quarantined += count
-        self._quarantined[first] = count
+    def _drop_released_quarantine(self) -> int:
+        """Quarantined pages the mapper holds no extent on any more (a retry,
+        by this pool or by anyone else, released them) become unmapped;
+        returns how many. Lock held."""
+        state, run_of, extent_of = self._state, self._run, self.mapper.extent_of
+        released = 0
+        p = state.find(_QUARANTINED_BYTE)
+        while p >= 0:
+            span = extent_of(p)
+            if span is None:
+                state[p] = UNMAPPED
+                run_of[p] = None
+                if p < self._unmapped_lo:
+                    self._unmapped_lo = p
+                released += 1
+                p = state.find(_QUARANTINED_BYTE, p + 1)
+            else:
+                p = state.find(_QUARANTINED_BYTE, span[0] + span[1])
+        self.n_quarantined -= released
+        self.n_unmapped += released
+        return released
 
     def _needs_shrink(self) -> bool:
         over = self.num_pages - self.n_unmapped - self.cap_pages
@@ -533,8 +561,7 @@ class PageAllocator:
                 ok = self.mapper.map_run(first, count)
             except BaseException:
                 with self._lock:
-                    for f, c in spans[:i]:
-                        self._publish(f, c, IDLE)
+                    self._publish(spans[:i], IDLE)
                     for f, c in spans[i:]:
                         self._fail_span(f, c)
                 raise
@@ -549,7 +576,7 @@ class PageAllocator:
         is_mapped = getattr(self.mapper, "is_mapped", None)
         for first, count in spans:
             if is_mapped is not None and is_mapped(first):
-                self._publish(first, count, IDLE)
+                self._publish(((first, count),), IDLE)
             else:
                 self._fail_span(first, count)
 
@@ -570,25 +597,13 @@ class PageAllocator:
             raise
         released = 0
         with self._lock:
-            state, run_of = self._state, self._run
-            lo = self._unmapped_lo
             for r, ok in zip(chosen, results, strict=True):
-                first, count = r.first, r.count
-                if ok:  # _unbusy(first, count), written out
-                    if count == 1:
-                        state[first] = UNMAPPED
-                        run_of[first] = None
-                    else:
-                        state[first : first + count] = _UNMAPPED_BYTE * count
-                        run_of[first : first + count] = [None] * count
-                    if first < lo:
-                        lo = first
-                    released += count
+                if ok:
+                    self._unbusy(r.first, r.count)
+                    released += r.count
                 else:
-                    self._quarantine(first, count)
-            self._unmapped_lo = lo
-            self.n_busy -= released
-            self.n_unmapped += released
+                    # Another thread's trim may have retried it since: ask the mapper.
+                    self._fail_span(r.first, r.count)
         self.budget.flush()
         return released
 
@@ -669,7 +684,7 @@ class PageAllocator:
                 raise
             with self._lock:
                 if ok:
-                    self._publish(page, 1, USED)
+                    self._publish(((page, 1),), USED)
                 else:
                     self._fail_span(page, 1)
         if not ok:
@@ -748,8 +763,7 @@ class PageAllocator:
                     self._settle_interrupted(spans)
             raise
         with self._lock:
-            for first, count in spans[:done]:
-                self._publish(first, count, IDLE)
+            self._publish(spans[:done], IDLE)
             for first, count in spans[done:]:
                 self._fail_span(first, count)
         return sum(c for _, c in spans[:done]), want
@@ -772,10 +786,25 @@ class PageAllocator:
             self._wake.clear()
             if self._closed:
                 break
-            try:
-                self.maintain()
-            except Exception:  # the pool thread must outlive one bad round
-                log.exception("page pool maintenance failed; retrying on the next round")
+            with self._round:
+                if self._closed:
+                    break
+                try:
+                    self.maintain()
+                except Exception:  # the pool thread must outlive one bad round
+                    log.exception("page pool maintenance failed; retrying on the next round")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the pool thread still: it finishes the round in flight, then
+        starts no refill or shrink until the block ends (a wake-up meanwhile
+        is served after it). For a reader that needs the pages, the charges
+        and the device to agree: a refill is granted before it creates its
+        handles, so a reading taken while one runs sees the grant first.
+        Calls from other threads (takes, trims, limits) go on as usual; do
+        not :meth:`close` inside the block."""
+        with self._round:
+            yield
 
     # -- control ------------------------------------------------------------------------------
     def set_cap(self, pages: int) -> None:
@@ -801,32 +830,15 @@ class PageAllocator:
         return released + self.retry_quarantined()
 
     def retry_quarantined(self) -> int:
-        """Retry the release of every quarantined run; returns pages freed."""
+        """Retry the release of everything the mapper holds quarantined, also
+        a failed growth or release whose thread has not settled it here yet
+        (that thread then finds it gone and leaves it unmapped). Returns the
+        quarantined pages of this pool now unmapped."""
+        done = self.mapper.retry_quarantined()
         with self._lock:
-            spans = list(self._quarantined.items())
-            self._quarantined.clear()
-            for first, count in spans:
-                self._state[first : first + count] = _BYTE[BUSY] * count
-                self.n_quarantined -= count
-                self.n_busy += count
-        if not spans:
-            return 0
-        try:
-            done = set(self.mapper.retry_quarantined(spans))
-        except BaseException:
-            with self._lock:
-                for first, count in spans:
-                    self._quarantine(first, count)
-            raise
-        released = 0
-        with self._lock:
-            for first, count in spans:
-                if (first, count) in done:
-                    self._unbusy(first, count)
-                    released += count
-                else:
-                    self._quarantine(first, count)
-        self.budget.flush()
+            released = self._drop_released_quarantine() if self.n_quarantined else 0
+        if done:
+            self.budget.flush()
         return released
 
     def counts(self) -> dict[str, int]:
@@ -876,22 +888,18 @@ class PageAllocator:
         clean = self.mapper.unmap_all()
         with self._lock:
             for p in range(self.num_pages):
-                if self._state[p] != UNMAPPED and self.mapper.extent_of(p) is None:
+                state = self._state[p]
+                if state == UNMAPPED:
+                    continue
+                if self.mapper.extent_of(p) is None:
                     self._state[p] = UNMAPPED
                     self._run[p] = None
+                elif state != BUSY:  # kept by the mapper's quarantine; a trim retries it
+                    self._state[p] = QUARANTINED
             s = self._state
             self.n_idle, self.n_used, self.n_busy = s.count(IDLE), s.count(USED), s.count(BUSY)
             self.n_quarantined, self.n_unmapped = s.count(QUARANTINED), s.count(UNMAPPED)
             self._idle_runs.clear()
             self._pinned.clear()
             self._loose.clear()
-            self._quarantined = {}
-            p = 0
-            while p < self.num_pages:  # what stays is quarantined, in the mapper's extents
-                span = self.mapper.extent_of(p)
-                if span is None:
-                    p += 1
-                    continue
-                self._quarantined[span[0]] = span[1]
-                p = span[0] + span[1]
         return clean

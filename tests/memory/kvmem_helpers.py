@@ -8,7 +8,7 @@ import torch
 
 from kvcached.memory import KVCache, KVCacheSpec
 from kvcached.units import KIB, MIB
-from tests.budgets import ExactBudget  # noqa: F401  (the memory tests import it from here)
+from tests.budgets import ExactBudget  # the memory tests import it from here too
 
 # The host device index these tests use. The host backend counts every
 # process' memfds of a device against its capacity (as a GPU would); other test
@@ -24,7 +24,13 @@ def small_spec(layers: int = 1, buffers: int = 1) -> KVCacheSpec:
 
 
 def make_cache(
-    driver, spec: KVCacheSpec, *, pages: int = 8, budget_pages: int | None = None, **kw
+    driver,
+    spec: KVCacheSpec,
+    *,
+    pages: int = 8,
+    budget_pages: int | None = None,
+    budget_type: type[ExactBudget] = ExactBudget,
+    **kw,
 ) -> tuple[KVCache, ExactBudget]:
     from kvcached.memory import KVLayout, plan_pages
 
@@ -36,7 +42,7 @@ def make_cache(
         page_size=kw.pop("page_size", 2 * MIB),
         num_blocks=1,
     )
-    budget = ExactBudget((budget_pages if budget_pages is not None else pages) * g.page_bytes)
+    budget = budget_type((budget_pages if budget_pages is not None else pages) * g.page_bytes)
     kw.setdefault("background", False)
     kw.setdefault("min_reserved", 0)
     kw.setdefault("max_reserved", 0)
