@@ -58,6 +58,7 @@ def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     req = urllib.request.Request(
         server.url("/v1/completions"),
@@ -66,6 +67,7 @@ def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
     )
     sent = time.monotonic()
     stamps: list[float] = []
+    tokens = 0
     try:
         with urllib.request.urlopen(req, timeout=600) as resp:
             for raw in resp:
@@ -73,12 +75,17 @@ def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # A chunk per step with tokens (text may be empty: a special token);
+                # the last one carries only the usage.
+                if chunk.get("choices"):
                     stamps.append(time.monotonic())
+                usage = chunk.get("usage")
+                if usage:
+                    tokens = usage.get("completion_tokens", 0)
     except Exception as exc:  # a failed request fails the run below
         return {"ok": False, "error": repr(exc)}
-    if not stamps:
-        return {"ok": False, "error": "no token"}
+    if not stamps or tokens != max_tokens:
+        return {"ok": False, "error": f"{tokens} of {max_tokens} tokens ({len(stamps)} chunks)"}
     n = len(stamps)
     return {
         "ok": True,
@@ -86,7 +93,7 @@ def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
         "ttft_s": stamps[0] - sent,
         "tpot_s": (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0,
         "end": stamps[-1],
-        "tokens": n,
+        "tokens": tokens,
     }
 
 
@@ -191,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             ready[role] = servers[role].wait_ready(600)
             if ready[role] is None:
                 raise RuntimeError(f"{role} did not start; log {servers[role].log}")
-        warm, gaps = request_set(args, 0)
+        warm = request_set(args, 0)[0][:16]
         for s in servers.values():
-            open_loop(s, warm[:16], [0.0] * 16, args.max_tokens)
+            open_loop(s, warm, [0.0] * len(warm), args.max_tokens)
         rounds = []
         for k in range(args.rounds):
             first, second = request_set(args, 1000 + 2 * k), request_set(args, 1001 + 2 * k)
