@@ -4,19 +4,23 @@ Requests, errors, requests in flight, a TTFT histogram (seconds from the
 request's arrival to the engine's first byte), sleeps and wakes with their
 durations, starts, restarts, deaths, and the state as a labelled gauge
 (``kvcached_serve_state{model, state} 1`` for the current one) and a code
-(:data:`~kvcached.serve.state.STATE_CODES`).
+(:data:`~kvcached.serve.state.STATE_CODES`). With gateway readings
+(:mod:`.gateway`), the gauges cluster routers read, per served name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvcached.control.metrics import escape_label, format_value
+from kvcached.serve.gateway import GatewayReading
 from kvcached.serve.model import TTFT_BUCKETS, ModelRuntime
 from kvcached.serve.state import STATE_CODES, STATES
 
 
-def render_metrics(models: Sequence[ModelRuntime]) -> str:
+def render_metrics(
+    models: Sequence[ModelRuntime], gateway: Mapping[str, GatewayReading] | None = None
+) -> str:
     out: list[str] = []
 
     def family(name: str, kind: str, help_text: str) -> None:
@@ -116,4 +120,41 @@ def render_metrics(models: Sequence[ModelRuntime]) -> str:
         line(name + "_bucket", c.ttft_count, model=m.name, le="+Inf")
         line(name + "_sum", c.ttft_sum, model=m.name)
         line(name + "_count", c.ttft_count, model=m.name)
+    if gateway:
+        _gateway_families(models, gateway, family, line)
     return "\n".join(out) + "\n"
+
+
+#: (name, kind, help, what of a reading) of the per-model gateway families.
+_GATEWAY = (
+    ("vllm:num_requests_running", "gauge", "Requests running in the model's engine.",
+     lambda r: r.running),
+    ("vllm:num_requests_waiting", "gauge",
+     "Requests waiting in the model's engine, and those serve holds while it starts or wakes.",
+     lambda r: r.waiting),
+    ("vllm:kv_cache_usage_perc", "gauge",
+     "Physical KV memory in use over what the model could hold now (1 = full): "
+     "mapped / (mapped + what its limit and its GPU's ledger still let it map).",
+     lambda r: r.usage_perc),
+    ("kvcached_serve_kv_used_bytes", "gauge", "KV memory the model's instance has mapped.",
+     lambda r: r.used_bytes),
+    ("kvcached_serve_kv_mappable_bytes", "gauge",
+     "KV memory it could still map now (its limit's room and the ledger's headroom).",
+     lambda r: r.mappable_bytes),
+    ("kvcached_serve_kv_limit_bytes", "gauge", "Its instance limit (absent: none).",
+     lambda r: r.limit_bytes),
+    ("kvcached_serve_kv_headroom_bytes", "gauge", "The least ledger headroom on its GPUs.",
+     lambda r: r.headroom_bytes),
+)  # fmt: skip
+
+
+def _gateway_families(models, gateway, family, line) -> None:  # noqa: ANN001
+    for name, kind, help_text, get in _GATEWAY:
+        family(name, kind, help_text)
+        for m in models:
+            reading = gateway.get(m.name)
+            value = None if reading is None else get(reading)
+            if value is None:
+                continue
+            for served in m.config.served_names:
+                line(name, value, model_name=served)

@@ -237,7 +237,22 @@ class ModelRuntime:
             elif state in (STOPPED, STARTING):
                 await self._start_locked(reason="request")
 
+    @property
+    def held_requests(self) -> int:
+        """Requests the router holds for this model while it is not ready
+        (starting, waking): they wait, as a queue in the engine would."""
+        return self.in_flight if self.state != READY else 0
+
+    @property
+    def engine_reachable(self) -> bool:
+        """Whether the engine is up to answer its own HTTP endpoints now."""
+        return self.state == READY and self.process is not None and bool(self.record.port)
+
     # -- HTTP to the engine ---------------------------------------------------------------
+    def client(self) -> aiohttp.ClientSession:
+        """This model's one session to its engine."""
+        return self._client()
+
     def _client(self) -> aiohttp.ClientSession:
         # One session (one connection pool) per model for probes, metrics and
         # sleep calls, opened in the event loop that uses it.

@@ -38,6 +38,7 @@ from aiohttp import web
 
 from kvcached.log import get_logger
 from kvcached.serve.config import ServeConfig
+from kvcached.serve.gateway import readings as gateway_readings
 from kvcached.serve.metrics import render_metrics
 from kvcached.serve.model import ModelRuntime, ModelUnavailable
 from kvcached.serve.state import SLEEPING, STOPPED, WAKING
@@ -195,8 +196,9 @@ class Router:
         )
 
     async def metrics(self, _request: web.Request) -> web.Response:
+        gauges = await gateway_readings(self.serve.models)
         return web.Response(
-            text=render_metrics(self.serve.models),
+            text=render_metrics(self.serve.models, gauges),
             content_type="text/plain",
             charset="utf-8",
             headers={"X-Content-Type-Options": "nosniff"},
