@@ -23,13 +23,12 @@ import argparse
 import json
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 from tests.gpu.vllm_e2e import prompts
 from tests.gpu.vllm_e2e.__main__ import provenance
 from tests.gpu.vllm_e2e.limit import kvctl
-from tests.gpu.vllm_e2e.models import MODELS, make_model
+from tests.gpu.vllm_e2e.models import case_arguments, prepare
 from tests.gpu.vllm_e2e.server import Server, log_findings
 
 
@@ -69,23 +68,11 @@ def probe(server: Server, tok: str) -> list[list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m tests.gpu.vllm_e2e.elastic", description=__doc__)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+    case_arguments(ap, 8400)
     ap.add_argument("--utilization", default="0.12", help="KVCACHED_GPU_UTILIZATION")
     ap.add_argument("--words", type=int, default=3000, help="words per load prompt")
-    ap.add_argument("--graphs", action="store_true")
-    ap.add_argument("--models-dir", default="/tmp/e2e-models")
-    ap.add_argument("--make-model", default=".gpu/vllm/make_model.py")
-    ap.add_argument("--port", type=int, default=8400)
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = MODELS[args.model]
-    tok = spec["tokenizer"]
-    path = make_model(args.model, Path(args.models_dir) / args.model, args.make_model)
-    extra = ["--max-model-len", str(spec["max_model_len"]), "--seed", "0"]
-    if not args.graphs:
-        extra.append("--enforce-eager")
+    out, tok, path, extra = prepare(args)
     servers = {}
     for i, key in enumerate("ab"):
         env = {

@@ -70,3 +70,26 @@ def make_model(name: str, out: Path, make_model_py: str) -> Path:
     finally:
         sys.argv = argv
     return out
+
+
+def case_arguments(parser: Any, port: int) -> None:
+    """The arguments every single-case runner (limit, elastic) takes."""
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs on")
+    parser.add_argument("--models-dir", default="/tmp/e2e-models")
+    parser.add_argument("--make-model", default=".gpu/vllm/make_model.py")
+    parser.add_argument("--port", type=int, default=port)
+
+
+def prepare(args: Any) -> tuple[Path, str, Path, list[str]]:
+    """(output folder, the model's tokenizer kind, its folder, server arguments)
+    for a case parsed with :func:`case_arguments`."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = MODELS[args.model]
+    path = make_model(args.model, Path(args.models_dir) / args.model, args.make_model)
+    extra = ["--max-model-len", str(spec["max_model_len"]), "--seed", "0"]
+    if not args.graphs:
+        extra.append("--enforce-eager")
+    return out, spec["tokenizer"], path, extra
