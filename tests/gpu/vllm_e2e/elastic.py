@@ -20,7 +20,6 @@ figures, and provenance) and the two servers' logs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 from typing import Any
@@ -29,7 +28,7 @@ from tests.gpu.vllm_e2e import prompts
 from tests.gpu.vllm_e2e.__main__ import provenance
 from tests.gpu.vllm_e2e.limit import kvctl
 from tests.gpu.vllm_e2e.models import case_arguments, prepare
-from tests.gpu.vllm_e2e.server import Server, log_findings
+from tests.gpu.vllm_e2e.server import Server, finish_case
 
 
 def charged(name: str) -> int:
@@ -137,22 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         after = {k: probe(s, tok) for k, s in servers.items()}
         checks["probes_unchanged"] = before == after and all(any(p) for p in before.values())
         checks["alive_after_load"] = all(s.alive() for s in servers.values())
-    except Exception as exc:  # recorded; every check not reached counts as failed
+    except (Exception, KeyboardInterrupt) as exc:  # recorded: a check not reached fails
         rec["error"] = repr(exc)
     finally:
         rec["exit_s"] = {k: s.stop() for k, s in servers.items()}
         checks["clean_exit_within_90s"] = None not in rec["exit_s"].values()
-        found = {k: log_findings(s.log, True) for k, s in servers.items()}
-        checks["no_traceback_cuda_error_or_patch_failure"] = all(
-            f["no_traceback_or_cuda_error"] and not f["bad"] for f in found.values()
-        )
-        checks["kvcached_active"] = all(f["kvcached_active"] for f in found.values())
-        rec["log"] = found
-        rec["cases"] = {f"{args.model}/elastic": checks}
-        (out / "summary.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    failed = [k for k, v in checks.items() if not v]
-    print(json.dumps({"checks": checks, "failed": failed, "error": rec.get("error")}), flush=True)
-    return 1 if failed or "error" in rec else 0
+    return finish_case(rec, checks, [s.log for s in servers.values()], f"{args.model}/elastic", out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ One kvcached server; a fill of its prefix cache; ``kvctl limit`` to its idle
 usage plus a quarter of what the fill added; within 30 s, with no requests, its
 usage within the limit; 100 short then 4 long requests all succeed while its
 usage (the ledger's charge, sampled every 0.1 s) stays within the limit; the
-limit removed, a new fill regrows it past the limit. Writes ``DIR/limit.json``
+limit removed, a new fill regrows it past the limit. Writes ``DIR/summary.json``
 (checks and figures, with provenance) and ``DIR/limit.log``.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from tests.gpu.vllm_e2e import prompts
 from tests.gpu.vllm_e2e.__main__ import provenance
 from tests.gpu.vllm_e2e.models import case_arguments, prepare
-from tests.gpu.vllm_e2e.server import Server, log_findings
+from tests.gpu.vllm_e2e.server import Server, finish_case
 
 NAME = "e2e-limit"
 
@@ -124,22 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         rec["regrown"] = usage()
         checks["regrew_past_the_limit"] = rec["regrown"] > limit
         checks["alive_after_load"] = server.alive()
-    except Exception as exc:  # recorded; every check not reached counts as failed
+    except (Exception, KeyboardInterrupt) as exc:  # recorded: a check not reached fails
         rec["error"] = repr(exc)
     finally:
         rec["exit_s"] = server.stop()
         checks["clean_exit_within_90s"] = rec["exit_s"] is not None
-        found = log_findings(server.log, True)
-        checks["no_traceback_cuda_error_or_patch_failure"] = (
-            found["no_traceback_or_cuda_error"] and not found["bad"]
-        )
-        checks["kvcached_active"] = found["kvcached_active"]
-        rec["log"] = found
-        rec["cases"] = {f"{args.model}/limit": checks}
-        (out / "limit.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    failed = [k for k, v in checks.items() if not v]
-    print(json.dumps({"checks": checks, "failed": failed, "error": rec.get("error")}), flush=True)
-    return 1 if failed or "error" in rec else 0
+    return finish_case(rec, checks, [server.log], f"{args.model}/limit", out)
 
 
 if __name__ == "__main__":

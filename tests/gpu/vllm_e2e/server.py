@@ -227,3 +227,21 @@ def log_findings(log: Path, kvcached: bool) -> dict[str, Any]:
         "kvcached_lines": kv_lines[:12],
         "shutdown_tracebacks": tail.count(BAD_LINES[0]),
     }
+
+
+def finish_case(rec: dict[str, Any], checks: dict[str, bool], logs: list[Path], case: str,
+                out: Path) -> int:  # fmt: skip
+    """A single-case runner's end: the kvcached log checks of every server, then
+    ``out/summary.json`` (``rec`` with ``cases: {case: checks}``) and one JSON
+    line; the exit status (1: a check failed or the run broke off)."""
+    found = {p.name: log_findings(p, True) for p in logs}
+    checks["no_traceback_cuda_error_or_patch_failure"] = all(
+        f["no_traceback_or_cuda_error"] and not f["bad"] for f in found.values()
+    )
+    checks["kvcached_active"] = all(f["kvcached_active"] for f in found.values())
+    rec["log"] = found
+    rec["cases"] = {case: checks}
+    (out / "summary.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    failed = [k for k, v in checks.items() if not v]
+    print(json.dumps({"checks": checks, "failed": failed, "error": rec.get("error")}), flush=True)
+    return 1 if failed or "error" in rec else 0
