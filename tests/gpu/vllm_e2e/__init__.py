@@ -1,7 +1,14 @@
 """The seed PR's GPU test plan for vLLM, run against real vLLM servers on a GPU.
 
-``python -m tests.gpu.vllm_e2e --out DIR`` (README there): per model three
-cases (kvcached contiguous, kvcached per-layer, native), each phase's requests
-compared token by token and by top-5 logprobs with native, plus the elastic,
-limit and co-start cases. Writes ``DIR/summary.json`` and one log per server.
+* ``python -m tests.gpu.vllm_e2e --out DIR [--models ...] [--graphs]``: per model
+  three cases (kvcached contiguous, kvcached per-layer, native), every phase's
+  requests compared with native token by token and by top-5 logprobs, and the
+  co-start of the two kvcached servers;
+* ``python -m tests.gpu.vllm_e2e.limit --out DIR``: the limit case;
+* ``python -m tests.gpu.vllm_e2e.elastic --out DIR``: the elastic case.
+
+Each writes ``DIR/summary.json`` (``{"cases": {CASE: {CHECK: bool}}}`` with
+provenance) and its servers' logs; ``tests/compat/table.py`` makes the README's
+row from the summaries under ``benchmarks/results/h200/vllm-VERSION/``. Needs a
+GPU, vLLM with kvcached installed, and the gpu-vllm bundle's ``make_model.py``.
 """

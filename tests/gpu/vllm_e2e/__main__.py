@@ -1,4 +1,4 @@
-"""Run the GPU test plan: ``python -m tests.gpu.vllm_e2e --out DIR [--models ...] [--cases ...]``.
+"""Run the GPU test plan's model cases: ``python -m tests.gpu.vllm_e2e --out DIR [--models ...]``.
 
 Per model the three servers (kvcached contiguous, kvcached per-layer, native)
 start together on the one GPU and run the same phases; each check is a bool
