@@ -136,3 +136,99 @@ def test_the_block_pool_runs_over_026s_block_pool() -> None:
     assert all(b.ref_cnt == 0 for b in blocks)
     assert pool.reset_prefix_cache()
     assert planner.live_blocks() == 0  # every block is back with the planner
+
+
+# -- 0.26's own KVCacheManager over kvcached's pool (the generated allocate_slots wrapper) --
+NUM_BLOCKS = 2048  # 8 pages of 256 blocks
+
+
+@pytest.fixture(scope="module")
+def engine_patched():
+    """0.26's coordinator and manager groups installed (they pass through for
+    native pools, so the native manager below stays native)."""
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+
+    from kvcached.integrations.vllm.state import STATE
+
+    saved = STATE.active
+    STATE.active = True
+    modules = {"kv_cache_coordinator": kv_cache_coordinator, "kv_cache_manager": kv_cache_manager}
+    for group in plugin.groups(vllm.__version__):
+        if group.name in modules:
+            assert STATE.install(group, modules[group.name]), STATE.off_reason
+    yield kv_cache_manager
+    STATE.active = saved
+
+
+def _manager(kv_cache_manager, budget_pages: int | None = None):
+    from kvcached.integrations.vllm import engine
+    from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+    from tests.budgets import ExactBudget
+
+    config = _config(hybrid=False, num_blocks=NUM_BLOCKS)
+    planner = None
+    if budget_pages is not None:
+        g = planner_geometry(NUM_BLOCKS // 256, 256, 4 * MIB, 2 * MIB)
+        planner = StepPlanner(g, ExactBudget(budget_pages * g.page_bytes))
+        engine.ENGINE.pending = SimpleNamespace(
+            planner=planner, devices=["host-test"], instance=SimpleNamespace(name="unit"),
+            attach_pool=lambda pool: None,
+        )  # fmt: skip
+        engine.ENGINE.block_size = BLOCK
+    try:
+        manager = kv_cache_manager.KVCacheManager(
+            config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
+    finally:
+        engine.ENGINE.pending = None
+    return manager, planner
+
+
+def _run(manager, prompts: list[list[int]], concurrent: int) -> list[int | None]:
+    """Admit prompts ``concurrent`` at a time (prefill, one decode token, free):
+    each one's cache hit in tokens, or None for a miss."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    hasher = get_request_block_hasher(BLOCK, fn)
+    hits: list[int | None] = []
+    for start in range(0, len(prompts), concurrent):
+        live = []
+        for i, tokens in enumerate(prompts[start : start + concurrent]):
+            req = Request(f"r{start + i}", tokens, SamplingParams(max_tokens=8), None,
+                          block_hasher=hasher)  # fmt: skip
+            computed, n_computed = manager.get_computed_blocks(req)[:2]
+            blocks = manager.allocate_slots(req, len(tokens) - n_computed, n_computed, computed)
+            hits.append(None if blocks is None else n_computed)
+            if blocks is not None:
+                live.append(req)
+        for req in live:
+            req.num_computed_tokens = req.num_tokens
+            req.append_output_token_ids(7)
+            manager.allocate_slots(req, 1)
+        for req in live:
+            manager.free(req)
+    return hits
+
+
+def test_026s_manager_hits_as_native_and_misses_when_memory_runs_out(engine_patched) -> None:
+    import random
+
+    native, _ = _manager(engine_patched)
+    ours, planner = _manager(engine_patched, budget_pages=8)
+    assert type(ours.block_pool).__name__ == "KvcachedBlockPool"
+    assert type(native.block_pool).__name__ == "BlockPool"
+    rng = random.Random(3)
+    docs = [[rng.randrange(3, 500) for _ in range(rng.randint(100, 900))] for _ in range(4)]
+    prompts = [rng.choice(docs) + [rng.randrange(3, 500) for _ in range(50)] for _ in range(40)]
+    want = _run(native, prompts, concurrent=3)
+    assert _run(ours, prompts, concurrent=3) == want and any(want)
+    planner.blocks.check()
+    small, planner = _manager(engine_patched, budget_pages=2)  # page 0 + one: 511 blocks
+    big = [[rng.randrange(3, 500) for _ in range(6000)] for _ in range(3)]  # 375 blocks each
+    hits = _run(small, big, concurrent=3)
+    assert hits[0] == 0 and None in hits and planner.misses > 0
