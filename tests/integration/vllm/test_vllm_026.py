@@ -185,34 +185,9 @@ def _manager(kv_cache_manager, budget_pages: int | None = None):
 
 
 def _run(manager, prompts: list[list[int]], concurrent: int) -> list[int | None]:
-    """Admit prompts ``concurrent`` at a time (prefill, one decode token, free):
-    each one's cache hit in tokens, or None for a miss."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    from vllm_requests import run_requests
 
-    fn = get_hash_fn_by_name("sha256")
-    init_none_hash(fn)
-    hasher = get_request_block_hasher(BLOCK, fn)
-    hits: list[int | None] = []
-    for start in range(0, len(prompts), concurrent):
-        live = []
-        for i, tokens in enumerate(prompts[start : start + concurrent]):
-            req = Request(f"r{start + i}", tokens, SamplingParams(max_tokens=8), None,
-                          block_hasher=hasher)  # fmt: skip
-            computed, n_computed = manager.get_computed_blocks(req)[:2]
-            blocks = manager.allocate_slots(req, len(tokens) - n_computed, n_computed, computed)
-            hits.append(None if blocks is None else n_computed)
-            if blocks is not None:
-                live.append(req)
-        for req in live:
-            req.num_computed_tokens = req.num_tokens
-            req.append_output_token_ids(7)
-            manager.allocate_slots(req, 1)
-        for req in live:
-            manager.free(req)
-    return hits
+    return run_requests(manager, prompts, concurrent, BLOCK)
 
 
 def test_026s_manager_hits_as_native_and_misses_when_memory_runs_out(engine_patched) -> None:

@@ -41,18 +41,12 @@ VLLM_VERSION = require_engine_version(
 _env = dict(os.environ)
 try:
     import torch
-    from vllm import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
-    from vllm.v1.core.kv_cache_utils import (
-        get_kv_cache_config_from_groups,
-        get_request_block_hasher,
-        init_none_hash,
-    )
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.request import Request
     from vllm.v1.worker import utils as worker_utils
+    from vllm_requests import run_requests as run_vllm_requests
 finally:
     os.environ.clear()
     os.environ.update(_env)
@@ -209,38 +203,8 @@ def make_manager(budget_pages: int | None = None, cap_tokens: int = -1):
     return manager, planner
 
 
-_hasher = None
-
-
-def request(rid: str, tokens: list[int]):
-    global _hasher
-    if _hasher is None:
-        fn = get_hash_fn_by_name("sha256")
-        init_none_hash(fn)
-        _hasher = get_request_block_hasher(BLOCK, fn)
-    return Request(rid, tokens, SamplingParams(max_tokens=8), None, block_hasher=_hasher)
-
-
 def run_requests(manager, prompts: list[list[int]], concurrent: int = 1) -> list[int | None]:
-    """Admit prompts ``concurrent`` at a time (prefill, one decode token,
-    free); returns each one's cache hit in tokens, or None if it missed."""
-    hits: list[int | None] = []
-    for start in range(0, len(prompts), concurrent):
-        live = []
-        for i, tokens in enumerate(prompts[start : start + concurrent]):
-            req = request(f"r{start + i}", tokens)
-            computed, n_computed = manager.get_computed_blocks(req)[:2]
-            blocks = manager.allocate_slots(req, len(tokens) - n_computed, n_computed, computed)
-            hits.append(None if blocks is None else n_computed)
-            if blocks is not None:
-                live.append(req)
-        for req in live:
-            req.num_computed_tokens = req.num_tokens
-            req.append_output_token_ids(7)
-            manager.allocate_slots(req, 1)
-        for req in live:
-            manager.free(req)
-    return hits
+    return run_vllm_requests(manager, prompts, concurrent, BLOCK)
 
 
 def shared_prefix_prompts(seed: int, n: int) -> list[list[int]]:
