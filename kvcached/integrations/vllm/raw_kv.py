@@ -22,7 +22,6 @@ Everything here is arithmetic on the config; nothing touches memory but
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from kvcached.integrations.vllm.geometry import PLAN_GRANULARITY, PlanError, TensorShape, lanes_of
@@ -130,9 +129,9 @@ def pack(kv_cache_config: Any) -> Any | None:
     return replace(kv_cache_config, kv_cache_tensors=packed)
 
 
-def raw_tensors(kv_cache_config: Any, buf: Any, skip: Sequence[str] = ()) -> dict[str, Any]:
+def raw_tensors(kv_cache_config: Any, buf: Any) -> dict[str, Any]:
     """vLLM's raw tensor of every layer, as slices of kvcached's buffer ``buf``
-    (laid out as :func:`raw_shapes` says). Layers in ``skip`` get none."""
+    (laid out as :func:`raw_shapes` says)."""
     out: dict[str, Any] = {}
     offset = 0
     packed = is_packed(kv_cache_config)
@@ -142,7 +141,5 @@ def raw_tensors(kv_cache_config: Any, buf: Any, skip: Sequence[str] = ()) -> dic
         else:
             tensor = buf[offset : offset + t.size]
             offset += t.size
-        for name in t.shared_by:
-            if name not in skip:
-                out[name] = tensor
+        out.update(dict.fromkeys(t.shared_by, tensor))
     return out

@@ -105,9 +105,10 @@ def _serving() -> bool:
     return STATE.active and WORKER.allocating and WORKER.native_reason is None
 
 
-def _open_buffer(plan: Any, device: Any) -> tuple[Any, Any] | None:
-    """A new :class:`PageExecutor` for the pages ``plan()`` returns, and its
-    virtual buffer; ``None`` (logged once) when kvcached cannot page this cache."""
+def _open_buffer(plan: Any, device: Any) -> Any:
+    """The virtual buffer of a new :class:`PageExecutor` (``WORKER.executor``)
+    for the pages ``plan()`` returns; ``None`` (logged once) when kvcached
+    cannot page this cache."""
     from kvcached.integrations.vllm.executor import PageExecutor
     from kvcached.integrations.vllm.geometry import PlanError
 
@@ -124,7 +125,7 @@ def _open_buffer(plan: Any, device: Any) -> tuple[Any, Any] | None:
         WORKER.executor.close()
     executor = PageExecutor(driver, lanes)
     WORKER.executor = executor
-    return executor, executor.buffer()
+    return executor.buffer()
 
 
 def _log_allocated(hook: str, tensors: int, layers: int, layout: str) -> None:
@@ -164,12 +165,9 @@ def allocate_kv_cache(
     from kvcached.config import get_config
     from kvcached.integrations.vllm.geometry import plan_lanes
 
-    opened = _open_buffer(
-        lambda: plan_lanes(kv_cache_config, layout, get_config().page_size), device
-    )
-    if opened is None:
+    buf = _open_buffer(lambda: plan_lanes(kv_cache_config, layout, get_config().page_size), device)
+    if buf is None:
         return native(kv_cache_config, device, layout, kernel_block_sizes)
-    _, buf = opened
     kv_caches: dict[str, Any] = {}
     layers = 0
     for tensor in kv_cache_config.kv_cache_tensors:
@@ -216,12 +214,11 @@ def _raw_kv_tensors(kv_cache_config: Any, device: Any) -> Any:
     from kvcached.config import get_config
     from kvcached.integrations.vllm import raw_kv
 
-    opened = _open_buffer(
+    buf = _open_buffer(
         lambda: raw_kv.plan_raw_lanes(kv_cache_config, get_config().page_size), device
     )
-    if opened is None:
+    if buf is None:
         return None
-    _, buf = opened
     tensors = raw_kv.raw_tensors(kv_cache_config, buf)
     _log_allocated(
         "KV allocation",
