@@ -15,6 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+# The CPU tests' server harness reads process groups from /proc the same way.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "vllm"))
+from vllm_server import group_stats  # noqa: E402
+
 #: What a log must not contain (case-sensitive), whatever the case.
 BAD_LINES = ("Traceback (most recent call last)", "CUDA error", "RuntimeError: CUDA")
 #: kvcached's own failure lines (patch failures, switched off).
@@ -166,14 +170,8 @@ def post(url: str, body: Any, timeout: float = 600) -> tuple[int, bytes]:
 
 
 def group_alive(pgid: int) -> bool:
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+    """Whether a live (not zombie) process of process group ``pgid`` is left."""
+    return any(fields[0] != "Z" for _, fields in group_stats(pgid))
 
 
 def gpu_pids() -> set[int]:
@@ -188,19 +186,6 @@ def gpu_pids() -> set[int]:
     except Exception:
         return set()
     return {int(x) for x in out.split() if x.strip().isdigit()}
-
-
-def gpu_used_mib() -> int:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        return int(out.split()[0])
-    except Exception:
-        return -1
 
 
 #: vLLM 0.26 answers SIGINT by killing its engine core at once ("mode=abort
