@@ -9,7 +9,7 @@ else in serve branches on the engine's name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 #: One HTTP call: (method, path with query, JSON body or None).
@@ -109,24 +109,28 @@ def engine_kind(name: str) -> EngineKind:
         ) from None
 
 
-def read_activity(text: str, kind: EngineKind) -> tuple[float, float] | None:
-    """(requests running or waiting, sum of the request counters) from a
-    Prometheus exposition; None when it has none of ``kind``'s metrics."""
-    busy = total = 0.0
-    seen = False
+def read_gauges(text: str, names: Collection[str]) -> dict[str, float]:
+    """The sum of each of ``names``' samples in a Prometheus text exposition,
+    for the names that have any (labelled samples of one name add up)."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        name, _, rest = line.partition("{") if "{" in line else line.partition(" ")
-        name = name.strip()
-        if name in kind.busy_gauges or name in kind.request_counters:
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
             try:
                 value = float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
                 continue
-            seen = True
-            if name in kind.busy_gauges:
-                busy += value
-            else:
-                total += value
-    return (busy, total) if seen else None
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def read_activity(text: str, kind: EngineKind) -> tuple[float, float] | None:
+    """(requests running or waiting, sum of the request counters) from a
+    Prometheus exposition; None when it has none of ``kind``'s metrics."""
+    seen = read_gauges(text, (*kind.busy_gauges, *kind.request_counters))
+    if not seen:
+        return None
+    busy = sum(seen.get(name, 0.0) for name in kind.busy_gauges)
+    return busy, sum(seen.get(name, 0.0) for name in kind.request_counters)

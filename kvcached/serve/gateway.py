@@ -28,6 +28,8 @@ from typing import Any
 
 import aiohttp
 
+from kvcached.serve.engines import read_gauges
+
 #: A scrape waits at most this long for an engine's own /metrics.
 ENGINE_SCRAPE_S = 1.0
 
@@ -59,21 +61,6 @@ class GatewayReading:
             return None
         total = self.used_bytes + mappable
         return self.used_bytes / total if total > 0 else 1.0
-
-
-def read_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
-    """The sum of each of ``names``' samples in a Prometheus text exposition."""
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            try:
-                out[name] += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-    return out
 
 
 def kv_view(names: Sequence[str]) -> dict[str, tuple[int, int | None, int]]:
@@ -114,8 +101,8 @@ async def readings(models: Sequence[Any]) -> dict[str, GatewayReading]:
                 gauges = read_gauges(await resp.text(), (running, waiting))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
-        out[m.name].running = gauges[running]
-        out[m.name].waiting += gauges[waiting]
+        out[m.name].running = gauges.get(running, 0.0)
+        out[m.name].waiting += gauges.get(waiting, 0.0)
 
     loop = asyncio.get_running_loop()
     view = loop.run_in_executor(None, kv_view, [m.name for m in models])

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcached.control.view import InstanceRow
 from kvcached.serve import gateway
-from kvcached.serve.engines import ENGINE_KINDS
-from kvcached.serve.gateway import GatewayReading, read_gauges
+from kvcached.serve.engines import ENGINE_KINDS, read_gauges
+from kvcached.serve.gateway import GatewayReading
 from kvcached.serve.metrics import render_metrics
 from kvcached.serve.model import TTFT_BUCKETS
 from kvcached.serve.state import READY, WAKING
@@ -39,7 +39,8 @@ def test_read_gauges_sums_every_labelled_sample() -> None:
         'vllm:num_requests_waiting{model_name="m"} 4.0\n'
         "vllm:num_requests_waiting_by_reason 9.0\n"
     )
-    got = read_gauges(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:absent")
+    got = read_gauges(text, names)
     assert got == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 4.0}
 
 
