@@ -120,13 +120,15 @@ def test_b_reused_a_memory(elastic: ElasticRecord) -> None:
 
 
 def test_contended_requests_ok(elastic: ElasticRecord) -> None:
-    """Both loads at once need more than the device holds: requests wait or
-    are preempted (misses), every one still succeeds, the budget holds."""
+    """A's load on top of B's (started once B holds half the free memory)
+    needs more than the device holds: requests wait or are preempted
+    (misses), every one still succeeds, the budget holds."""
     r = _ok(elastic)
     assert len(r.contended) == 2 * len(r.a_requests)
     failed = [(c.status, c.error) for c in r.contended if not c.ok]
     assert not failed, failed[:3]
     assert r.contended_peak <= r.budget
+    assert r.contended_head_start_s is not None, "B's load never held half the free memory"
     assert r.contended_misses.get(r.a.name, 0) + r.contended_misses.get(r.b.name, 0) > 0, (
         "both loads together exceed the device: some allocation must have missed",
         r.contended_misses,

@@ -8,7 +8,8 @@ usage is read from the ledger (each instance's charged bytes), sampled every
 
 Elastic phases: (1) A gets its load; (2) A's prefix cache is reset; (3) B gets
 its load and its prefix cache is reset; (4) both get their loads at the same
-time (more than the device holds: requests wait or are preempted, none fails).
+time, B's first and A's once B holds half the free memory (more than the
+device holds: requests wait or are preempted, none fails).
 Three greedy probes per server run before and after.
 
 Limit phases, on B (A idle beside it), driven and read through ``kvctl``
@@ -48,6 +49,7 @@ PROBE_TOKENS = 32
 LIMIT_FILL = 24
 LIMIT_FILL_PROMPT = 1500
 LIMIT_WAIT_S = 5.0
+CONTENDED_HEAD_START_MAX_S = 120.0
 
 
 def elastic_options(ledger_dir: Path) -> ServerOptions:
@@ -95,6 +97,8 @@ class ElasticRecord:
     contended: list[Completion] = field(default_factory=list)
     contended_peak: int = 0
     contended_misses: dict[str, int] = field(default_factory=dict)
+    #: seconds from B's contended load to B holding half the free memory (None: never)
+    contended_head_start_s: float | None = None
     resets: list[bool] = field(default_factory=list)
     # limit phases (on B)
     limit_idle: int = 0
@@ -236,20 +240,7 @@ def run_elastic_case(
         rec.b_peak = sampler.peaks.get(rec.b.name, 0)
         rec.resets.append(b.reset_prefix_cache())
         with sampler:  # (4) both at once
-            results: dict[str, list[Completion]] = {}
-            threads = [
-                threading.Thread(
-                    target=lambda s=s, k=k, seed=seed: results.__setitem__(
-                        k, s.complete_all(load_prompts(seed), LOAD_OUTPUT, ignore_eos=True)
-                    )
-                )
-                for s, k, seed in ((a, "a", 300_000), (b, "b", 400_000))
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            rec.contended = results.get("a", []) + results.get("b", [])
+            run_contended(a, b, rec, sampler)
         rec.contended_peak = max(sampler.totals_at_peak.values(), default=0)
         rec.contended_misses = misses()
         rec.resets.append(a.reset_prefix_cache())
@@ -268,6 +259,31 @@ def run_elastic_case(
             r.kvcached_lines = kvcached_lines(server.log_text())
         (workdir / "elastic.json").write_text(json.dumps(rec.to_json(), indent=1, default=str))
     return rec
+
+
+def run_contended(a: VllmServer, b: VllmServer, rec: ElasticRecord, sampler: UsageSampler) -> None:
+    """Phase (4): B's load first, A's once B holds half of the memory the two
+    idle instances leave free. Each load alone needs more than that half
+    (``test_a_filled_memory``), so A's comes on top of B's: started at the
+    same moment, one engine could finish most of its load before the other's
+    grew (CI once saw no miss at all that way)."""
+    results: dict[str, list[Completion]] = {}
+
+    def load(server: VllmServer, key: str, seed: int) -> None:
+        results[key] = server.complete_all(load_prompts(seed), LOAD_OUTPUT, ignore_eos=True)
+
+    b_load = threading.Thread(target=load, args=(b, "b", 400_000))
+    start = time.monotonic()
+    b_load.start()
+    half = rec.b_idle + (rec.budget - rec.a_idle - rec.b_idle) // 2
+    while b_load.is_alive() and time.monotonic() - start < CONTENDED_HEAD_START_MAX_S:
+        if sampler.read()[0].get(rec.b.name, 0) >= half:
+            rec.contended_head_start_s = time.monotonic() - start
+            break
+        time.sleep(0.05)
+    load(a, "a", 300_000)
+    b_load.join()
+    rec.contended = results.get("a", []) + results.get("b", [])
 
 
 def run_limit_phases(
