@@ -2,7 +2,8 @@
 
 * ``EngineCore._initialize_kv_caches``: while vLLM builds its KV cache
   configs, ``num_blocks`` is rounded up to whole pages (the wrapped
-  ``get_kv_cache_config_from_groups`` / ``may_override_num_blocks``); then the
+  ``get_kv_cache_config_from_groups`` asks again with vLLM's own
+  ``num_gpu_blocks_override`` set to the rounded count); then the
   workers describe their buffers (``kvcached_describe``) and the engine core
   opens one ledger pool per rank and builds the :class:`StepPlanner`, before
   vLLM builds its scheduler.
@@ -41,7 +42,6 @@ class _Engine:
     """This process' engine-core state."""
 
     rounding_page_size: int | None = None  # set while vLLM sizes the KV cache
-    forced_blocks: int | None = None
     pending: Any = None  # an EngineContext waiting for vLLM to build its block pool
     block_size = 16
 
@@ -85,11 +85,15 @@ def _get_kv_cache_config_from_groups(
         return config  # the workers find the same and stay native
     if config.num_blocks % bpp == 0:
         return config
-    ENGINE.forced_blocks = -(-config.num_blocks // bpp) * bpp
+    # vLLM's own override of the block count (may_override_num_blocks reads it in
+    # every release) carries the rounded count into its config builder.
+    cache_config = vllm_config.cache_config
+    override = cache_config.num_gpu_blocks_override
+    cache_config.num_gpu_blocks_override = -(-config.num_blocks // bpp) * bpp
     try:
         return _paged(vllm_config, orig(vllm_config, kv_cache_groups, available_memory))[0]
     finally:
-        ENGINE.forced_blocks = None
+        cache_config.num_gpu_blocks_override = override
 
 
 def _paged(vllm_config: Any, config: Any) -> tuple[Any, list[Any]]:
@@ -118,12 +122,6 @@ def _paged(vllm_config: Any, config: Any) -> tuple[Any, list[Any]]:
                 STATE.version,
             )
     return config, raw_kv.raw_shapes(config)[0]
-
-
-def _may_override_num_blocks(vllm_config: Any, num_blocks: int) -> int:
-    num_blocks = original(_may_override_num_blocks)(vllm_config, num_blocks)
-    forced = ENGINE.forced_blocks
-    return num_blocks if forced is None else forced
 
 
 def _resolve_kv_cache_layout(
@@ -455,12 +453,13 @@ def check_kv_cache_utils(module: ModuleType, row: Release) -> str | None:
         module,
         "get_kv_cache_config_from_groups",
         ("vllm_config", "kv_cache_groups", "available_memory"),
-    ) or check_params(module, "may_override_num_blocks", ("vllm_config", "num_blocks"))
+    ) or check_params(  # what reads num_gpu_blocks_override, the rounding's carrier
+        module, "may_override_num_blocks", ("vllm_config", "num_blocks")
+    )
 
 
 def install_kv_cache_utils(patcher: Patcher, module: ModuleType, row: Release) -> None:
     patcher.replace(module, "get_kv_cache_config_from_groups", _get_kv_cache_config_from_groups)
-    patcher.replace(module, "may_override_num_blocks", _may_override_num_blocks)
 
 
 def check_coordinator(module: ModuleType, row: Release) -> str | None:

@@ -74,6 +74,43 @@ def _config(hybrid: bool, num_blocks: int = 256):
     return get_kv_cache_config_from_groups(vllm_config, groups, 0)
 
 
+@pytest.mark.parametrize("contiguous", ["true", "false"])
+def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(monkeypatch, contiguous) -> None:
+    """0.26's config builder, asked again with its own ``num_gpu_blocks_override``
+    at the count rounded up to whole pages (packed or per layer); the override
+    set before is back afterwards."""
+    from kvcached.config import reload_config
+    from kvcached.integrations.patching import MARKER, original
+    from kvcached.integrations.vllm import engine
+    from kvcached.integrations.vllm.state import STATE
+
+    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", contiguous)
+    reload_config()
+    monkeypatch.setattr(STATE, "active", True)
+    monkeypatch.setattr(STATE, "version", vllm.__version__)
+    monkeypatch.setattr(
+        engine._get_kv_cache_config_from_groups,
+        MARKER,
+        original(get_kv_cache_config_from_groups),
+        raising=False,
+    )
+    monkeypatch.setattr(engine.ENGINE, "rounding_page_size", 2 * MIB)
+    groups = [KVCacheGroupSpec([f"full{i}" for i in range(4)], _spec())]
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks_override=1000), kv_transfer_config=None
+    )
+    try:
+        config = engine._get_kv_cache_config_from_groups(vllm_config, groups, 0)
+    finally:
+        monkeypatch.undo()
+        reload_config()
+    assert raw_kv.is_packed(config) == (contiguous == "true")
+    bpp = raw_kv.plan_raw_lanes(config, 2 * MIB).blocks_per_page
+    assert 1000 % bpp, "the case needs a count that is not a whole number of pages"
+    assert config.num_blocks == -(-1000 // bpp) * bpp, (config.num_blocks, bpp)
+    assert vllm_config.cache_config.num_gpu_blocks_override == 1000
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["per-layer", "packed"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "two-groups"])
 def test_each_layers_block_lies_in_the_lanes_of_its_page(packed: bool, hybrid: bool) -> None:

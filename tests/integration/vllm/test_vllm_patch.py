@@ -25,7 +25,7 @@ from kvcached.config import reload_config
 from kvcached.integrations import vllm as vllm_plugin
 from kvcached.integrations.patching import MARKER, PatchGroup, original
 from kvcached.integrations.vllm import engine, worker
-from kvcached.integrations.vllm.geometry import plan_lanes
+from kvcached.integrations.vllm.geometry import blocks_per_page, plan_lanes, tensor_shapes
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
 from kvcached.integrations.vllm.state import STATE
 from kvcached.memory.planned import MAP
@@ -94,6 +94,32 @@ def kv_config(layout, num_blocks: int = 1024, hybrid: bool = False):
         )
         groups.append(KVCacheGroupSpec(["s0", "s1"], window))
     return get_kv_cache_config_from_groups(vllm_config_for(layout, num_blocks), groups, 0)
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
+def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(kvcached_on, layout) -> None:
+    """While the engine core sizes the KV cache, vLLM's config builder is asked
+    again with its own ``num_gpu_blocks_override`` at the count rounded up to
+    whole pages; the override set before is back afterwards."""
+    setattr(
+        engine._get_kv_cache_config_from_groups,
+        MARKER,
+        original(get_kv_cache_config_from_groups),
+    )
+    vllm_config = vllm_config_for(layout, 1000)
+    groups = [KVCacheGroupSpec(["a0", "a1"], SPEC)]
+    engine.ENGINE.rounding_page_size = 2 * MIB
+    try:
+        config = engine._get_kv_cache_config_from_groups(vllm_config, groups, 0)
+    finally:
+        engine.ENGINE.rounding_page_size = None
+    bpp = blocks_per_page(tensor_shapes(config, layout), 2 * MIB)
+    assert 1000 % bpp, "the case needs a count that is not a whole number of pages"
+    assert config.num_blocks == -(-1000 // bpp) * bpp, (config.num_blocks, bpp)
+    assert all(t.size % config.num_blocks == 0 for t in config.kv_cache_tensors)
+    assert vllm_config.cache_config.num_gpu_blocks_override == 1000
+    # outside the engine core's sizing (a worker's own call) nothing is rounded
+    assert engine._get_kv_cache_config_from_groups(vllm_config, groups, 0).num_blocks == 1000
 
 
 def kvcached_views(config, layout):
