@@ -206,9 +206,10 @@ def allocate_kv_cache(
     return kv_caches
 
 
-def _raw_kv_tensors(kv_cache_config: Any, device: Any) -> Any:
+def _raw_kv_tensors(kv_cache_config: Any, device: Any, runner: str) -> Any:
     """``kv_alloc = "raw"`` (vLLM 0.26): every layer's raw tensor as a slice of a
-    kvcached virtual buffer (:mod:`.raw_kv`), or ``None``: allocate natively."""
+    kvcached virtual buffer (:mod:`.raw_kv`), or ``None``: allocate natively.
+    ``runner`` ("V1" or "V2") is named in the log line, which the GPU runs read."""
     if not (_serving() and kv_cache_config.kv_cache_tensors):
         return None
     from kvcached.config import get_config
@@ -221,7 +222,7 @@ def _raw_kv_tensors(kv_cache_config: Any, device: Any) -> Any:
         return None
     tensors = raw_kv.raw_tensors(kv_cache_config, buf)
     _log_allocated(
-        "KV allocation",
+        f"{runner} runner's KV allocation",
         len(kv_cache_config.kv_cache_tensors),
         len(tensors),
         "packed" if raw_kv.is_packed(kv_cache_config) else "per-layer",
@@ -231,7 +232,7 @@ def _raw_kv_tensors(kv_cache_config: Any, device: Any) -> Any:
 
 def _allocate_raw_v2(kv_cache_config: Any, shared_layers: dict[str, str], device: Any) -> Any:
     """The V2 runner's ``attn_utils._allocate_kv_cache`` (0.26)."""
-    tensors = _raw_kv_tensors(kv_cache_config, device)
+    tensors = _raw_kv_tensors(kv_cache_config, device, "V2")
     if tensors is None:
         return original(_allocate_raw_v2)(kv_cache_config, shared_layers, device)
     return tensors
@@ -239,7 +240,7 @@ def _allocate_raw_v2(kv_cache_config: Any, shared_layers: dict[str, str], device
 
 def _allocate_raw_v1(self: Any, kv_cache_config: Any) -> Any:
     """The V1 runner's ``GPUModelRunner._allocate_kv_cache_tensors`` (0.26)."""
-    tensors = _raw_kv_tensors(kv_cache_config, self.device)
+    tensors = _raw_kv_tensors(kv_cache_config, self.device, "V1")
     if tensors is None:
         return original(_allocate_raw_v1)(self, kv_cache_config)
     return tensors

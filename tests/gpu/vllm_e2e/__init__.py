@@ -1,9 +1,10 @@
 """The seed PR's GPU test plan for vLLM, run against real vLLM servers on a GPU.
 
-* ``python -m tests.gpu.vllm_e2e --out DIR [--models ...] [--graphs]``: per model
-  three cases (kvcached contiguous, kvcached per-layer, native), every phase's
-  requests compared with native token by token and by top-5 logprobs, and the
-  co-start of the two kvcached servers;
+* ``python -m tests.gpu.vllm_e2e --out DIR [--models ...] [--graphs] [--runner v1]``:
+  per model three cases (kvcached contiguous, kvcached per-layer, native), every
+  phase's requests compared with native token by token and by top-5 logprobs,
+  and the co-start of the two kvcached servers; ``--runner`` picks vLLM 0.26's
+  model runner for every server (its default is V2 for dense models);
 * ``python -m tests.gpu.vllm_e2e.limit --out DIR``: the limit case;
 * ``python -m tests.gpu.vllm_e2e.elastic --out DIR``: the elastic case.
 

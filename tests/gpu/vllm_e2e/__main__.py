@@ -40,6 +40,14 @@ READY_S = 600.0
 #: (qwen2.5-0.5b's page is 4,096 tokens of 11.4 M), far less than native's 25.21 vs 0.89 GiB.
 PAGES_TOLERANCE = 1000
 
+#: --runner: which of vLLM 0.26's model runners every server uses. "auto" is
+#: vLLM's choice (V2 for dense generate models, V1 for MoE and hybrid ones).
+RUNNERS: dict[str, dict[str, str]] = {
+    "auto": {},
+    "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+    "v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+}
+
 KINDS = {
     "kvcached-contiguous": {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "true"},
     "kvcached-per-layer": {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "false"},
@@ -90,6 +98,7 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
             "KVCACHED_LOG_LEVEL": "info",
             "KVCACHED_IPC_NAME": f"e2e-{name}-{kind}",
             **KINDS[kind],
+            **RUNNERS[args.runner],
         }
         extra = [
             "--max-model-len",
@@ -158,6 +167,8 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
         key = "kvcached_active" if kind != "native" else "no_kvcached_line"
         c[key] = found[key]
         c["no_gpu_process_left"] = not r["gpu_process_left"]
+        if args.runner != "auto":
+            c["runner_as_asked"] = runner_as_asked(servers[kind].log, args.runner, kind)
         if kind != "native" and native and ph:
             seq_eq, seq_gap, seq_sets = compare(ph["gen_seq"], native["gen_seq"])
             apc_eq, apc_gap, apc_sets = True, 0.0, True
@@ -207,6 +218,15 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
             and abs(tokens[0] - tokens[1]) <= max(tokens) // PAGES_TOLERANCE,
         }
     return checks
+
+
+def runner_as_asked(log: Path, runner: str, kind: str) -> bool:
+    """vLLM says "Using V2 Model Runner" for V2 only; kvcached names the
+    runner whose KV allocation it served."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    v2 = "Using V2 Model Runner" in text
+    served = kind == "native" or f"{runner.upper()} runner's KV allocation patched" in text
+    return v2 == (runner == "v2") and served
 
 
 def kv_cache_tokens(log: Path) -> int | None:
@@ -271,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(MODELS))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (no --enforce-eager)")
+    ap.add_argument(
+        "--runner",
+        default="auto",
+        choices=list(RUNNERS),
+        help="vLLM's model runner on every server (VLLM_USE_V2_MODEL_RUNNER); "
+        "v1/v2 add the check runner_as_asked",
+    )
     ap.add_argument(
         "--native-util",
         type=float,

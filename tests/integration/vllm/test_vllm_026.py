@@ -138,6 +138,65 @@ def test_each_layers_block_lies_in_the_lanes_of_its_page(packed: bool, hybrid: b
             assert any(lo <= start and start + page <= lo + n for lo, n in runs), (t, b, runs)
 
 
+@pytest.mark.parametrize("runner", ["V1", "V2"])
+@pytest.mark.parametrize("packed", [False, True], ids=["per-layer", "packed"])
+def test_each_runners_hook_hands_vllm_its_own_tensors_in_kvcached_memory(
+    monkeypatch, tmp_path, caplog, runner: str, packed: bool
+) -> None:
+    """0.26's V1 runner (``GPUModelRunner._allocate_kv_cache_tensors``) and V2
+    runner (``attn_utils._allocate_kv_cache``), patched, return for every layer
+    a tensor of the size, dtype and aliasing vLLM's own allocation has, inside
+    kvcached's virtual buffer, and the log names the runner (the GPU runs'
+    ``runner_as_asked`` reads it). The H200 proved V2 serving; V1 serving is
+    GPU-only too (``python -m tests.gpu.vllm_e2e --runner v1``)."""
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvcached.config import reload_config
+    from kvcached.integrations.patching import MARKER
+    from kvcached.integrations.vllm import worker
+    from kvcached.integrations.vllm.state import STATE
+
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHED_HOST_DEVICE", "33")
+    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "256M")
+    reload_config()
+    monkeypatch.setattr(STATE, "active", True)
+    monkeypatch.setattr(STATE, "version", vllm.__version__)
+    monkeypatch.setattr(worker.WORKER, "allocating", True)
+    monkeypatch.setattr(worker.WORKER, "native_reason", None)
+    config = _config(hybrid=True)
+    if packed:
+        config = raw_kv.pack(config)
+    cpu = torch.device("cpu")
+    if runner == "V1":
+        native = GPUModelRunner._allocate_kv_cache_tensors
+        me = SimpleNamespace(device=cpu, runner_only_attn_layers=set())
+        monkeypatch.setattr(worker._allocate_raw_v1, MARKER, native, raising=False)
+        want, got = native(me, config), worker._allocate_raw_v1(me, config)
+    else:
+        native = attn_utils._allocate_kv_cache
+        monkeypatch.setattr(worker._allocate_raw_v2, MARKER, native, raising=False)
+        want, got = native(config, {}, cpu), worker._allocate_raw_v2(config, {}, cpu)
+    executor = worker.WORKER.executor
+    try:
+        assert executor is not None and set(got) == set(want)
+        lo, hi = executor.tensors.va, executor.tensors.va + executor.lanes.size
+        for name, tensor in want.items():
+            ours = got[name]
+            assert (ours.dtype, ours.numel()) == (tensor.dtype, tensor.numel()), name
+            assert lo <= ours.data_ptr() and ours.data_ptr() + ours.numel() <= hi, name
+        aliases = {n: {m for m in want if want[m] is want[n]} for n in want}
+        assert aliases == {n: {m for m in got if got[m].data_ptr() == got[n].data_ptr()}
+                           for n in got}  # fmt: skip
+        assert f"{runner} runner's KV allocation patched" in caplog.text
+    finally:
+        executor.close()
+        worker.WORKER.executor = None
+        monkeypatch.undo()
+        reload_config()
+
+
 def test_pack_keeps_vllms_layout_when_a_backend_cannot_view_it() -> None:
     config = _config(hybrid=False)
     spec = config.kv_cache_groups[0].kv_cache_spec
