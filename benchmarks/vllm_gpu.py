@@ -17,11 +17,16 @@ within a round; the result is their median with min and max over the rounds
 control's under ``control``. Written to ``benchmarks/results/h200/vllm-gpu.json``
 (``--out``) with its provenance block.
 
-    python benchmarks/vllm_gpu.py --model-dir /tmp/m --tokenizer word-level
+    python benchmarks/vllm_gpu.py --model llama-3.1-8b --device-args=--enforce-eager
 
-Needs an interpreter that imports vLLM with kvcached installed (its entry point);
-the model folder as ``tests/gpu/vllm_e2e`` makes it. ``--device-args`` passes
-arguments to every server (e.g. ``--enforce-eager``).
+Needs an interpreter that imports vLLM with kvcached installed (its entry point).
+``--model`` names one of ``tests/gpu/vllm_e2e``'s models, made on the spot with
+the gpu-vllm bundle's ``make_model.py`` (``--model-dir`` serves a folder
+instead). ``--device-args`` passes arguments to every server.
+
+A device call lasts at most 10 minutes: the result is written after every
+round (``"complete": false`` until the last), and a round that would end past
+``--deadline-s`` (counted from the start, with the servers' stop) is not begun.
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _provenance  # noqa: E402
 
+from tests.gpu.vllm_e2e.models import MODELS, make_model  # noqa: E402
 from tests.gpu.vllm_e2e.prompts import text, word_maker  # noqa: E402
 from tests.gpu.vllm_e2e.server import Server  # noqa: E402
 
 ROLES = ("baseline", "candidate", "control")
+#: Seconds the three servers' stop may take (each within 90 s; usually a few).
+STOP_S = 45.0
 
 
 def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -156,23 +164,39 @@ def ratios(rounds: list[dict], role: str) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--tokenizer", default="word-level", choices=("word-level", "byte-level"))
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
+    ap.add_argument("--model-dir", help="serve this folder instead of making --model")
+    ap.add_argument("--models-dir", default="/tmp/e2e-models")
+    ap.add_argument("--make-model", default=".gpu/vllm/make_model.py")
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="no round ends past it")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=8.0, help="requests/s, Poisson")
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--native-util", type=float, default=0.25)
     ap.add_argument("--device-args", default="", help="more server arguments, one string")
     ap.add_argument("--port", type=int, default=8200)
     ap.add_argument("--logs", default="/tmp/vllm-gpu-logs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/h200/vllm-gpu.json")
     args = ap.parse_args(argv)
+    t0 = time.monotonic()
     block = _provenance.start(argv)
-    common = ["--max-model-len", str(args.max_model_len), "--seed", "0", *args.device_args.split()]
+    spec = MODELS[args.model]
+    args.tokenizer = spec["tokenizer"]
+    if args.model_dir is None:
+        args.model_dir = str(make_model(args.model, Path(args.models_dir) / args.model,
+                                        args.make_model))  # fmt: skip
+    print(json.dumps({"model_ready_s": round(time.monotonic() - t0, 1)}), flush=True)
+    common = [
+        "--max-model-len",
+        str(spec["max_model_len"]),
+        "--seed",
+        "0",
+        *spec.get("args", []),
+        *args.device_args.split(),
+    ]
     servers = {}
     for i, role in enumerate(ROLES):
         kvcached = role == "candidate"
@@ -191,7 +215,28 @@ def main(argv: list[str] | None = None) -> int:
         )
     # kvcached first; each native one alone after it (vLLM's profiler counts memory
     # others take while it profiles as its own).
-    ready = {}
+    ready: dict[str, float | None] = {}
+    rounds: list[dict] = []
+    exits: dict[str, float | None] = {}
+
+    def write(complete: bool) -> dict[str, Any]:
+        result = {
+            "complete": complete,
+            **(ratios(rounds, "candidate") if rounds else {}),
+            "control": ratios(rounds, "control") if rounds else {},
+            "rounds": rounds,
+            "ready_s": ready,
+            "exit_s": exits,
+            "trace": {
+                k: getattr(args, k)
+                for k in ("requests", "rate", "min_prompt", "max_prompt", "max_tokens")
+            },
+            "model": args.model,
+            "model_dir": args.model_dir,
+        }
+        _provenance.write_result(args.out, result, block)
+        return result
+
     try:
         for role in ("candidate", "baseline", "control"):
             servers[role].start()
@@ -201,8 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         warm = request_set(args, 0)[0][:16]
         for s in servers.values():
             open_loop(s, warm, [0.0] * len(warm), args.max_tokens)
-        rounds = []
+        round_s = 0.0
         for k in range(args.rounds):
+            if time.monotonic() - t0 + 1.2 * round_s + STOP_S > args.deadline_s:
+                print(json.dumps({"deadline": f"round {k} not begun"}), flush=True)
+                break
+            began = time.monotonic()
             first, second = request_set(args, 1000 + 2 * k), request_set(args, 1001 + 2 * k)
             halves: dict[str, list[dict]] = {r: [] for r in ROLES}
             for order, (prompts, gaps) in ((ROLES, first), (ROLES[::-1], second)):
@@ -214,26 +263,15 @@ def main(argv: list[str] | None = None) -> int:
                     for role, hs in halves.items()
                 }
             )
+            round_s = time.monotonic() - began
             print(json.dumps({"round": k, **ratios(rounds[-1:], "candidate")}), flush=True)
+            write(complete=False)
     finally:
-        exits = {role: s.stop() for role, s in servers.items()}
-    result = {
-        **ratios(rounds, "candidate"),
-        "control": ratios(rounds, "control"),
-        "rounds": rounds,
-        "ready_s": ready,
-        "exit_s": exits,
-        "trace": {
-            k: getattr(args, k)
-            for k in ("requests", "rate", "min_prompt", "max_prompt", "max_tokens")
-        },
-        "model_dir": args.model_dir,
-    }
-    _provenance.write_result(args.out, result, block)
-    print(
-        json.dumps({k: result[k] for k in ("throughput_ratio", "p95_ttft_ratio", "p95_tpot_ratio")})
-    )
-    return 0
+        exits.update({role: s.stop() for role, s in servers.items()})
+    result = write(complete=len(rounds) == args.rounds)
+    keys = ("throughput_ratio", "p95_ttft_ratio", "p95_tpot_ratio")
+    print(json.dumps({k: result.get(k) for k in keys}), flush=True)
+    return 0 if rounds else 1
 
 
 if __name__ == "__main__":
