@@ -392,6 +392,20 @@ def _model(r: _Reader) -> ModelConfig:
             r.line_of("sleep"),
             r.where("sleep.level"),
         )
+    refused = m.kind.reload_refused_by
+    if (
+        refused is not None
+        and m.sleep.level == "weights"
+        and m.sleep.weights_level >= 2
+        and _arg_value(m.args, refused[0]) == refused[1]
+    ):
+        r.fail(
+            f"weights_level {m.sleep.weights_level} discards the weights and loads them "
+            f"again from the model's files on wake; {refused[0]} {refused[1]} has none to "
+            "load: use weights_level 1 or real weights",
+            r.line_of("sleep"),
+            r.where("sleep.weights_level"),
+        )
     if not m.ready_path.startswith("/"):
         r.fail(
             f"must be a URL path starting with '/', got {m.ready_path!r}",
@@ -399,6 +413,17 @@ def _model(r: _Reader) -> ModelConfig:
             r.where("ready_path"),
         )
     return m
+
+
+def _arg_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value an argv gives ``flag`` (``--flag value`` or ``--flag=value``; the last wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
 
 
 def parse_config(data: Any, source: str = "<config>") -> ServeConfig:  # noqa: ANN401

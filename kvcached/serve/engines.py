@@ -32,6 +32,11 @@ class EngineKind:
     #: the engine's own sleep and wake calls (``{level}``: ``sleep.weights_level``); None: none
     weights_sleep: Call | None = None
     weights_wake: Call | None = None
+    #: the wake after a sleep that discarded the weights (vLLM's level 2), in order; empty:
+    #: ``weights_wake`` serves every level
+    weights_reload: tuple[Call, ...] = ()
+    #: an engine argument (flag, value) with which ``weights_reload`` cannot work
+    reload_refused_by: tuple[str, str] | None = None
     health_path: str = "/health"
     metrics_path: str = "/metrics"
     #: gauges whose sum above zero means requests run or wait in the engine
@@ -66,10 +71,13 @@ class EngineKind:
         method, path, body = self.weights_sleep
         return method, path.replace("{level}", str(int(level))), body
 
-    def wake_call(self) -> Call:
+    def wake_calls(self, level: int) -> tuple[Call, ...]:
+        """The calls that wake it from a ``weights`` sleep at ``level``, in order."""
         if self.weights_wake is None:
             raise ValueError(f"engine={self.name!r} has no weights sleep API: vllm or sglang")
-        return self.weights_wake
+        if level >= 2 and self.weights_reload:
+            return self.weights_reload
+        return (self.weights_wake,)
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -83,6 +91,17 @@ ENGINE_KINDS: dict[str, EngineKind] = {
         # vLLM reads the level from the query string (a JSON body is ignored: level 1)
         weights_sleep=("POST", "/sleep?level={level}", None),
         weights_wake=("POST", "/wake_up", None),
+        # Level 2 discarded the weights: map their memory alone (the scheduler stays
+        # paused, so no request runs on garbage), load them again from the model's
+        # files, then map the KV cache, which resumes scheduling. vLLM's documented
+        # sequence (docs/features/sleep_mode.md); 0.26 has every call.
+        weights_reload=(
+            ("POST", "/wake_up?tags=weights", None),
+            ("POST", "/collective_rpc", {"method": "reload_weights"}),
+            ("POST", "/wake_up?tags=kv_cache", None),
+        ),
+        # reload_weights asks the model loader for the files' weights; the dummy loader has none
+        reload_refused_by=("--load-format", "dummy"),
         busy_gauges=("vllm:num_requests_running", "vllm:num_requests_waiting"),
         request_counters=("vllm:request_success_total", "vllm:prompt_tokens_total"),
     ),

@@ -544,11 +544,12 @@ class ModelRuntime:
             await self._died()
             return
         if self.record.sleep_level == "weights":
-            status = await self._engine_call(*self.kind.wake_call())
-            if status != 200:
-                await self._stop_process()
-                self._fail(f"the engine's wake call answered {status}", None)
-                return
+            for method, path, body in self.kind.wake_calls(self.config.sleep.weights_level):
+                status = await self._engine_call(method, path, body)
+                if status != 200:
+                    await self._stop_process()
+                    self._fail(f"the engine's wake call {method} {path} answered {status}", None)
+                    return
         await loop.run_in_executor(
             None, sleep_levels.kv_wake, self.name, self.record.restore_limit, self._kv_ledgers
         )

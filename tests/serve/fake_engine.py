@@ -12,8 +12,10 @@ body. Routes:
   (``"stream": true``: ``chunks`` SSE chunks, three by default,
   ``chunk_delay`` seconds apart, then ``[DONE]``); ``"fail": N`` answers status N with an OpenAI-style error body;
 * vLLM's ``POST /sleep`` (level read from the query string, as vLLM does),
-  ``POST /wake_up``, ``GET /is_sleeping``; SGLang's ``POST
-  /release_memory_occupation`` and ``/resume_memory_occupation``.
+  ``POST /wake_up`` (``?tags=weights`` wakes only the weights: it stays asleep
+  until the KV cache is woken too), ``POST /collective_rpc`` (``--fail-reload``:
+  answers 500, as vLLM does when its loader cannot reload), ``GET /is_sleeping``;
+  SGLang's ``POST /release_memory_occupation`` and ``/resume_memory_occupation``.
 """
 
 from __future__ import annotations
@@ -89,8 +91,15 @@ def main() -> None:
 
     async def wake(request: web.Request) -> web.Response:
         record(request, await request.read())
-        state["sleeping"] = False
+        if request.query.get("tags") != "weights":
+            state["sleeping"] = False
         return web.json_response({"status": "awake"})
+
+    async def collective_rpc(request: web.Request) -> web.Response:
+        record(request, await request.read())
+        if "--fail-reload" in args:
+            return web.json_response({"error": "reload failed (asked to fail)"}, status=500)
+        return web.json_response({"results": [None]})
 
     async def is_sleeping(request: web.Request) -> web.Response:
         return web.json_response({"is_sleeping": state["sleeping"]})
@@ -103,6 +112,7 @@ def main() -> None:
             web.post("/v1/chat/completions", completions),
             web.post("/sleep", sleep),
             web.post("/wake_up", wake),
+            web.post("/collective_rpc", collective_rpc),
             web.get("/is_sleeping", is_sleeping),
             web.post("/release_memory_occupation", sleep),
             web.post("/resume_memory_occupation", wake),

@@ -43,6 +43,13 @@ def test_every_engine_row_launches_and_only_rows_with_an_api_sleep_at_weights():
         assert argv[1:3] == ["-m", kind.module] and kind.weights_flag in argv
         assert m.environment({}).items() >= dict(kind.weights_env).items()
     assert engine_kind("vllm").sleep_call(2) == ("POST", "/sleep?level=2", None)
+    assert engine_kind("vllm").wake_calls(1) == (("POST", "/wake_up", None),)
+    assert [c[1] for c in engine_kind("vllm").wake_calls(2)] == [
+        "/wake_up?tags=weights",
+        "/collective_rpc",
+        "/wake_up?tags=kv_cache",
+    ]
+    assert engine_kind("sglang").wake_calls(2) == (("POST", "/resume_memory_occupation", {}),)
     with pytest.raises(ValueError, match="'tgi' is not a known engine: vllm, sglang, command"):
         engine_kind("tgi")
 
@@ -50,3 +57,18 @@ def test_every_engine_row_launches_and_only_rows_with_an_api_sleep_at_weights():
 def test_engine_activity_can_be_turned_off():
     doc = {"name": "m", "model": "/x", "sleep": {"level": "kv", "engine_activity": False}}
     assert parse_config({"models": [doc]}).models[0].sleep.engine_activity is False
+
+
+@pytest.mark.parametrize("form", [["--load-format", "dummy"], ["--load-format=dummy"]])
+def test_a_level_2_weights_sleep_needs_weights_it_can_reload(form):
+    """vLLM's reload_weights reads the model's files: the dummy loader has none,
+    so the first wake would fail; the config says so before anything starts."""
+    doc = {"name": "m", "model": "/x", "args": ["--enforce-eager", *form]}
+    doc["sleep"] = {"level": "weights", "weights_level": 2}
+    with pytest.raises(ValueError, match="weights_level 2 discards the weights"):
+        parse_config({"models": [doc]})
+    doc["sleep"] = {"level": "weights", "weights_level": 1}
+    assert parse_config({"models": [doc]}).models[0].sleep.weights_level == 1
+    doc["args"] = ["--load-format", "safetensors"]
+    doc["sleep"] = {"level": "weights", "weights_level": 2}
+    assert parse_config({"models": [doc]}).models[0].sleep.weights_level == 2

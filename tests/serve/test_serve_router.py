@@ -229,12 +229,57 @@ def test_weights_level_uses_each_engines_documented_endpoints(tmp_path):
             finally:
                 await c.close()
         v = [(x["method"], x["path"], x["query"], x["body"]) for x in calls(log_v)]
-        assert v[:2] == [("POST", "/sleep", "level=2", ""), ("POST", "/wake_up", "", "")]
+        # level 2 discarded the weights: weights mapped, reloaded, then the KV cache
+        assert v[:4] == [
+            ("POST", "/sleep", "level=2", ""),
+            ("POST", "/wake_up", "tags=weights", ""),
+            ("POST", "/collective_rpc", "", '{"method": "reload_weights"}'),
+            ("POST", "/wake_up", "tags=kv_cache", ""),
+        ]
         s = [(x["method"], x["path"], x["body"]) for x in calls(log_s)]
         assert s[:2] == [
             ("POST", "/release_memory_occupation", "{}"),
             ("POST", "/resume_memory_occupation", "{}"),
         ]
+
+    run(body())
+
+
+def test_a_level_2_wake_whose_reload_fails_fails_the_model_not_a_request_on_garbage(tmp_path):
+    """After the failed reload no KV-cache wake is sent (vLLM would resume
+    scheduling on discarded weights): the engine is stopped, the waiting request
+    gets 503 naming the call, and the model is failed."""
+    log = tmp_path / "v.log"
+    cfg = config(
+        tmp_path,
+        [
+            fake_model(
+                "v",
+                log,
+                engine="vllm",
+                extra=["--fail-reload"],
+                sleep={"level": "weights", "idle_after": 3600, "weights_level": 2},
+                restart={"policy": "never"},
+            )
+        ],
+        on_model_failure="keep-serving",
+    )
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            c = Client(serve.port)
+            try:
+                m = serve.models[0]
+                await until(lambda: m.state == "ready", what="ready")
+                assert (await c.post("/admin/models/v/sleep"))[0] == 200
+                status, doc, _ = await c.post("/v1/completions", {"model": "v"})
+                assert status == 503, doc
+                assert "POST /collective_rpc answered 500" in doc["error"]["message"]
+                assert m.state == "failed" and m.process is None
+            finally:
+                await c.close()
+        paths = [(x["path"], x["query"]) for x in calls(log)]
+        assert paths[-2:] == [("/wake_up", "tags=weights"), ("/collective_rpc", "")]
 
     run(body())
 
