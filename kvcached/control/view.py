@@ -53,6 +53,8 @@ class InstanceRow:
     backend: str = ""
     uptime_s: float = 0.0
     misses: int = 0
+    #: the bytes one page takes (the unit it grows by); 0 while it maps none
+    page_bytes: int = 0
     ledger: str = ""
     #: The model's state under ``kvcached serve`` (starting, ready, sleeping, waking,
     #: stopped, failed), from the router's snapshot; "" when no serve runs it.
@@ -165,6 +167,9 @@ def instance_rows(
             row.blocks_used += int(pool.get("blocks_used", 0))
             row.blocks_total += int(pool.get("blocks_total", 0))
             row.misses += int(pool.get("misses", 0))
+            pages = int(pool.get("pages_mapped", 0))
+            if pages > 0:
+                row.page_bytes = max(row.page_bytes, int(pool.get("bytes_mapped", 0)) // pages)
             row.backend = str(pool.get("backend", row.backend))
             row.ledger = str(pool.get("ledger", row.ledger))
             limit = pool.get("limit_bytes")

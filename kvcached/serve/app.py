@@ -359,7 +359,7 @@ def _remove_dead_snapshots() -> None:
 
 def _pressure_view(names: list[str]) -> dict[str, tuple[int, tuple[str, ...], int, int]]:
     """Per instance: (allocation misses, its GPUs, the least ledger headroom there,
-    its largest block page... the smallest unit it can grow by)."""
+    the headroom below which it cannot grow: see :func:`growth_unit`)."""
     from kvcached.control.view import gather
 
     rows, gpus = gather(problems=[])
@@ -368,15 +368,23 @@ def _pressure_view(names: list[str]) -> dict[str, tuple[int, tuple[str, ...], in
     for r in rows:
         if r.name not in names or r.gpu not in headroom:
             continue
-        misses, devs, room, page = out.get(r.name, (0, (), 1 << 62, 0))
-        unit = max(1, r.virtual_bytes // max(1, r.blocks_total)) * 32
+        misses, devs, room, unit = out.get(r.name, (0, (), 1 << 62, 0))
         out[r.name] = (
             misses + r.misses,
             (*devs, r.gpu),
             min(room, headroom[r.gpu]),
-            max(page, unit),
+            max(unit, growth_unit(r.virtual_bytes, r.blocks_total, r.page_bytes)),
         )
     return out
+
+
+def growth_unit(virtual_bytes: int, blocks_total: int, page_bytes: int) -> int:
+    """Headroom below which an instance is short of memory: 32 of its blocks, or
+    one page where a page is larger. Growth is granted a whole page at a time,
+    so an 8B Llama (128 MiB pages of 64 blocks) misses with 100 MiB of headroom
+    left, which 32 blocks (64 MiB) alone would not call pressure."""
+    block = max(1, virtual_bytes // max(1, blocks_total))
+    return max(32 * block, page_bytes)
 
 
 async def _main(config: ServeConfig, ready: Any = None) -> int:  # noqa: ANN401

@@ -102,6 +102,13 @@ def test_processes_of_one_instance_fold_into_one_row_and_the_ledger_is_the_truth
     assert "over-limit" in render_table([row]) and "revision 3" in render_status([row])
 
 
+def test_the_page_size_comes_from_the_mapped_bytes_and_pages():
+    (row,) = instance_rows([snap("s", 1, bytes_mapped=3 * 128 * MIB, pages_mapped=3)])
+    assert row.page_bytes == 128 * MIB
+    (row,) = instance_rows([snap("s", 1)])  # nothing mapped: not known
+    assert row.page_bytes == 0
+
+
 def test_an_instance_without_a_snapshot_is_listed_from_the_ledger_and_dead_ones_are_not():
     led = ledger(
         [inst(0, "bare", 8 * MIB), inst(1, "gone", 4 * MIB)],

@@ -398,6 +398,17 @@ def _exists(pid: int) -> bool:
     return True
 
 
+def test_pressure_counts_a_page_short_when_a_page_is_more_than_32_blocks():
+    from kvcached.serve.app import growth_unit
+
+    mib = 1 << 20
+    # an 8B Llama: 2 MiB blocks, 128 MiB pages (64 blocks): 100 MiB of headroom grows nothing
+    assert growth_unit(1024 * 2 * mib, 1024, 128 * mib) == 128 * mib
+    # small blocks in small pages: 32 blocks is the larger
+    assert growth_unit(1024 * mib, 1024, 8 * mib) == 32 * mib
+    assert growth_unit(1024 * mib, 1024, 0) == 32 * mib  # no page mapped yet
+
+
 def test_pressure_sleeps_the_least_recently_used_idle_model_on_that_gpu(tmp_path, monkeypatch):
     """The decision, from a ledger reading: a busy model whose misses grow on a GPU
     with no headroom makes the LRU idle model there sleep (not one on another GPU)."""
