@@ -142,6 +142,8 @@ class ModelRuntime:
         self._engine_requests: float | None = None  #: the engine's request counters, last read
         self.last_released_fraction: float | None = None
         self.last_kv_released = 0
+        self.last_sleep_s: float | None = None  #: the last sleep's duration, under the lock
+        self.last_wake_s: float | None = None  #: the last wake's, engine calls included
 
     # -- state ----------------------------------------------------------------------------
     @property
@@ -525,7 +527,8 @@ class ModelRuntime:
             self.record.sleep_level = "weights" if level == "weights" else "kv"
             self.slept_at = time.monotonic()
             self.counters.sleeps += 1
-            self.counters.sleep_seconds += time.monotonic() - began
+            self.last_sleep_s = time.monotonic() - began
+            self.counters.sleep_seconds += self.last_sleep_s
             self.set_state(
                 SLEEPING, f"{reason}; {held_before - left} of {held_before} KV bytes released"
             )
@@ -555,7 +558,8 @@ class ModelRuntime:
         )
         self.record.sleep_level = ""
         self.counters.wakes += 1
-        self.counters.wake_seconds += time.monotonic() - began
+        self.last_wake_s = time.monotonic() - began
+        self.counters.wake_seconds += self.last_wake_s
         self.last_end = time.monotonic()
         self.set_state(READY, f"woken in {1000 * (time.monotonic() - began):.1f} ms")
 
@@ -650,6 +654,8 @@ class ModelRuntime:
             "restarts": self.counters.restarts,
             "kv_released_fraction": self.last_released_fraction,
             "kv_released_bytes": self.last_kv_released,
+            "last_sleep_s": self.last_sleep_s,
+            "last_wake_s": self.last_wake_s,
         }
 
     async def close(self) -> None:

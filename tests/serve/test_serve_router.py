@@ -226,6 +226,8 @@ def test_weights_level_uses_each_engines_documented_endpoints(tmp_path):
                     assert doc["sleep_level"] == "weights"
                     assert (await c.get(f"/is_sleeping?model={name}"))[1]["is_sleeping"]
                     assert (await c.post("/v1/completions", {"model": name}))[0] == 200
+                    state = await c.state(name)
+                    assert state["last_sleep_s"] > 0 and state["last_wake_s"] > 0, state
             finally:
                 await c.close()
         v = [(x["method"], x["path"], x["query"], x["body"]) for x in calls(log_v)]
