@@ -1,5 +1,8 @@
 """Three models sharing one KV budget (kvcached) against a static split (native
-vLLM), on the real vLLM CPU engine, under intermittent peaks.
+vLLM) under intermittent peaks: on the real vLLM CPU engine (``--device cpu``,
+the default, below) or on a GPU (``--device gpu``: three vLLM servers of an 8B
+shape; the setup and why its trace differs from upstream's are in
+:mod:`multi_model_gpu`).
 
 Three vLLM CPU servers of tiny Llamas run at a time. ``kvcached``: every server
 has ``ENABLE_KVCACHED=true`` and its own ``KVCACHED_IPC_NAME``, and all three
@@ -42,47 +45,74 @@ plots (``multi_model_plot.py``).
     python benchmarks/multi_model.py            # the full run (about 25 minutes)
     python benchmarks/multi_model.py --short    # one small peak, one round (CI)
 
-:func:`launch` is the one place that starts a configuration's servers.
+**In parts** (a device call lasts at most 10 minutes): ``--deadline-s`` (the
+GPU's default 540) begins no configuration or peak that would end past it and
+the result is written after every peak, ``"complete": false`` until every
+(configuration, round, peak) ran; ``--resume RESULT`` keeps an earlier part's
+runs (its ``-requests.json`` and ``-trace.json`` beside it), replays its trace
+and runs only what it lacks. On the H200, with the gpu-vllm bundle::
+
+    source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
+      KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/multi_model.py --device gpu \\
+      --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h200/multi-model-gpu.json]
+
+then commit the three files as ``benchmarks/results/h200/multi-model-gpu*.json``
+and resume from them in the next call. Requests still running ``--drain-s``
+after a trace's last arrival are cut (the GPU's default 60 s: an overloaded
+static split would otherwise hold a call for minutes); a cut request's TTFT,
+if it had none yet, is the time it waited, a lower bound, so a cut favours
+the configuration that queues (``cut`` and ``ttft_censored`` per run say how
+many).
+
+:class:`Configuration` is the one place that starts a configuration's servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
-import io
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _provenance  # noqa: E402
+from multi_model_client import Run, Target, run_trace, wait_idle, warm_up  # noqa: E402
+from multi_model_gpu import (  # noqa: E402
+    GIB,
+    GPU_TRACE,
+    SHAPE,
+    GpuServers,
+    GpuSetup,
+    gpu_device,
+    kv_plan,
+    prepare_model,
+)
+from multi_model_stats import CONFIGS, peak_key, run_summary, summarize  # noqa: E402
 from multi_model_trace import (  # noqa: E402
     TraceSpec,
     file_sha256,
-    prompt_tokens,
     read_traces,
+    upstream_delay,
     write_traces,
 )
 from vllm_model import TINY_LLAMA_CONFIG  # noqa: E402
 from vllm_server import SERVED_MODEL_NAME, ServerError, ServerOptions, VllmServer  # noqa: E402
-from vllm_serving import group_cpu_s  # noqa: E402
 
 MODELS = ("mm-a", "mm-b", "mm-c")
-CONFIGS = ("kvcached", "native")
 MIB = 1 << 20
 #: The tiny Llama with 8 KV heads of 64: 4 KiB of KV per token, so a 4 MiB
 #: kvcached page (2 layers x 2 MiB) holds 1024 tokens, and a budget of a few
@@ -228,400 +258,13 @@ def stop(servers: list[VllmServer]) -> None:
         s.close()
 
 
-# -- requests ---------------------------------------------------------------------------------
-def send(port: int, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> dict[str, Any]:
-    """One streamed greedy completion: TTFT, end-to-end, the engine's queue
-    time, output tokens. Never raises for an HTTP or connection failure."""
-    body = json.dumps(
-        {
-            "model": SERVED_MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-    out: dict[str, Any] = {
-        "ok": False,
-        "ttft_s": None,
-        "e2e_s": None,
-        "queue_s": None,
-        "tokens": 0,
-        "error": None,
-    }
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    start = time.monotonic()
-    try:
-        conn.request(
-            "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
-        )
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
-            return out
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                ids = choice.get("token_ids") or []
-                if ids and out["ttft_s"] is None:
-                    out["ttft_s"] = time.monotonic() - start
-                out["tokens"] += len(ids)
-            queue_ms = (chunk.get("metrics") or {}).get("queue_time_ms")
-            if queue_ms is not None:
-                out["queue_s"] = queue_ms / 1e3
-        out["e2e_s"] = time.monotonic() - start
-        out["ok"] = out["ttft_s"] is not None and out["tokens"] == max_tokens
-        if not out["ok"]:
-            out["error"] = f"{out['tokens']} of {max_tokens} tokens"
-    except (OSError, ValueError) as exc:
-        out["error"] = repr(exc)
-    finally:
-        conn.close()
-    return out
-
-
-# -- sampling ---------------------------------------------------------------------------------
-def engine_metrics(port: int) -> dict[str, float]:
-    """``kv_cache_usage_perc``, ``num_requests_running`` and ``_waiting`` from
-    the server's ``/metrics`` (empty if it does not answer)."""
-    wanted = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode(errors="replace")
-    except OSError:
-        return {}
-    finally:
-        conn.close()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in wanted:
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[name.split(":", 1)[1]] = out.get(name.split(":", 1)[1], 0.0) + float(
-                    line.rsplit(" ", 1)[1]
-                )
-    return out
-
-
-def _kvctl_json(*args: str) -> Any:
-    """``kvctl ARGS --json`` run by kvctl's own code in this process (a new
-    interpreter every sample would take CPU from the kvcached servers alone);
-    None when it fails."""
-    from kvcached.cli import kvctl
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            kvctl.main([*args, "--json"])
-        except SystemExit:
-            return None
-    try:
-        return json.loads(buf.getvalue() or "null")
-    except ValueError:
-        return None
-
-
-def kvctl_ledger(ledger_dir: Path, gpu: str) -> dict[str, int]:
-    """``kvctl gpus --json`` for ``gpu``: the ledger's budget, charges, batched
-    refunds and headroom, in bytes (empty when not found)."""
-    rows = _kvctl_json("gpus", "--ledger-dir", str(ledger_dir)) or []
-    for g in rows:
-        if g.get("gpu") == gpu:
-            return {
-                k: int(g[k])
-                for k in ("budget_bytes", "charged_bytes", "released_bytes", "headroom_bytes")
-            }
-    return {}
-
-
-def kvctl_used(ledger_dir: Path, gpu: str) -> dict[str, dict[str, int]]:
-    """``kvctl list --json`` as ``{instance: {used_bytes, reserved_bytes,
-    misses}}`` for the instances on ``gpu`` (misses: allocations the budget
-    refused, so far)."""
-    rows = _kvctl_json("list", "--ledger-dir", str(ledger_dir)) or []
-    return {
-        r["name"]: {
-            "used_bytes": int(r["used_bytes"]),
-            "reserved_bytes": int(r["reserved_bytes"]),
-            "misses": int(r["misses"]),
-        }
-        for r in rows
-        if r.get("gpu") == gpu and r.get("state") != "dead"
-    }
-
-
-class Sampler:
-    """Every ``period_s``: per model its KV memory and running / waiting requests."""
-
-    def __init__(
-        self,
-        config: str,
-        setup: Setup,
-        servers: list[VllmServer],
-        ledger_dir: Path,
-        period_s: float,
-    ) -> None:
-        self.config, self.setup, self.servers = config, setup, servers
-        self.ledger_dir, self.period_s = ledger_dir, period_s
-        self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._t0 = 0.0
-
-    def __enter__(self) -> Sampler:
-        self._t0 = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def sample(self) -> dict[str, Any]:
-        t = time.monotonic() - self._t0
-        names = MODELS[: len(self.servers)]
-        kv = (
-            kvctl_used(self.ledger_dir, f"host-{self.setup.host_device}")
-            if self.config == "kvcached"
-            else {}
-        )
-        row: dict[str, Any] = {"t": round(t, 2)}
-        if self.config == "kvcached":
-            row["ledger"] = kvctl_ledger(self.ledger_dir, f"host-{self.setup.host_device}")
-        for name, server in zip(names, self.servers, strict=True):
-            m = engine_metrics(server.port)
-            row[name] = {
-                "kv_bytes": None,
-                "running": m.get("num_requests_running"),
-                "waiting": m.get("num_requests_waiting"),
-            }
-            if self.config == "kvcached":
-                inst = kv.get(name, {})
-                row[name]["kv_bytes"] = inst.get("used_bytes")
-                row[name]["misses"] = inst.get("misses")
-            elif m.get("kv_cache_usage_perc") is not None:
-                row[name]["kv_bytes"] = int(m["kv_cache_usage_perc"] * self.setup.static_bytes)
-        return row
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.sample())
-            self._stop.wait(self.period_s)
-
-
-# -- one run ----------------------------------------------------------------------------------
-@dataclass
-class Run:
-    config: str
-    round: int
-    peak: float
-    trace_seed: int
-    loadavg_start: float = 0.0
-    loadavg_end: float = 0.0
-    wall_s: float = 0.0
-    #: CPU seconds the servers' processes (API server, engine core, worker) used
-    #: during the run, per model: less sensitive to other work on the machine
-    #: than latency.
-    cpu_s: list[float] = field(default_factory=list)
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-
-
-def run_trace(
-    config: str,
-    rnd: int,
-    setup: Setup,
-    servers: list[VllmServer],
-    trace: dict[str, Any],
-    ledger_dir: Path,
-    sample_s: float,
-) -> Run:
-    """Replay one trace against ``servers`` (request ``model`` i goes to
-    server i) at its times; return every request's record and the samples."""
-    run = Run(
-        config,
-        rnd,
-        float(trace["spec"]["peak"]),
-        int(trace["seed"]),
-        loadavg_start=os.getloadavg()[0],
-    )
-    reqs = trace["requests"]
-    prompts = [prompt_tokens(r["prompt_seed"], r["prompt_len"]) for r in reqs]
-    results: list[dict[str, Any] | None] = [None] * len(reqs)
-    late: list[float] = [0.0] * len(reqs)
-
-    def one(i: int, t0: float) -> None:
-        r = reqs[i]
-        late[i] = time.monotonic() - t0 - r["t"]
-        results[i] = send(servers[r["model"]].port, prompts[i], r["max_tokens"])
-
-    cpu0 = [group_cpu_s(s) for s in servers]
-    with (
-        Sampler(config, setup, servers, ledger_dir, sample_s) as sampler,
-        ThreadPoolExecutor(max_workers=max(8, len(reqs))) as pool,
-    ):
-        t0 = time.monotonic()
-        for i, r in enumerate(reqs):
-            delay = t0 + r["t"] - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            pool.submit(one, i, t0)
-        pool.shutdown(wait=True)
-        run.wall_s = time.monotonic() - t0
-    run.samples = sampler.samples
-    run.cpu_s = [round(group_cpu_s(s) - c, 3) for s, c in zip(servers, cpu0, strict=True)]
-    run.loadavg_end = os.getloadavg()[0]
-    for i, r in enumerate(reqs):
-        res = results[i] or {"ok": False, "error": "not run"}
-        run.requests.append(
-            {"i": i, "model": r["model"], "t": r["t"], "late_s": round(late[i], 4), **res}
-        )
-    return run
-
-
-def wait_idle(servers: list[VllmServer], timeout_s: float = 120.0) -> None:
-    """Until no server has a request running or waiting (then 1 s more)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        busy = 0.0
-        for s in servers:
-            m = engine_metrics(s.port)
-            busy += m.get("num_requests_running", 1.0) + m.get("num_requests_waiting", 0.0)
-        if busy == 0:
-            break
-        time.sleep(0.5)
-    time.sleep(1.0)
-
-
-def warm_up(servers: list[VllmServer]) -> None:
-    """A few requests per server, so no first-request cost lands in a run."""
-    with ThreadPoolExecutor(max_workers=4 * len(servers)) as pool:
-        futures = [
-            pool.submit(send, s.port, prompt_tokens(10_000 + i, 200), 16)
-            for s in servers
-            for i in range(4)
-        ]
-        failed = [f.result()["error"] for f in futures if not f.result()["ok"]]
-    if failed:
-        raise ServerError(f"warm-up requests failed: {failed[0]}")
-
-
-# -- statistics -------------------------------------------------------------------------------
-def quantile(values: list[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default), q in 0..1."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    n = len(values)
-    return {
-        "n": n,
-        "mean": sum(values) / n if n else float("nan"),
-        "p50": quantile(values, 0.5),
-        "p99": quantile(values, 0.99),
-    }
-
-
-def run_summary(run: Run) -> dict[str, Any]:
-    ok = [r for r in run.requests if r.get("ok")]
-    return {
-        "config": run.config,
-        "round": run.round,
-        "peak": run.peak,
-        "trace_seed": run.trace_seed,
-        "requests": len(run.requests),
-        "failed": len(run.requests) - len(ok),
-        "loadavg_1m_start": run.loadavg_start,
-        "loadavg_1m_end": run.loadavg_end,
-        "wall_s": round(run.wall_s, 2),
-        "cpu_s": run.cpu_s,
-        "cpu_ms_per_token": 1e3 * sum(run.cpu_s) / max(1, sum(r["tokens"] for r in ok)),
-        "ttft_s": stats([r["ttft_s"] for r in ok]),
-        "e2e_s": stats([r["e2e_s"] for r in ok]),
-        "queue_s": stats([r["queue_s"] for r in ok if r.get("queue_s") is not None]),
-        "client_late_s_max": max((r["late_s"] for r in run.requests), default=0.0),
-        "samples": run.samples,
-    }
-
-
-def peak_key(peak: float) -> str:
-    return f"{peak:g}"
-
-
-def summarize(runs: list[Run], peaks: list[float]) -> dict[str, Any]:
-    """Per peak and configuration the TTFT, end-to-end and queue statistics
-    pooled over rounds; the speed-ups (native over kvcached); the controls
-    (round 0 over round 1 of one configuration); the servers' CPU time per
-    output token (``cpu_per_token_ratio``: kvcached over native)."""
-    out: dict[str, Any] = {
-        "ttft_s": {},
-        "e2e_s": {},
-        "queue_s": {},
-        "mean_ttft_speedup": {},
-        "p99_ttft_speedup": {},
-        "p50_ttft_speedup": {},
-        "mean_e2e_speedup": {},
-        "cpu_ms_per_token": {},
-        "cpu_per_token_ratio": {},
-        "control": {},
-    }
-    for metric in ("ttft_s", "e2e_s", "queue_s"):
-        for config in CONFIGS:
-            out[metric][config] = {}
-            for peak in peaks:
-                vals = [
-                    r[metric]
-                    for run in runs
-                    if run.config == config and run.peak == peak
-                    for r in run.requests
-                    if r.get("ok") and r.get(metric) is not None
-                ]
-                out[metric][config][peak_key(peak)] = stats(vals)
-    for peak in peaks:
-        k = peak_key(peak)
-        kv, nat = out["ttft_s"]["kvcached"][k], out["ttft_s"]["native"][k]
-        out["mean_ttft_speedup"][k] = nat["mean"] / kv["mean"]
-        out["p99_ttft_speedup"][k] = nat["p99"] / kv["p99"]
-        out["p50_ttft_speedup"][k] = nat["p50"] / kv["p50"]
-        out["mean_e2e_speedup"][k] = (
-            out["e2e_s"]["native"][k]["mean"] / out["e2e_s"]["kvcached"][k]["mean"]
-        )
-        cpu = {}
-        for config in CONFIGS:
-            sel = [run for run in runs if run.config == config and run.peak == peak]
-            tokens = sum(r["tokens"] for run in sel for r in run.requests if r.get("ok"))
-            cpu[config] = 1e3 * sum(sum(run.cpu_s) for run in sel) / max(1, tokens)
-        out["cpu_ms_per_token"][k] = cpu
-        out["cpu_per_token_ratio"][k] = cpu["kvcached"] / cpu["native"]
-    for config in CONFIGS:
-        ctrl: dict[str, dict[str, float]] = {"mean_ttft_ratio": {}, "p99_ttft_ratio": {}}
-        for peak in peaks:
-            by_round = sorted(
-                (run for run in runs if run.config == config and run.peak == peak),
-                key=lambda run: run.round,
-            )
-            if len(by_round) < 2:
-                continue
-            a = stats([r["ttft_s"] for r in by_round[0].requests if r.get("ok")])
-            b = stats([r["ttft_s"] for r in by_round[1].requests if r.get("ok")])
-            ctrl["mean_ttft_ratio"][peak_key(peak)] = a["mean"] / b["mean"]
-            ctrl["p99_ttft_ratio"][peak_key(peak)] = a["p99"] / b["p99"]
-        out["control"][config] = ctrl
+def targets_of(servers: list[VllmServer]) -> list[Target]:
+    """The CPU servers as targets: each serves :data:`SERVED_MODEL_NAME` and is
+    its own model's instance."""
+    out = []
+    for name, s in zip(MODELS, servers, strict=False):
+        assert s.proc is not None
+        out.append(Target(SERVED_MODEL_NAME, name, s.port, s.port, s.proc.pid))
     return out
 
 
@@ -656,6 +299,50 @@ def vllm_version() -> str:
 
 
 # -- main -------------------------------------------------------------------------------------
+#: Per device, the defaults of the trace and the run (``--device gpu``: see multi_model_gpu).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {
+        "peaks": [1.0, 2.0, 3.0, 4.0],
+        "rounds": 2,
+        "low": 0.25,
+        "slope": 0.5,
+        "hold_s": 8.0,
+        "tail_s": 6.0,
+        "prompt_min": 192,
+        "prompt_max": 320,
+        "max_tokens": 128,
+        "upstream_delay": False,
+        "sample_s": 0.5,
+        "utilization": Setup.utilization,
+        "drain_s": None,
+        "deadline_s": None,
+    },
+    "gpu": {
+        **{k: v for k, v in GPU_TRACE.items() if k != "upstream_delay"},
+        "upstream_delay": GPU_TRACE["upstream_delay"],
+        "rounds": 2,
+        "sample_s": 1.0,
+        "utilization": GpuSetup.utilization,
+        "drain_s": 60.0,
+        "deadline_s": 540.0,
+    },
+}
+#: --short (CI): one small peak, one round, a short trace, on the CPU
+SHORT = {
+    "peaks": [1.0],
+    "rounds": 1,
+    "slope": 1.0,
+    "hold_s": 4.0,
+    "tail_s": 2.0,
+    "max_tokens": 32,
+    "sample_s": 0.2,  # its requests are short: sample often enough to see them in flight
+    "plot": False,
+}
+#: seconds a configuration takes to start and warm up, and to stop (deadline estimates)
+START_S = {"cpu": 120.0, "gpu": 200.0}
+STOP_S = {"cpu": 30.0, "gpu": 60.0}
+
+
 def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
     return [
         TraceSpec(
@@ -669,6 +356,7 @@ def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
             prompt_max=args.prompt_max,
             max_tokens=args.max_tokens,
             overlap=args.overlap,
+            model_delay_s=upstream_delay(p) if args.upstream_delay else None,
         )
         for p in args.peaks
     ]
@@ -677,6 +365,12 @@ def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="cpu: vLLM's CPU build, tiny Llamas; gpu: vLLM on the GPU, an 8B shape",
+    )
+    ap.add_argument(
         "--short", action="store_true", help="CI mode: one small peak, one round, a short trace"
     )
     ap.add_argument(
@@ -684,7 +378,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         nargs="+",
         default=None,
-        help="peak rates in req/s per model (default 1 2 3 4; --short: 1)",
+        help="peak rates in req/s per model (cpu: 1 2 3 4; gpu: 1..6; --short: 1)",
     )
     ap.add_argument(
         "--rounds",
@@ -700,9 +394,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="replay this trace file instead of writing one from --seed",
     )
-    ap.add_argument("--low", type=float, default=0.25)
-    ap.add_argument("--slope", type=float, default=None, help="req/s per second (0.5)")
-    ap.add_argument("--hold-s", type=float, default=None, help="seconds at the peak (8)")
+    ap.add_argument("--low", type=float, default=None, help="req/s after the peak")
+    ap.add_argument("--slope", type=float, default=None, help="req/s per second")
+    ap.add_argument("--hold-s", type=float, default=None, help="seconds at the peak")
     ap.add_argument("--tail-s", type=float, default=None)
     ap.add_argument(
         "--overlap",
@@ -710,41 +404,93 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.5,
         help="share of a model's hold that the next model's ramp overlaps (0: one at a time)",
     )
-    ap.add_argument("--prompt-min", type=int, default=192)
-    ap.add_argument("--prompt-max", type=int, default=320)
-    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens (128)")
+    ap.add_argument(
+        "--upstream-delay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="models PEAK/4 + 2*PEAK s apart, as upstream (gpu: on; cpu: off, --overlap)",
+    )
+    ap.add_argument("--prompt-min", type=int, default=None)
+    ap.add_argument("--prompt-max", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens")
     ap.add_argument(
         "--kv-heads",
         type=int,
         default=MODEL_CONFIG["num_key_value_heads"],
-        help="attention and KV heads of the served model",
+        help="cpu: attention and KV heads of the served model",
     )
     ap.add_argument(
         "--head-dim",
         type=int,
         default=MODEL_CONFIG["head_dim"],
-        help="head size (the CPU attention backend takes 32, 64, 80, 96, 112, 128, ...)",
+        help="cpu: head size (the CPU attention backend takes 32, 64, 80, 96, 112, 128, ...)",
     )
-    ap.add_argument("--capacity-mib", type=int, default=Setup.capacity_mib)
-    ap.add_argument("--utilization", type=float, default=Setup.utilization)
-    ap.add_argument("--min-reserved", type=int, default=Setup.min_reserved)
-    ap.add_argument("--max-reserved", type=int, default=Setup.max_reserved)
+    ap.add_argument("--capacity-mib", type=int, default=Setup.capacity_mib, help="cpu")
     ap.add_argument(
-        "--sample-s", type=float, default=None, help="seconds between samples (0.5; --short: 0.2)"
+        "--utilization",
+        type=float,
+        default=None,
+        help="KVCACHED_GPU_UTILIZATION (cpu: 0.8 of --capacity-mib; gpu: 0.95)",
     )
+    ap.add_argument("--min-reserved", type=int, default=Setup.min_reserved, help="cpu")
+    ap.add_argument("--max-reserved", type=int, default=Setup.max_reserved, help="cpu")
+    ap.add_argument("--sample-s", type=float, default=None, help="seconds between samples")
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument(
         "--engine-cpus",
         choices=("spread", "auto"),
         default="spread",
-        help="spread: model i computes on CPU i mod n; auto: vLLM's own binding",
+        help="cpu: spread: model i computes on CPU i mod n; auto: vLLM's own binding",
+    )
+    ap.add_argument(
+        "--drain-s",
+        type=float,
+        default=None,
+        help="requests still running this long after a trace's last arrival are cut, "
+        "their TTFT a lower bound (gpu: 60; cpu: never)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="from the start: begin no configuration or peak that would end past it "
+        "(gpu: 540, one device call; cpu: none)",
+    )
+    ap.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a result of an earlier part (its -requests.json and -trace.json beside it): "
+        "keep its runs, replay its trace, run only what it lacks",
+    )
+    ap.add_argument("--model-dir", type=Path, default=None, help="gpu: serve this model folder")
+    ap.add_argument("--models-dir", type=Path, default=Path("/tmp/e2e-models"), help="gpu")
+    ap.add_argument("--make-model", default=".gpu/vllm/make_model.py", help="gpu")
+    ap.add_argument(
+        "--device-args",
+        default="--enforce-eager",
+        help="gpu: extra arguments of every vLLM server, one string",
+    )
+    ap.add_argument("--base-port", type=int, default=GpuSetup.base_port, help="gpu")
+    ap.add_argument(
+        "--kv-total-gib",
+        type=float,
+        default=None,
+        help="gpu: the KV memory of all models together (native: a third each); "
+        "default: the kvcached configuration's ledger budget once its servers are up",
+    )
+    ap.add_argument(
+        "--assume-e2e-s",
+        type=float,
+        default=18.0,
+        help="gpu: the end-to-end time the KV plan assumes per request",
     )
     ap.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="result JSON (default benchmarks/results/multi-model-cpu.json; "
-        "--short: in the work directory)",
+        help="result JSON (cpu: benchmarks/results/multi-model-cpu.json; gpu: "
+        "benchmarks/results/h200/multi-model-gpu.json; --short: in the work directory)",
     )
     ap.add_argument(
         "--workdir",
@@ -756,21 +502,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--plot",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="write the PNGs beside --out (default: on unless --short)",
+        help="write the PNGs beside --out once every run is done (default: on unless --short)",
     )
     args = ap.parse_args(argv)
-    short = args.short
-    defaults = {
-        "peaks": [1.0] if short else [1.0, 2.0, 3.0, 4.0],
-        "rounds": 1 if short else 2,
-        "slope": 1.0 if short else 0.5,
-        "hold_s": 4.0 if short else 8.0,
-        "tail_s": 2.0 if short else 6.0,
-        "max_tokens": 32 if short else 128,
-        # --short's requests are short: sample often enough to see them in flight.
-        "sample_s": 0.2 if short else 0.5,
-        "plot": not short,
-    }
+    if args.short and args.device != "cpu":
+        ap.error("--short is the CPU's CI mode")
+    defaults = {**DEFAULTS[args.device], "plot": True, **(SHORT if args.short else {})}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -778,6 +515,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--rounds {args.rounds}: must be 1 or more")
     if not 0 < args.utilization <= 1:
         ap.error(f"--utilization {args.utilization}: must be in (0, 1]")
+    if args.resume is not None and not args.resume.is_file():
+        ap.error(f"--resume {args.resume}: no such result file")
     return args
 
 
@@ -785,142 +524,367 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through every finally: servers are stopped
 
 
+@dataclass
+class Previous:
+    """An earlier part's result, read back for ``--resume``."""
+
+    runs: list[Run]
+    blocks: list[dict[str, Any]]
+    trace_path: Path
+    kv_total_bytes: int | None
+
+
+def read_previous(result_path: Path) -> Previous:
+    """The runs, blocks and trace of an earlier part (``result_path``, its
+    ``-requests.json`` and ``-trace.json`` beside it). Raises ValueError naming
+    the file that is missing or does not match."""
+    result = json.loads(result_path.read_text())
+    requests_path = result_path.with_name(result_path.stem + "-requests.json")
+    trace_path = result_path.with_name(result_path.stem + "-trace.json")
+    for p in (requests_path, trace_path):
+        if not p.is_file():
+            raise ValueError(f"--resume {result_path}: {p} is missing (written beside it)")
+    recorded = (result.get("trace") or {}).get("sha256")
+    if recorded and recorded != file_sha256(trace_path):
+        raise ValueError(f"--resume {result_path}: {trace_path} is not the trace it ran")
+    by_key = {
+        (r["config"], r["round"], float(r["peak"])): r["requests"]
+        for r in json.loads(requests_path.read_text())
+    }
+    runs = []
+    for s in result.get("runs", []):
+        key = (s["config"], s["round"], float(s["peak"]))
+        if key not in by_key:
+            raise ValueError(f"--resume {result_path}: {requests_path} lacks the run {key}")
+        runs.append(
+            Run(
+                s["config"],
+                s["round"],
+                float(s["peak"]),
+                int(s["trace_seed"]),
+                loadavg_start=s.get("loadavg_1m_start", 0.0),
+                loadavg_end=s.get("loadavg_1m_end", 0.0),
+                wall_s=s.get("wall_s", 0.0),
+                cpu_s=list(s.get("cpu_s", [])),
+                requests=by_key[key],
+                samples=list(s.get("samples", [])),
+                drain_s=s.get("drain_s"),
+            )
+        )
+    kv_total = (result.get("setup") or {}).get("kv_total_bytes")
+    return Previous(runs, list(result.get("blocks", [])), trace_path, kv_total)
+
+
+def remaining_s(deadline: float | None) -> float:
+    return float("inf") if deadline is None else deadline - time.monotonic()
+
+
+def trace_need_s(trace: dict[str, Any], drain_s: float | None) -> float:
+    """Seconds one trace takes at most: its arrivals, the drain, the idle wait."""
+    arrivals = trace.get("duration_s") or TraceSpec(**trace["spec"]).duration_s
+    return float(arrivals) + (drain_s if drain_s is not None else 60.0) + 15.0
+
+
+class Configuration:
+    """One configuration's servers on either device: :meth:`start` returns the
+    targets, :meth:`close` stops them. The one place servers are started."""
+
+    def __init__(
+        self, args: argparse.Namespace, config: str, workdir: Path, tag: str, **device: Any
+    ) -> None:
+        self.args, self.config, self.workdir, self.tag = args, config, workdir, tag
+        self.device = device
+        self.record: dict[str, Any] = {"config": config, "tag": tag}
+        self._cpu: list[VllmServer] = []
+        self._gpu: GpuServers | None = None
+
+    def start(self) -> list[Target]:
+        began = time.monotonic()
+        if self.args.device == "cpu":
+            self._cpu = launch(
+                self.config,
+                self.device["setup"],
+                self.device["model_dirs"],
+                self.workdir,
+                self.tag,
+                self.args.engine_cpus,
+            )
+            targets = targets_of(self._cpu)
+        else:
+            self._gpu = GpuServers(
+                self.device["setup"],
+                self.config,
+                self.workdir,
+                self.tag,
+                kv_share_bytes=self.device.get("kv_share_bytes"),
+            )
+            targets = self._gpu.start()
+            self.record["ready_s"] = self._gpu.ready_s
+        self.record["start_s"] = round(time.monotonic() - began, 1)
+        return targets
+
+    def kv_budget_bytes(self) -> int | None:
+        return self._gpu.kv_budget_bytes() if self._gpu is not None else None
+
+    def close(self) -> None:
+        if self._gpu is not None:
+            self.record["findings"] = self._gpu.findings()
+            self.record["stop_s"] = self._gpu.close()
+            self._gpu = None
+        stop(self._cpu)
+        self._cpu = []
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
+    gpu = args.device == "gpu"
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-multi-model-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    out = args.out or (
-        workdir / "multi-model-cpu.json"
-        if args.short
+    default_out = (
+        ROOT / "benchmarks" / "results" / "h200" / "multi-model-gpu.json"
+        if gpu
         else ROOT / "benchmarks" / "results" / "multi-model-cpu.json"
     )
-    setup = Setup(
-        capacity_mib=args.capacity_mib,
-        utilization=args.utilization,
-        models=args.models,
-        min_reserved=args.min_reserved,
-        max_reserved=args.max_reserved,
-    )
-    if args.trace is not None:
+    out = args.out or (workdir / "multi-model-cpu.json" if args.short else default_out)
+    previous = read_previous(args.resume) if args.resume is not None else None
+    trace_path = out.with_name(out.stem + "-trace.json")
+    if previous is not None:
+        if previous.trace_path.resolve() != trace_path.resolve():
+            trace_path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(previous.trace_path, trace_path)
+        doc = read_traces(trace_path)
+    elif args.trace is not None:
         trace_path = args.trace
         doc = read_traces(trace_path)
     else:
-        trace_path = out.with_name(out.stem + "-trace.json")
         doc = write_traces(trace_path, trace_specs(args), args.seed)
     traces = doc["traces"]
     peaks = [float(t["spec"]["peak"]) for t in traces]
     prov = _provenance.start(argv)
-    # The report's own commit fields, as the provenance block records them.
     info = {
         "machine": machine(),
         "vllm": vllm_version(),
         "commit": prov["commit"],
         "dirty": prov["tree_dirty"],
     }
-    served = model_config(args.kv_heads, args.head_dim)
-    model_dirs = write_models(workdir / "models", setup.models, served)
-    runs: list[Run] = []
+    if gpu:
+        info["gpu"] = gpu_device()
+    runs: list[Run] = list(previous.runs) if previous else []
+    blocks: list[dict[str, Any]] = list(previous.blocks) if previous else []
+    done = {(r.config, r.round, r.peak) for r in runs}
+    kv_total: int | None
+    if gpu:
+        model_dir = args.model_dir or prepare_model(args.models_dir, args.make_model)
+        served = json.loads((model_dir / "config.json").read_text())
+        gsetup = GpuSetup(
+            model_dir=model_dir,
+            models=MODELS[: args.models],
+            base_port=args.base_port,
+            utilization=args.utilization,
+            device_args=tuple(args.device_args.split()),
+        )
+        kv_total = (
+            int(args.kv_total_gib * GIB)
+            if args.kv_total_gib
+            else (previous.kv_total_bytes if previous else None)
+        )
+        model_dirs: list[Path] = []
+        setup = None
+    else:
+        setup = Setup(
+            capacity_mib=args.capacity_mib,
+            utilization=args.utilization,
+            models=args.models,
+            min_reserved=args.min_reserved,
+            max_reserved=args.max_reserved,
+        )
+        served = model_config(args.kv_heads, args.head_dim)
+        model_dirs = write_models(workdir / "models", setup.models, served)
+        kv_total = setup.budget_bytes
+    per_token = kv_bytes_per_token(served)
     print(
-        f"budget {setup.budget_bytes / MIB:.1f} MiB, native {setup.static_bytes / MIB:.2f} "
-        f"MiB each; peaks {peaks}; {args.rounds} round(s); trace {trace_path}",
+        f"[{args.device}] KV for all models {'(measured at start)' if kv_total is None else f'{kv_total / MIB:.1f} MiB'}; "
+        f"peaks {peaks}; {args.rounds} round(s); trace {trace_path}; "
+        f"{len(runs)} run(s) resumed from {args.resume}",
         flush=True,
     )
+
+    def write(complete: bool) -> dict[str, Any]:
+        configs_ran = tuple(c for c in CONFIGS if any(r.config == c for r in runs))
+        summary = summarize(runs, peaks, configs_ran) if runs else {}
+        share = kv_total // args.models if kv_total else None
+        report: dict[str, Any] = {
+            "benchmark": "multi_model",
+            "device": args.device,
+            "complete": complete,
+            "command": " ".join(
+                [
+                    "python",
+                    "benchmarks/multi_model.py",
+                    *(argv if argv is not None else sys.argv[1:]),
+                ]
+            ),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **info,
+            "short": args.short,
+            "trace": {
+                "file": str(
+                    trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT) else trace_path
+                ),
+                "seed": int(doc["seed"]),
+                "sha256": file_sha256(trace_path),
+                "specs": [t["spec"] for t in traces],
+            },
+            "setup": {
+                **(asdict(setup) if setup is not None else {}),
+                **(
+                    {
+                        "shape": SHAPE,
+                        "utilization": args.utilization,
+                        "device_args": args.device_args,
+                        "max_model_len": GpuSetup.max_model_len,
+                        "max_num_seqs": GpuSetup.max_num_seqs,
+                    }
+                    if gpu
+                    else {}
+                ),
+                "kv_total_bytes": kv_total,
+                "budget_bytes": kv_total,
+                "static_bytes": share,
+                "models": list(MODELS[: args.models]),
+                "model_config": served,
+                "kv_bytes_per_token": per_token,
+            },
+            "configs": args.configs,
+            "drain_s": args.drain_s,
+            "peaks": [peak_key(p) for p in peaks],
+            "rounds": args.rounds,
+            **summary,
+            "blocks": blocks,
+            "runs": [run_summary(r) for r in runs],
+        }
+        if not gpu:
+            report["engine_cpus"] = {
+                "mode": args.engine_cpus,
+                "workers": [engine_cpu(args.engine_cpus, i) for i in range(args.models)],
+            }
+        elif share:
+            prompt_mean = (args.prompt_min + args.prompt_max) / 2
+            report["plan"] = [
+                kv_plan(p, prompt_mean, args.max_tokens, per_token, share, args.assume_e2e_s)
+                for p in peaks
+            ]
+        prov["command"] = report["command"]  # as given, also when main() is called in-process
+        _provenance.write_result(out, report, prov, indent=1)
+        out.with_name(out.stem + "-requests.json").write_text(
+            json.dumps(
+                [
+                    {"config": r.config, "round": r.round, "peak": r.peak, "requests": r.requests}
+                    for r in runs
+                ],
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
+        return report
+
+    stopped = ""
     for rnd in range(args.rounds):
         order = args.configs if rnd % 2 == 0 else args.configs[::-1]
         for config in order:
-            started = time.monotonic()
-            servers = launch(
-                config, setup, model_dirs, workdir, f"{config}-r{rnd}", args.engine_cpus
+            todo = [t for t in traces if (config, rnd, float(t["spec"]["peak"])) not in done]
+            if not todo or stopped:
+                continue
+            if config == "native" and kv_total is None:
+                print(f"[native r{rnd}] skipped: its share comes from a kvcached block's ledger")
+                continue
+            need = START_S[args.device] + trace_need_s(todo[0], args.drain_s)
+            if remaining_s(deadline) < need + STOP_S[args.device]:
+                stopped = f"{config} r{rnd} not begun: {remaining_s(deadline):.0f} s left"
+                print(f"[deadline] {stopped}", flush=True)
+                continue
+            device: dict[str, Any] = (
+                {"setup": gsetup, "kv_share_bytes": kv_total // args.models if kv_total else None}
+                if gpu
+                else {"setup": setup, "model_dirs": model_dirs}
             )
-            print(f"[{config} r{rnd}] ready in {time.monotonic() - started:.0f} s", flush=True)
+            conf = Configuration(args, config, workdir, f"{config}-r{rnd}", **device)
+            blocks.append(conf.record)
             try:
-                warm_up(servers)
-                wait_idle(servers)
-                for trace in traces:
+                targets = conf.start()
+                print(f"[{config} r{rnd}] ready in {conf.record['start_s']:.0f} s", flush=True)
+                warm_up(targets)
+                wait_idle(targets)
+                if gpu and config == "kvcached" and kv_total is None:
+                    kv_total = conf.kv_budget_bytes()
+                    print(f"[kvcached r{rnd}] KV budget {kv_total / GIB:.2f} GiB", flush=True)
+                conf.record["kv_total_bytes"] = kv_total
+                for trace in todo:
+                    if (
+                        remaining_s(deadline)
+                        < trace_need_s(trace, args.drain_s) + STOP_S[args.device]
+                    ):
+                        stopped = f"{config} r{rnd} peak {trace['spec']['peak']:g} not begun"
+                        print(f"[deadline] {stopped}", flush=True)
+                        break
                     run = run_trace(
-                        config, rnd, setup, servers, trace, workdir / "ledger", args.sample_s
+                        config,
+                        rnd,
+                        targets,
+                        trace,
+                        workdir / "ledger",
+                        args.sample_s,
+                        kv_total // args.models if kv_total else 0,
+                        drain_s=args.drain_s,
                     )
-                    wait_idle(servers)
+                    wait_idle(targets)
                     runs.append(run)
+                    done.add((config, rnd, run.peak))
                     s = run_summary(run)
                     print(
                         f"[{config} r{rnd}] peak {run.peak:g}: {s['requests']} requests "
-                        f"({s['failed']} failed), TTFT mean {s['ttft_s']['mean']:.3f} s "
-                        f"p99 {s['ttft_s']['p99']:.3f} s, e2e mean {s['e2e_s']['mean']:.2f} "
-                        f"s, load {run.loadavg_start:.1f}->{run.loadavg_end:.1f}",
+                        f"({s['failed']} failed, {s['cut']} cut), TTFT mean "
+                        f"{s['ttft_s']['mean']:.3f} s p99 {s['ttft_s']['p99']:.3f} s, e2e mean "
+                        f"{s['e2e_s']['mean']:.2f} s, load "
+                        f"{run.loadavg_start:.1f}->{run.loadavg_end:.1f}",
                         flush=True,
                     )
+                    write(False)
+            except (RuntimeError, ServerError) as exc:
+                conf.record["error"] = repr(exc)
+                print(f"[{config} r{rnd}] failed: {exc!r}", flush=True)
+                stopped = stopped or f"{config} r{rnd} failed"
             finally:
-                stop(servers)
-    summary = summarize(runs, peaks) if set(args.configs) == set(CONFIGS) else {}
-    report: dict[str, Any] = {
-        "benchmark": "multi_model",
-        "command": " ".join(
-            ["python", "benchmarks/multi_model.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **info,
-        "short": args.short,
-        "trace": {
-            "file": str(
-                trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT) else trace_path
-            ),
-            "seed": int(doc["seed"]),
-            "sha256": file_sha256(trace_path),
-            "specs": [t["spec"] for t in traces],
-        },
-        "setup": {
-            **asdict(setup),
-            "budget_bytes": setup.budget_bytes,
-            "static_bytes": setup.static_bytes,
-            "models": list(MODELS[: setup.models]),
-            "model_config": served,
-            "kv_bytes_per_token": kv_bytes_per_token(served),
-        },
-        "configs": args.configs,
-        "engine_cpus": {
-            "mode": args.engine_cpus,
-            "workers": [engine_cpu(args.engine_cpus, i) for i in range(setup.models)],
-        },
-        "peaks": [peak_key(p) for p in peaks],
-        "rounds": args.rounds,
-        **summary,
-        "runs": [run_summary(r) for r in runs],
-    }
-    prov["command"] = report["command"]  # as given, also when main() is called in-process
-    _provenance.write_result(out, report, prov, indent=1)
-    raw = out.with_name(out.stem + "-requests.json")
-    raw.write_text(
-        json.dumps(
-            [
-                {"config": r.config, "round": r.round, "peak": r.peak, "requests": r.requests}
-                for r in runs
-            ],
-            separators=(",", ":"),
-        )
-        + "\n"
-    )
-    for peak in report["peaks"] if summary else []:
-        print(
-            f"peak {peak}: mean TTFT speed-up {summary['mean_ttft_speedup'][peak]:.2f}x, "
-            f"p99 {summary['p99_ttft_speedup'][peak]:.2f}x "
-            f"(kvcached {summary['ttft_s']['kvcached'][peak]['mean']:.3f} s, "
-            f"native {summary['ttft_s']['native'][peak]['mean']:.3f} s)"
-        )
-    print(f"-> {out}")
-    if args.plot and summary:
-        from multi_model_plot import plot_all, tag_of
+                conf.close()
+    wanted = {(c, r, p) for r in range(args.rounds) for c in args.configs for p in peaks}
+    complete = wanted <= done
+    report = write(complete)
+    for peak in report["peaks"] if complete else []:
+        if peak in report.get("mean_ttft_speedup", {}):
+            print(
+                f"peak {peak}: mean TTFT speed-up {report['mean_ttft_speedup'][peak]:.2f}x, "
+                f"p99 {report['p99_ttft_speedup'][peak]:.2f}x "
+                f"(kvcached {report['ttft_s']['kvcached'][peak]['mean']:.3f} s, "
+                f"native {report['ttft_s']['native'][peak]['mean']:.3f} s)"
+            )
+    print(f"-> {out} ({'complete' if complete else f'{len(wanted - done)} run(s) to go'})")
+    if args.plot and complete and "mean_ttft_speedup" in report:
+        try:
+            from multi_model_plot import plot_all, tag_of
 
-        for path in plot_all(report, out.parent, tag_of(out)):
-            print(f"-> {path}")
-    return 0
+            for path in plot_all(report, out.parent, tag_of(out)):
+                print(f"-> {path}")
+        except ImportError as exc:  # the GPU machine's bundle has no matplotlib
+            print(f"no plots ({exc}): python benchmarks/multi_model_plot.py {out} where it is")
+    return 0 if runs else 1
 
 
 def kv_bytes_per_token(c: dict[str, Any] = MODEL_CONFIG) -> int:
-    return (
-        2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * int(c["head_dim"]) * 2
-    )  # K and V, bf16
+    """K and V of every layer, bf16 (``head_dim`` or hidden size over heads)."""
+    head_dim = c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"])
+    return 2 * int(c["num_hidden_layers"]) * int(c["num_key_value_heads"]) * int(head_dim) * 2
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 Per model the arrival rate ramps like upstream's intermittent-peak trace: from
 0 up to the peak at ``slope`` req/s per second, held for ``hold_s``, down to
 ``low`` at the same slope, then ``low`` until the trace ends. Model ``m``
-starts its ramp ``m * stagger`` seconds in, where the stagger is the ramp up
-plus ``overlap`` of the hold: the next model climbs while the previous one is
-still at its peak, so peaks partly overlap. Arrivals are a Poisson process of
+starts its ramp ``m * stagger`` seconds in. By default the stagger is the ramp
+up plus ``overlap`` of the hold: the next model climbs while the previous one
+is still at its peak, so peaks partly overlap. ``model_delay_s`` sets it
+instead; :func:`upstream_delay` is upstream's ``MODEL_DELAY = PEAK/4 + 2*PEAK``
+(its ramp: 0 -> PEAK -> 1 req/s at +-1 req/s per second, no hold), under which
+one model peaks at a time while the models before it run at the low rate. Arrivals are a Poisson process of
 that rate (thinning), each request with a prompt length drawn from
 ``prompt_min..prompt_max`` and its own prompt seed; the prompt's token ids are
 derived from that seed (:func:`prompt_tokens`), so a trace file replays
@@ -39,6 +42,8 @@ class TraceSpec:
     prompt_min: int = 192
     prompt_max: int = 320
     max_tokens: int = 128
+    #: seconds between two models' ramps (None: ramp up + ``overlap`` of the hold)
+    model_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("peak", "slope"):
@@ -52,6 +57,8 @@ class TraceSpec:
             raise ValueError(
                 "TraceSpec: models >= 1, 1 <= prompt_min <= prompt_max, max_tokens >= 1"
             )
+        if self.model_delay_s is not None and self.model_delay_s < 0:
+            raise ValueError(f"TraceSpec.model_delay_s={self.model_delay_s} must be >= 0")
 
     @property
     def up_s(self) -> float:
@@ -63,6 +70,8 @@ class TraceSpec:
 
     @property
     def stagger_s(self) -> float:
+        if self.model_delay_s is not None:
+            return self.model_delay_s
         return self.up_s + self.overlap * self.hold_s
 
     @property
@@ -85,6 +94,13 @@ class TraceSpec:
         if x < self.down_s:
             return self.peak - self.slope * x
         return self.low
+
+
+def upstream_delay(peak: float) -> float:
+    """Upstream's ``MODEL_DELAY = RAMP_UP_DURATION/4 + RAMP_UP_DURATION*2`` at a
+    slope of 1 req/s per second (ramp up = ``peak`` seconds). Upstream's shell
+    divides whole numbers, so a peak that is a multiple of 4 gives its value exactly."""
+    return peak / 4 + 2 * peak
 
 
 def make_trace(spec: TraceSpec, seed: int) -> list[dict[str, Any]]:
@@ -118,10 +134,14 @@ def prompt_tokens(prompt_seed: int, length: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
-def write_traces(path: Path, specs: list[TraceSpec], seed: int) -> dict[str, Any]:
+def write_traces(
+    path: Path, specs: list[TraceSpec], seed: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Write one trace per spec (the seed of peak ``i`` is ``seed + i``) to
-    ``path`` and return the document."""
+    ``path`` and return the document (with ``extra``'s keys, e.g. a provenance
+    block, beside ``seed`` and ``traces``)."""
     doc = {
+        **(extra or {}),
         "seed": seed,
         "traces": [
             {

@@ -1,0 +1,171 @@
+"""The multi-model benchmark's GPU setup and its parts (benchmarks/multi_model.py
+--device gpu, multi_model_gpu.py): the servers' arguments, the KV arithmetic
+behind its trace, the defaults per device, and reading an earlier part back for
+--resume. The GPU run itself needs the H200; --short runs the CPU path in
+tests/integration/vllm/test_vllm_multi_model.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import multi_model as mm  # noqa: E402
+import multi_model_gpu as mg  # noqa: E402
+from multi_model_trace import TraceSpec, write_traces  # noqa: E402
+
+GIB = 1 << 30
+LLAMA_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+}
+
+
+def setup() -> mg.GpuSetup:
+    return mg.GpuSetup(model_dir=Path("/m"))
+
+
+def test_native_servers_get_a_fixed_share_and_kvcached_servers_none():
+    native = mg.server_args(setup(), "native", 27 * GIB)
+    i = native.index("--kv-cache-memory-bytes")
+    assert int(native[i + 1]) == 27 * GIB
+    # the start check must not refuse the second and third (free < 0.9 of the device)
+    assert native[native.index("--gpu-memory-utilization") + 1] == "0.05"
+    shared = mg.server_args(setup(), "kvcached", None)
+    assert "--kv-cache-memory-bytes" not in shared and "--gpu-memory-utilization" not in shared
+    for args in (native, shared):
+        assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
+        assert "--enable-per-request-metrics" in args
+        assert args[args.index("--max-model-len") + 1] == "4096"
+    with pytest.raises(ValueError, match="kv_share_bytes"):
+        mg.server_args(setup(), "native", None)
+    with pytest.raises(ValueError, match="config='static'"):
+        mg.server_args(setup(), "static", 1)
+
+
+def test_kvcached_servers_share_one_ledger_under_their_own_names(tmp_path):
+    env = mg.server_env(setup(), "kvcached", "mm-b", tmp_path / "ledger")
+    assert env["ENABLE_KVCACHED"] == "true" and env["KVCACHED_IPC_NAME"] == "mm-b"
+    assert env["KVCACHED_LEDGER_DIR"] == str(tmp_path / "ledger")
+    assert env["KVCACHED_GPU_UTILIZATION"] == "0.95"
+    assert mg.server_env(setup(), "native", "mm-b", tmp_path) == {"ENABLE_KVCACHED": "false"}
+
+
+def test_an_8b_token_is_128_kib_of_kv():
+    assert mm.kv_bytes_per_token(LLAMA_8B) == 128 * 1024
+    assert mm.kv_bytes_per_token({**LLAMA_8B, "head_dim": 64}) == 64 * 1024
+
+
+def test_kv_plan_is_littles_law_against_the_share():
+    plan = mg.kv_plan(4.0, 2560, 512, 128 * 1024, 27 * GIB, 18.0)
+    assert plan["in_flight"] == 72.0
+    held = 72 * (2560 + 256) * 128 * 1024
+    assert plan["kv_held_gib"] == round(held / GIB, 2)
+    assert plan["over_share"] == round(held / (27 * GIB), 2)
+
+
+def test_the_gpu_trace_binds_a_static_third_where_upstreams_never_does():
+    """The arithmetic of multi_model_gpu's docstring: a third of an H200's KV
+    budget (~27 GiB) holds upstream's requests at its highest peak, and not the
+    GPU trace's from peak 5 on (at 18 s end to end)."""
+    per_token, share = 128 * 1024, 27 * GIB
+    upstream = mg.kv_plan(20.0, 256, 256, per_token, share, 7.0)
+    assert upstream["over_share"] < 0.5
+    prompt_mean = (mg.GPU_TRACE["prompt_min"] + mg.GPU_TRACE["prompt_max"]) / 2
+    over = {
+        p: mg.kv_plan(p, prompt_mean, mg.GPU_TRACE["max_tokens"], per_token, share, 18.0)[
+            "over_share"
+        ]
+        for p in mg.GPU_TRACE["peaks"]
+    }
+    assert over[1.0] < 0.5 and over[2.0] < 1.0  # low load: no split notices
+    assert over[4.0] > 0.9 and over[5.0] > 1.1 and over[6.0] > 1.3  # the knee, and past it
+    # and a request fits the GPU servers' context
+    assert mg.GPU_TRACE["prompt_max"] + mg.GPU_TRACE["max_tokens"] <= setup().max_model_len
+
+
+def test_defaults_per_device():
+    cpu = mm.parse_args([])
+    assert cpu.peaks == [1.0, 2.0, 3.0, 4.0] and not cpu.upstream_delay
+    assert cpu.deadline_s is None and cpu.drain_s is None and cpu.prompt_max == 320
+    gpu = mm.parse_args(["--device", "gpu"])
+    assert gpu.peaks == mg.GPU_TRACE["peaks"] and gpu.upstream_delay
+    assert (gpu.prompt_min, gpu.prompt_max, gpu.max_tokens) == (2048, 3072, 512)
+    assert gpu.deadline_s == 540.0 and gpu.drain_s == 60.0 and gpu.utilization == 0.95
+    specs = mm.trace_specs(gpu)
+    assert [s.stagger_s for s in specs[:2]] == [2.25, 4.5]  # PEAK/4 + 2*PEAK
+    assert mm.parse_args(["--device", "gpu", "--peaks", "8"]).peaks == [8.0]
+    with pytest.raises(SystemExit):
+        mm.parse_args(["--device", "gpu", "--short"])
+    with pytest.raises(SystemExit):
+        mm.parse_args(["--resume", "/nonexistent/result.json"])
+
+
+def _part(tmp_path: Path) -> Path:
+    """An earlier part on disk: one kvcached run at peak 1 of a two-peak trace."""
+    out = tmp_path / "r.json"
+    trace = out.with_name("r-trace.json")
+    write_traces(trace, [TraceSpec(peak=1.0, models=3), TraceSpec(peak=2.0, models=3)], 5)
+    requests = [{"ok": True, "ttft_s": 0.1, "e2e_s": 1.0, "tokens": 4, "late_s": 0.0}]
+    summary = {
+        "config": "kvcached",
+        "round": 0,
+        "peak": 1.0,
+        "trace_seed": 5,
+        "wall_s": 12.0,
+        "cpu_s": [1.0, 2.0, 3.0],
+        "samples": [{"t": 0.0}],
+        "drain_s": None,
+    }
+    out.write_text(
+        json.dumps(
+            {
+                "trace": {"sha256": mm.file_sha256(trace)},
+                "setup": {"kv_total_bytes": 3 * GIB},
+                "blocks": [{"config": "kvcached", "tag": "kvcached-r0"}],
+                "runs": [summary],
+            }
+        )
+    )
+    out.with_name("r-requests.json").write_text(
+        json.dumps([{"config": "kvcached", "round": 0, "peak": 1.0, "requests": requests}])
+    )
+    return out
+
+
+def test_resume_reads_an_earlier_parts_runs_back(tmp_path):
+    prev = mm.read_previous(_part(tmp_path))
+    assert prev.kv_total_bytes == 3 * GIB and prev.blocks[0]["tag"] == "kvcached-r0"
+    [run] = prev.runs
+    assert (run.config, run.round, run.peak, run.trace_seed) == ("kvcached", 0, 1.0, 5)
+    assert run.requests[0]["ttft_s"] == 0.1 and run.cpu_s == [1.0, 2.0, 3.0]
+    # read back, it sums up as it did when measured
+    assert mm.run_summary(run)["ttft_s"]["mean"] == 0.1
+
+
+def test_resume_refuses_a_part_whose_files_do_not_match(tmp_path):
+    out = _part(tmp_path)
+    trace = out.with_name("r-trace.json")
+    trace.write_text(trace.read_text().replace('"seed":5', '"seed":6', 1))
+    with pytest.raises(ValueError, match="not the trace it ran"):
+        mm.read_previous(out)
+    out = _part(tmp_path)
+    out.with_name("r-requests.json").write_text("[]")
+    with pytest.raises(ValueError, match="lacks the run"):
+        mm.read_previous(out)
+    out.with_name("r-requests.json").unlink()
+    with pytest.raises(ValueError, match="r-requests.json is missing"):
+        mm.read_previous(out)
+
+
+def test_a_trace_is_given_its_arrivals_the_drain_and_the_idle_wait():
+    trace = {"spec": {"peak": 2.0}, "duration_s": 30.0}
+    assert mm.trace_need_s(trace, 60.0) == 105.0
+    assert mm.trace_need_s(trace, None) == 105.0  # no drain limit: a minute is assumed
+    assert mm.trace_need_s({"spec": {"peak": 2.0, "slope": 1.0}}, 0.0) > 0
