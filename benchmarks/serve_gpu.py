@@ -857,10 +857,15 @@ def prepare_model(run: Run) -> str:
     return str(path)
 
 
-def start_serve(run: Run, model_dir: str, names: tuple[str, ...]) -> dict[str, Any]:
-    run.port = free_port()
-    cfg = serve_config(model_dir, run.port, str(run.work / "state"), cpu=run.args.cpu,
-                       stop_after=run.args.stop_after)  # fmt: skip
+def start_serve(
+    run: Run, model_dir: str, names: tuple[str, ...], cfg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Start ``kvcached serve`` on ``cfg`` (default: this benchmark's :func:`serve_config`;
+    its ``port`` is then chosen here) and wait for ``/ready`` or every model's failure."""
+    if cfg is None:
+        cfg = serve_config(model_dir, free_port(), str(run.work / "state"), cpu=run.args.cpu,
+                           stop_after=run.args.stop_after)  # fmt: skip
+    run.port = cfg["port"]
     (run.logs / "serve.yaml").write_text(json.dumps(cfg, indent=1))
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -924,12 +929,14 @@ def stop_serve(run: Run, names: tuple[str, ...]) -> dict[str, Any]:
     return {"stop_s": round(time.monotonic() - began, 1), "clean": clean, "code": run.serve.poll()}
 
 
-def pack_logs(run: Run, names: tuple[str, ...]) -> None:
+def pack_logs(run: Run, names: tuple[str, ...], native: tuple[str, ...] = ("w1", "w2")) -> None:
+    """Read every engine's log for findings (``native``: those run without kvcached), then
+    pack the logs folder into ``logs.tar.gz`` and remove what was packed."""
     findings = {}
     for name in names:
         path = run.logs / f"{name}.log"
         if path.exists():
-            findings[name] = log_findings(path, kvcached=name not in ("w1", "w2"))
+            findings[name] = log_findings(path, kvcached=name not in native)
     run.result["engine_logs"] = findings
     with tarfile.open(run.logs / "logs.tar.gz", "w:gz") as tar:
         for path in sorted(run.logs.iterdir()):
