@@ -8,6 +8,10 @@ Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle ca
         KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/long_tail.py \\
         --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h200/multi-model-gpu.json]
 
+Beside ``--out`` it writes ``<out>-trace.json`` (the traces) and, for the K-th call
+of a resumed sweep, ``<out>/call-K/``: ``run.log`` (these progress lines) and
+``logs.tar.gz`` (serve's log, every engine's log, the configs).
+
 **The trace** (:func:`make_trace`, seeded, one per model count N, written to
 ``<out>-trace.json``; both configurations replay the same one). Models are ranked
 0..N-1; popularity is Zipf (weight ``1/(rank+1)**zipf_s``). A model's requests come
@@ -577,7 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     out = Path(args.out)
-    logs = out.with_suffix("")
+    old = json.loads(Path(args.resume).read_text()) if args.resume else None
+    call = len((old or {}).get("calls", [])) + 1 + bool(old)  # this device call's number
+    logs = out.with_suffix("") / f"call-{call}"  # run.log and logs.tar.gz of this call
     logs.mkdir(parents=True, exist_ok=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcached-long-tail-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -590,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     res["trace_spec"] = asdict(spec)
     if cpu:
         res["harness_check_only"] = "vLLM's CPU build and tiny Llamas: no GPU figure"
-    old = json.loads(Path(args.resume).read_text()) if args.resume else None
+    res["call"] = call
     all_names: list[str] = []
     everyone: list[str] = []  # every engine of every serve of this call (their logs)
     try:
@@ -689,7 +695,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         res.setdefault("shutdowns", []).append(sg.stop_serve(run, tuple(all_names)))
         native = [m for m in everyone if not cpu or m.startswith("s")]  # kvcached: false
-        sg.pack_logs(run, tuple(everyone), native=tuple(native))
+        try:
+            sg.pack_logs(run, tuple(everyone), native=tuple(native))
+        except OSError as exc:  # the results stand without the logs
+            res["logs_error"] = repr(exc)[:300]
         todo, res["skipped"] = pending(plan, res["steps"]) if "setup" in res else ([None], {})
         res["complete"] = not todo
         run.save()
