@@ -342,7 +342,11 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "models_per_gpu": per,
         "ratio": ratio,
-        "goal": {"target": "kvcached >= 2 x static", "met": None if ratio is None else ratio >= 2},
+        "goal": {
+            "target": "kvcached >= 2 x static",
+            # on the CPU static's fit is set (--static-fit), not found: no goal to meet
+            "met": None if ratio is None or result.get("harness_check_only") else ratio >= 2,
+        },
         "wake_s": {level: spread(v) for level, v in sorted(by_level.items())},
     }
 

@@ -126,6 +126,11 @@ def test_models_per_gpu_is_the_largest_n_met_with_every_smaller_one():
     head = lt.headline({"steps": {k: {**v, "wakes": []} for k, v in steps.items()}})
     assert head["models_per_gpu"] == {"static": 7, "kvcached": 8}
     assert head["goal"]["met"] is False and head["ratio"] == pytest.approx(8 / 7)
+    steps["kvcached-16"] = _step("kvcached", 16, True)
+    steps.pop("kvcached-11")
+    both = {"steps": {k: {**v, "wakes": []} for k, v in steps.items()}}
+    assert lt.headline(both)["goal"]["met"] is True  # 16 of 7
+    assert lt.headline({**both, "harness_check_only": "cpu"})["goal"]["met"] is None
 
 
 def test_memory_arithmetic_of_the_docstring():
