@@ -32,11 +32,13 @@ tokens and 32 output tokens, where the most popular model bursts 6 times and 8 o
 configuration's ``models_per_gpu`` is the largest N that meets it with every smaller
 N it measured meeting it too (:func:`models_per_gpu`: one miss below ends the count).
 
-**kvcached**: one ``kvcached serve`` of N models, all ``start: lazy``; before the
-first step the harness starts each (``/admin/.../wake``) and puts it to sleep, at
-most ``--wave`` starting at once (an engine holds its weights on the GPU while it
-starts). Idle models sleep ``idle_after`` (3 s) after their last request; a request
-to a sleeping model waits for its wake, which is what the SLO sees. Level: on the
+**kvcached**: one ``kvcached serve`` of N models, all ``start: lazy``; before a
+step the harness starts each new one (``/admin/.../wake``), sends it one short
+warm-up request (an engine's first-request costs are not a wake's) and puts it to
+sleep, at most ``--wave`` starting at once (an engine holds its weights on the GPU
+while it starts); static's engines get the same warm-up. Idle models sleep
+``idle_after`` (3 s) after their last request; a request to a sleeping model waits
+for its wake, which is what the SLO sees. Level: on the
 GPU an 8B model's weights are 14.96 GiB, its KV share 2 GiB and its CUDA context and
 activations ~2 GiB (18.96 GiB awake), so only the ``weights`` level frees enough for
 many models (the ``kv`` level frees only the KV: ~7 models fit awake, no more than
@@ -399,6 +401,7 @@ class Run(sg.Run):
         self.result.update(benchmark="long-tail", issue=24, steps={}, skipped={})
         del self.result["levels"], self.result["phases"]
         self.started: set[str] = set()
+        self.warmed: set[str] = set()
 
     def save(self) -> None:
         self.result["figures"] = headline(self.result)
@@ -426,6 +429,7 @@ def bring_up(run: Run, names: list[str]) -> dict[str, Any]:
         if status != 200:
             return {"name": name, "error": f"start: {status} {doc}"[:300]}
         run.started.add(name)
+        warm(run, [name])
         try:
             took, slept = run.sleep(name)
         except RuntimeError as exc:
@@ -439,6 +443,15 @@ def bring_up(run: Run, names: list[str]) -> dict[str, Any]:
         done = list(pool.map(one, new))
     run.say(f"bring-up of {len(new)} in {time.monotonic() - began:.1f} s: {done}")
     return {"engines": done, "s": round(time.monotonic() - began, 1)}
+
+
+def warm(run: Run, names: list[str]) -> None:
+    """One short request to each new engine, so that no step's TTFT carries an engine's
+    first-request costs (kernel set-up, allocator warm-up): a wake's cost is what is measured."""
+    for name in names:
+        if name not in run.warmed:
+            run.request(name, prompt_tokens(7, 16), 2, "warm-up")
+            run.warmed.add(name)
 
 
 def sleep_all(run: Run, names: list[str]) -> None:
@@ -517,6 +530,8 @@ def run_step(
     if config == "kvcached":
         step["bring_up"] = bring_up(run, served)
         sleep_all(run, served)
+    else:
+        warm(run, served)
     step["host_available_bytes"] = host_available()
     step["gpu"] = sg.parse_gpu(run.smi("--query-gpu=memory.used,memory.free,memory.total") or "")
     logs0 = {m: len(sg.engine_wake_times(run.engine_log(m))) for m in served}
