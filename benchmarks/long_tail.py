@@ -110,7 +110,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serve_gpu as sg  # noqa: E402  (its Run, serve start and stop, model, log packing)
-from multi_model_trace import prompt_tokens  # noqa: E402
+from multi_model_trace import prompt_tokens, trace_request  # noqa: E402
 from serve import http_json  # noqa: E402
 from vllm_server import free_port  # noqa: E402
 
@@ -179,15 +179,7 @@ def make_trace(spec: TraceSpec, n: int, seed: int) -> dict[str, Any]:
         lane_free[lane] = end + spec.gap_s
         t = t0
         while t < end:
-            requests.append(
-                {
-                    "t": round(t, 4),
-                    "model": model,
-                    "prompt_seed": rng.randrange(1 << 31),
-                    "prompt_len": rng.randint(spec.prompt_min, spec.prompt_max),
-                    "max_tokens": spec.max_tokens,
-                }
-            )
+            requests.append(trace_request(rng, t, model, spec))
             t += rng.expovariate(spec.burst_rate)
     requests.sort(key=lambda r: (r["t"], r["model"]))
     bursts.sort(key=lambda b: (b["start"], b["model"]))

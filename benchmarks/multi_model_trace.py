@@ -115,17 +115,21 @@ def make_trace(spec: TraceSpec, seed: int) -> list[dict[str, Any]]:
             if t >= spec.duration_s:
                 break
             if rng.random() * spec.peak < spec.rate(model, t):
-                requests.append(
-                    {
-                        "t": round(t, 4),
-                        "model": model,
-                        "prompt_seed": rng.randrange(1 << 31),
-                        "prompt_len": rng.randint(spec.prompt_min, spec.prompt_max),
-                        "max_tokens": spec.max_tokens,
-                    }
-                )
+                requests.append(trace_request(rng, t, model, spec))
     requests.sort(key=lambda r: (r["t"], r["model"]))
     return requests
+
+
+def trace_request(rng: random.Random, t: float, model: int, spec: Any) -> dict[str, Any]:  # noqa: ANN401
+    """One request of a trace at ``t``: its prompt's seed and length drawn from ``rng``
+    (in that order) within ``spec``'s ``prompt_min..prompt_max``."""
+    return {
+        "t": round(t, 4),
+        "model": model,
+        "prompt_seed": rng.randrange(1 << 31),
+        "prompt_len": rng.randint(spec.prompt_min, spec.prompt_max),
+        "max_tokens": spec.max_tokens,
+    }
 
 
 def prompt_tokens(prompt_seed: int, length: int) -> list[int]:
