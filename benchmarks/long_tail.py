@@ -77,12 +77,18 @@ M + 1 and 2 M (the goal: twice static's models; ``--kvcached-ns`` to go further)
 ``complete`` true once every planned step is done or skipped by the rule above. A
 step is begun only if its estimate (its new engines in waves of ``--wave``, each
 ``--start-s``: the slowest start measured so far, resumed steps' included, else
-150 s on the GPU; plus the trace and 30 s) and the shutdown (50 s) fit before
-``--deadline-s`` (540 s from this script's start). ``--resume PATH`` takes the steps
+120 s on the GPU; plus the trace and 30 s) and the shutdown (50 s) fit before
+``--deadline-s`` (540 s from this script's start), except the first step of a call
+that no whole call would hold (:func:`first_of_call_anyway`: it could never run
+otherwise; the device's 600 s limit is then the backstop, and the steps before it
+are written). ``--resume PATH`` takes the steps
 of an earlier result (its JSON: commit it between calls) and runs only the others;
-each step keeps the commit it measured. Estimated GPU calls: install and the 8B
-model ~1.5 min; static 7 engines ~2.5 min and a 52 s trace; kvcached 14 engines in
-three waves ~7.5 min and traces of 59 s and 101 s: two or three 10-minute calls.
+each step keeps the commit it measured. Estimated GPU calls (an 8B engine's start
+is a guess of 120 s until measured: a 1B engine took 74-104 s on the H200): each
+call ~60 s of install and model; call 1 static-7 (7 engines at once, a 51.5 s
+trace); call 2 kvcached-8 (two waves, 58.5 s); call 3 kvcached-14 (three waves,
+100.5 s, ~8.5 min: begun as the first step of a call). Three 10-minute calls, a
+session's 30 minutes of device time; starts faster than guessed fit more per call.
 """
 
 from __future__ import annotations
@@ -312,6 +318,14 @@ def measured_start_s(steps: dict[str, dict[str, Any]]) -> float | None:
     return max(starts) if starts else None
 
 
+def first_of_call_anyway(need_s: float, deadline_s: float) -> bool:
+    """Whether a step estimated at ``need_s`` that does not fit what is left is begun
+    anyway, as the first step of a call: when even a whole call (``deadline_s``, less
+    ~60 s of install and model and the shutdown) would not hold it, waiting for the next
+    call gains nothing, and the steps before it are already written."""
+    return need_s + SHUTDOWN_RESERVE_S > deadline_s - 60.0
+
+
 def spread(values: list[float]) -> dict[str, Any]:
     if not values:
         return {"n": 0}
@@ -519,6 +533,7 @@ def run_step(
     step["trace"] = {k: trace[k] for k in ("sha256", "duration_s", "seed")}
     step["trace"].update(requests=len(trace["requests"]), bursts=len(trace["bursts"]))
     step["served"], step["unserved"] = len(served), len(names) - len(served)
+    step["levels"] = {m: levels[m] for m in served}
     if config == "kvcached":
         step["bring_up"] = bring_up(run, served)
         sleep_all(run, served)
@@ -571,7 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gib", type=float, default=2.0, help="each model's KV (GPU)")
     p.add_argument("--idle-after", type=float, default=0.0, help="0: 3 s (GPU), 1 s (CPU)")
     p.add_argument("--wave", type=int, default=0, help="engines started at once (0: 5/2)")
-    p.add_argument("--start-s", type=float, default=0.0, help="a wave's start (0: 150/90 s)")
+    p.add_argument(
+        "--start-s", type=float, default=0.0, help="a wave's start (0: measured, else 120/90 s)"
+    )
     p.add_argument("--seed", type=int, default=24)
     p.add_argument("--models-dir", default="/tmp/e2e-models")
     p.add_argument("--make-model", default=".gpu/vllm/make_model.py")
@@ -608,6 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     if cpu:
         res["harness_check_only"] = "vLLM's CPU build and tiny Llamas: no GPU figure"
     res["call"] = call
+    # an earlier result's steps stay in the file even if this call breaks off early
+    done = (old or {}).get("steps", {})
+    res["steps"] = {k: s for k, s in done.items() if s.get("status") == "done"}
+    if old:
+        res["calls"] = [*old.get("calls", []), old.get("provenance")]
     all_names: list[str] = []
     everyone: list[str] = []  # every engine of every serve of this call (their logs)
     try:
@@ -633,8 +655,6 @@ def main(argv: list[str] | None = None) -> int:
                         "host_bytes": host, "l1_models": k1, "levels": levels_kv,
                         "plan": [step_key(c, n) for c, n in plan], "wave": args.wave}  # fmt: skip
         res["steps"] = merge_resumed(old, plan)
-        if old:
-            res["calls"] = [*old.get("calls", []), old.get("provenance")]
         traces = {n: make_trace(spec, n, args.seed) for _, n in plan}
         trace_path = out.with_name(out.stem + "-trace.json")
         trace_path.write_text(json.dumps({str(n): t for n, t in traces.items()}) + "\n")
@@ -643,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--resume: step {key}'s trace differs from this one's")
         run.say(f"plan {res['setup']['plan']}, resumed {sorted(res['steps'])}; static fit {fit}")
         run.save()
-        current = None
+        current, ran_here = None, False
         while True:
             todo, res["skipped"] = pending(plan, res["steps"])
             if not todo:
@@ -654,14 +674,17 @@ def main(argv: list[str] | None = None) -> int:
             names = model_names(config, served_n)
             new = len(names) if current != config else len(set(names) - run.started)
             if not start_s_given:  # measured once a step started engines, else a guess
-                args.start_s = measured_start_s(res["steps"]) or (90.0 if cpu else 150.0)
+                args.start_s = measured_start_s(res["steps"]) or (90.0 if cpu else 120.0)
             need = step_estimate_s(new, args.wave, args.start_s, traces[n]["duration_s"])
             if current not in (None, config):
                 need += SHUTDOWN_RESERVE_S
-            if run.left() < need + SHUTDOWN_RESERVE_S:
+            over = run.left() < need + SHUTDOWN_RESERVE_S
+            if over and (ran_here or not first_of_call_anyway(need, args.deadline_s)):
                 run.say(f"{key}: not begun, {run.left():.0f} s left, it needs ~{need:.0f} s "
                         f"(engine waves of {args.start_s:.0f} s: --start-s, --wave)")  # fmt: skip
                 break
+            if over:  # no call would give it more time: the device's limit is the backstop
+                run.say(f"{key}: needs ~{need:.0f} s, more than a call has; begun anyway")
             if current != config:
                 if current is not None:
                     res.setdefault("shutdowns", []).append(sg.stop_serve(run, tuple(all_names)))
@@ -689,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # recorded; the run goes on with the next step
                 step = {"config": config, "n": n, "status": f"error: {exc!r}"[:600]}
             step["elapsed_s"] = round(time.monotonic() - began, 1)
+            step["estimate_s"], step["begun_over_estimate"] = round(need), over
             res["steps"][key] = step
+            ran_here = True
             slo = step.get("slo", {})
             wake = spread([w["wake_s"] for w in step.get("wakes", []) if w["wake_s"] is not None])
             run.say(f"{key}: {step['status']}; SLO {slo}; TTFT {step.get('ttft_s')}; "

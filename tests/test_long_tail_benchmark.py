@@ -227,3 +227,11 @@ def test_a_wave_is_the_slowest_start_measured_so_far():
         },
     }
     assert lt.measured_start_s(steps) == 121.5
+
+
+def test_a_step_no_call_could_hold_is_begun_first_in_a_call():
+    # 14 engines in 3 waves of 120 s and the 100.5 s trace: more than a 540 s call holds
+    need = lt.step_estimate_s(14, 5, 120.0, 100.5)
+    assert lt.first_of_call_anyway(need, 540.0)
+    # 8 engines in 2 waves and 58.5 s fit a fresh call: wait for one instead
+    assert not lt.first_of_call_anyway(lt.step_estimate_s(8, 5, 120.0, 58.5), 540.0)
