@@ -33,8 +33,8 @@ configuration's ``models_per_gpu`` is the largest N that meets it with every sma
 N it measured meeting it too (:func:`models_per_gpu`: one miss below ends the count).
 
 **kvcached**: one ``kvcached serve`` of N models, all ``start: lazy``; before a
-step the harness starts each new one (``/admin/.../wake``), sends it one short
-warm-up request (an engine's first-request costs are not a wake's) and puts it to
+step the harness starts each new one (``/admin/.../wake``), sends it two warm-up
+requests of the longest prompt (an engine's first-request costs are not a wake's) and puts it to
 sleep, at most ``--wave`` starting at once (an engine holds its weights on the GPU
 while it starts); static's engines get the same warm-up. Idle models sleep
 ``idle_after`` (3 s) after their last request; a request to a sleeping model waits
@@ -435,7 +435,7 @@ def bring_up(run: Run, names: list[str]) -> dict[str, Any]:
         if status != 200:
             return {"name": name, "error": f"start: {status} {doc}"[:300]}
         run.started.add(name)
-        warm(run, [name])
+        warm(run, [name], run.args.warm_len)
         try:
             took, slept = run.sleep(name)
         except RuntimeError as exc:
@@ -451,12 +451,14 @@ def bring_up(run: Run, names: list[str]) -> dict[str, Any]:
     return {"engines": done, "s": round(time.monotonic() - began, 1)}
 
 
-def warm(run: Run, names: list[str]) -> None:
-    """One short request to each new engine, so that no step's TTFT carries an engine's
-    first-request costs (kernel set-up, allocator warm-up): a wake's cost is what is measured."""
+def warm(run: Run, names: list[str], prompt_len: int) -> None:
+    """Two requests of the trace's longest prompt to each new engine, together, so that no
+    step's TTFT carries an engine's first-request costs (kernel set-up for a shape,
+    allocator warm-up): a wake's cost is what is measured."""
+    batch = [prompt_tokens(seed, prompt_len) for seed in (7, 8)]
     for name in names:
         if name not in run.warmed:
-            run.request(name, prompt_tokens(7, 16), 2, "warm-up")
+            run.load(name, batch, 2, "warm-up")
             run.warmed.add(name)
 
 
@@ -538,7 +540,7 @@ def run_step(
         step["bring_up"] = bring_up(run, served)
         sleep_all(run, served)
     else:
-        warm(run, served)
+        warm(run, served, run.args.warm_len)
     step["host_available_bytes"] = host_available()
     step["gpu"] = sg.parse_gpu(run.smi("--query-gpu=memory.used,memory.free,memory.total") or "")
     logs0 = {m: len(sg.engine_wake_times(run.engine_log(m))) for m in served}
@@ -607,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         if cpu
         else TraceSpec()
     )
+    args.warm_len = spec.prompt_max
 
     out = Path(args.out)
     old = json.loads(Path(args.resume).read_text()) if args.resume else None
