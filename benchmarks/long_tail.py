@@ -470,6 +470,13 @@ def sleep_all(run: Run, names: list[str]) -> None:
                 run.sleep(name)
 
 
+def kv_misses(run: Run) -> dict[str, int]:
+    """Each kvcached instance's allocation misses so far (its snapshot, as ``kvctl list``)."""
+    with contextlib.suppress(Exception):
+        return {n: r["misses"] or 0 for n, r in run.ledger()["instances"].items()}
+    return {}
+
+
 class Watch(threading.Thread):
     """Polls the step's models' states: each wake (serve's ``last_wake_s``) and how
     many are awake at once."""
@@ -544,6 +551,7 @@ def run_step(
     step["host_available_bytes"] = host_available()
     step["gpu"] = sg.parse_gpu(run.smi("--query-gpu=memory.used,memory.free,memory.total") or "")
     logs0 = {m: len(sg.engine_wake_times(run.engine_log(m))) for m in served}
+    misses0 = kv_misses(run)
     t0 = time.monotonic()
     watch = Watch(run, served, levels, t0)
     watch.start()
@@ -553,6 +561,8 @@ def run_step(
         watch.stop.set()
         watch.join()
     step["replay_s"] = round(time.monotonic() - t0, 1)
+    misses = kv_misses(run)  # kvcached instances only: the CPU run's, not weights-level ones
+    step["kv_misses"] = {m: misses[m] - misses0.get(m, 0) for m in misses if m in served}
     step["slo"] = slo_check(records, run.args.slo_s)
     ok = [r for r in records if r["ok"]]
     step["ttft_s"] = spread([r["ttft_s"] for r in ok])
