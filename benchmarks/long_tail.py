@@ -6,7 +6,7 @@ Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle ca
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
         KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/long_tail.py \\
-        --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h200/multi-model-gpu.json]
+        --out $OUT/long-tail-gpu.json [--resume benchmarks/results/h200/long-tail-gpu.json]
 
 Beside ``--out`` it writes ``<out>-trace.json`` (the traces) and, for the K-th call
 of a resumed sweep, ``<out>/call-K/``: ``run.log`` (these progress lines) and
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     args.idle_after = args.idle_after or (1.0 if cpu else 3.0)
     results = ROOT / "benchmarks" / "results"
     args.out = args.out or str(
-        results / ("long-tail-cpu.json" if cpu else "h200/multi-model-gpu.json")
+        results / ("long-tail-cpu.json" if cpu else "h200/long-tail-gpu.json")
     )
     spec = (
         TraceSpec(burst_s=3.0, burst_rate=2.0, prompt_min=64, prompt_max=256, max_tokens=8)
