@@ -575,6 +575,24 @@ def read_previous(result_path: Path) -> Previous:
     return Previous(runs, list(result.get("blocks", [])), trace_path, kv_total)
 
 
+def long_tail_figures(path: Path) -> dict[str, Any]:
+    """The long-tail scenario's figures (``benchmarks/long_tail.py``'s result
+    beside this one), so that the GPU result carries ``models_per_gpu`` and its
+    SLO; what is missing says so."""
+    if not path.is_file():
+        return {"source": path.name, "models_per_gpu": None, "note": "long_tail.py has not run"}
+    lt = json.loads(path.read_text())
+    return {
+        "source": path.name,
+        "complete": lt.get("complete"),
+        "commit": lt.get("commit"),
+        "models_per_gpu": lt.get("models_per_gpu"),
+        "slo": lt.get("slo"),
+        "goal": lt.get("goal"),
+        "wake_s": lt.get("wake_s"),
+    }
+
+
 def remaining_s(deadline: float | None) -> float:
     return float("inf") if deadline is None else deadline - time.monotonic()
 
@@ -770,7 +788,10 @@ def main(argv: list[str] | None = None) -> int:
                 "mode": args.engine_cpus,
                 "workers": [engine_cpu(args.engine_cpus, i) for i in range(args.models)],
             }
-        elif share:
+        else:
+            report["long_tail"] = long_tail_figures(out.with_name("long-tail-gpu.json"))
+            report["models_per_gpu"] = report["long_tail"].get("models_per_gpu")
+        if gpu and share:
             prompt_mean = (args.prompt_min + args.prompt_max) / 2
             report["plan"] = [
                 kv_plan(p, prompt_mean, args.max_tokens, per_token, share, args.assume_e2e_s)

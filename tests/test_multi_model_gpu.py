@@ -169,3 +169,23 @@ def test_a_trace_is_given_its_arrivals_the_drain_and_the_idle_wait():
     assert mm.trace_need_s(trace, 60.0) == 105.0
     assert mm.trace_need_s(trace, None) == 105.0  # no drain limit: a minute is assumed
     assert mm.trace_need_s({"spec": {"peak": 2.0, "slope": 1.0}}, 0.0) > 0
+
+
+def test_the_gpu_result_carries_the_long_tail_figures_beside_it(tmp_path):
+    missing = mm.long_tail_figures(tmp_path / "long-tail-gpu.json")
+    assert missing["models_per_gpu"] is None and "has not run" in missing["note"]
+    (tmp_path / "long-tail-gpu.json").write_text(
+        json.dumps(
+            {
+                "complete": True,
+                "commit": "abc",
+                "models_per_gpu": {"kvcached": 14, "static": 7},
+                "slo": {"bound_s": 2.0},
+                "goal": {"met": True},
+                "wake_s": {},
+            }
+        )
+    )
+    got = mm.long_tail_figures(tmp_path / "long-tail-gpu.json")
+    assert got["models_per_gpu"] == {"kvcached": 14, "static": 7}
+    assert got["slo"] == {"bound_s": 2.0} and got["complete"] is True
