@@ -341,7 +341,7 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's figures from the steps so far."""
     steps = result["steps"]
     per = {c: models_per_gpu(steps, c) for c in CONFIGS}
-    wakes = [w for s in steps.values() if s.get("config") == "kvcached" for w in s["wakes"]]
+    wakes = [w for s in steps.values() if s.get("config") == "kvcached" for w in s.get("wakes", [])]
     by_level: dict[str, list[float]] = {}
     for w in wakes:
         if w.get("wake_s") is not None:

@@ -131,6 +131,9 @@ def test_models_per_gpu_is_the_largest_n_met_with_every_smaller_one():
     both = {"steps": {k: {**v, "wakes": []} for k, v in steps.items()}}
     assert lt.headline(both)["goal"]["met"] is True  # 16 of 7
     assert lt.headline({**both, "harness_check_only": "cpu"})["goal"]["met"] is None
+    # a step that raised is recorded without wakes: the figures still come out
+    both["steps"]["kvcached-20"] = _step("kvcached", 20, False, status="error: serve died")
+    assert lt.headline(both)["models_per_gpu"] == {"static": 7, "kvcached": 16}
 
 
 def test_memory_arithmetic_of_the_docstring():
