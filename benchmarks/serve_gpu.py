@@ -122,6 +122,7 @@ import serve as cpu_bench  # noqa: E402  (benchmarks/serve.py: its stream, http_
 from vllm_model import write_tiny_llama  # noqa: E402
 from vllm_server import free_port, group_stats  # noqa: E402
 
+from tests.gpu.vllm_e2e.models import make_model  # noqa: E402
 from tests.gpu.vllm_e2e.server import log_findings  # noqa: E402
 
 GIB = 1 << 30
@@ -137,7 +138,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "failed_requests": ("<=", 0),
 }
 #: seconds a phase is given before it begins (it is skipped when fewer are left)
-PHASE_NEED_S = {"kv": 40, "weights_l1": 60, "weights_l2": 90, "pressure": 100, "stop": 200}
+PHASE_NEED_S = {"kv": 40, "weights_l1": 60, "weights_l2": 90, "pressure": 110, "stop": 150}
 #: seconds kept for stopping serve, its engines and packing the logs
 SHUTDOWN_RESERVE_S = 50
 STOP_AFTER_S = 1.0
@@ -688,13 +689,13 @@ def phase_pressure(run: Run) -> dict[str, Any]:
         f"pressure: holders loaded; headroom {headroom / GIB:.2f} GiB, ballast {ballast_n / GIB:.2f} GiB"
     )
     ballast = []
-    left = ballast_n
-    while left > 0:
-        chunk = min(left, GIB)
-        ballast.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
-        left -= chunk
-    torch.cuda.synchronize()
-    try:
+    try:  # an allocation that fails part way must not leave the rest held
+        left = ballast_n
+        while left > 0:
+            chunk = min(left, GIB)
+            ballast.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+            left -= chunk
+        torch.cuda.synchronize()
         deadline = time.monotonic() + 8
         while True:
             led2 = run.ledger()
@@ -732,12 +733,16 @@ def phase_pressure(run: Run) -> dict[str, Any]:
                 )
                 grow_now = run.ledger()["instances"].get("grow", {}).get("used_bytes", 0)
                 grow_peak = max(grow_peak, grow_now)
-                if relieved is None and now > 45 and states[-1]["kv"] == "ready":
-                    relieved = now  # no pressure sleep came: let the requests finish
+                # No pressure sleep came (or one came and grow still waits): free the
+                # ballast so the requests finish inside the call.
+                stuck = (now > 45 and states[-1]["kv"] == "ready") or now > 75
+                if relieved is None and stuck:
+                    relieved = now
                     ballast.clear()
                     torch.cuda.empty_cache()
                     run.say(
-                        "pressure: no sleep within 45 s; ballast freed so nothing waits forever"
+                        f"pressure: grow still waiting {now:.0f} s in (kv "
+                        f"{states[-1]['kv']}); ballast freed so nothing waits forever"
                     )
                 time.sleep(0.1)
             done = [f.result() for f in futures]
@@ -834,20 +839,8 @@ def prepare_model(run: Run) -> str:
         run.result["model"] = {"shape": "tiny-llama (tests/integration/vllm)", "dir": str(path)}
         return str(path)
     path = Path(run.args.models_dir) / SHAPE
-    make_model = str(Path(run.args.make_model).resolve())
     began = time.monotonic()
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "from tests.gpu.vllm_e2e.models import make_model; "
-        "make_model(sys.argv[2], Path(sys.argv[3]), sys.argv[4])"
-    )
-    # In a process of its own: the weights it creates on the GPU go with it.
-    subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), SHAPE, str(path), make_model],
-        check=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    make_model(SHAPE, path, run.args.make_model)  # in a process of its own (models.py)
     run.result["model"] = {
         "shape": SHAPE,
         "dir": str(path),

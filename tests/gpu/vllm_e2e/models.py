@@ -9,6 +9,7 @@ then reads them; greedy outputs don't cycle as ``--load-format dummy``'s do).
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,30 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def make_model(name: str, out: Path, make_model_py: str) -> Path:
-    """Write model ``name`` to ``out`` (once: an existing folder is reused)."""
+    """Write model ``name`` to ``out`` (once: an existing folder is reused), in a
+    process of its own: make_model creates the weights on the GPU, and torch's
+    caching allocator would keep those ~16 GB (an 8B shape) reserved in this
+    process for the rest of the run, out of every engine's and ledger's memory."""
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
+    if not Path(make_model_py).is_file():
+        raise FileNotFoundError(f"--make-model {make_model_py}: not the bundle's make_model.py")
+    root = Path(__file__).resolve().parents[3]
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+        "from tests.gpu.vllm_e2e.models import make_model_here; "
+        "make_model_here(sys.argv[2], Path(sys.argv[3]), sys.argv[4])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(root), name, str(out), str(Path(make_model_py).resolve())],
+        check=True,
+        timeout=600,
+    )
+    return out
+
+
+def make_model_here(name: str, out: Path, make_model_py: str) -> Path:
+    """:func:`make_model` in this process (its child runs this)."""
     spec = importlib.util.spec_from_file_location("gv_make_model", make_model_py)
     if spec is None or spec.loader is None:
         raise FileNotFoundError(f"--make-model {make_model_py}: not the bundle's make_model.py")
