@@ -235,6 +235,24 @@ def models_per_gpu(steps: dict[str, dict[str, Any]], config: str) -> int | None:
     return best
 
 
+#: SLO bounds (s) the headline also counts models at, from the same requests: a
+#: level-2 wake reloads 16 GB of weights (seconds), so the first requests of a
+#: burst to such a model may pass 2 s where a looser SLO still holds
+SLO_BOUNDS_S = (2.0, 5.0, 10.0)
+
+
+def models_per_gpu_at(steps: dict[str, dict[str, Any]], config: str, bound_s: float) -> int | None:
+    """:func:`models_per_gpu` with the SLO's bound at ``bound_s``, recomputed from
+    each step's requests (the sweep stops after a miss at ``--slo-s``, so a looser
+    bound's count is a lower bound)."""
+    graded = {
+        k: {**s, "slo": slo_check(s["requests"], bound_s)}
+        for k, s in steps.items()
+        if s.get("status") == "done" and isinstance(s.get("requests"), list)
+    }
+    return models_per_gpu(graded, config)
+
+
 def l1_models(
     n: int,
     host_bytes: int,
@@ -356,6 +374,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
             "met": None if ratio is None or result.get("harness_check_only") else ratio >= 2,
         },
         "wake_s": {level: spread(v) for level, v in sorted(by_level.items())},
+        "models_per_gpu_by_slo_s": {
+            f"{b:g}": {c: models_per_gpu_at(steps, c, b) for c in CONFIGS} for b in SLO_BOUNDS_S
+        },
     }
 
 
@@ -595,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-ns", default="", help="default: fit (GPU), fit,fit+1 (CPU)")
     p.add_argument("--kvcached-ns", default="", help="default: fit+1,2*fit (GPU), 2,3,4 (CPU)")
     p.add_argument("--l1-models", type=int, default=-1, help="-1: from host memory")
+    p.add_argument(
+        "--host-gib",
+        type=int,
+        default=128,
+        help="the GPU machine's host memory at least (its MemTotal reads 31 GiB at start)",
+    )
     p.add_argument("--kv-gib", type=float, default=2.0, help="each model's KV (GPU)")
     p.add_argument("--idle-after", type=float, default=0.0, help="0: 3 s (GPU), 1 s (CPU)")
     p.add_argument("--wave", type=int, default=0, help="engines started at once (0: 5/2)")
@@ -660,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_ns = parse_ns(args.kvcached_ns) or ([2, 3, 4] if cpu else [fit + 1, 2 * fit])
         plan = plan_steps(static_ns, kv_ns)
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if not cpu:  # a Firecracker machine's MemTotal starts small and grows with use
+            host = max(host, args.host_gib << 30)
         n_max = max(kv_ns)
         k1 = args.l1_models if args.l1_models >= 0 else l1_models(n_max, host, weights)
         levels_kv = {m: ("kv" if cpu else (1 if r < k1 else 2))
@@ -713,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                 res.setdefault("startups", {})[config] = sg.start_serve(
                     run, model_dir, tuple(all_names), cfg
                 )
-                (logs / f"serve-{config}.yaml").write_text(json.dumps(cfg, indent=1))
+                (run.stage / f"serve-{config}.yaml").write_text(json.dumps(cfg, indent=1))
                 if config == "static":
                     run.started = set(all_names)
                 current = config

@@ -56,7 +56,8 @@ and runs only what it lacks. On the H200, with the gpu-vllm bundle::
       KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/multi_model.py --device gpu \\
       --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h200/multi-model-gpu.json]
 
-then commit the three files as ``benchmarks/results/h200/multi-model-gpu*.json``
+then commit what comes back (the JSON, its ``-requests.json``, ``-trace.json`` and
+``-logs-<first block>.tar.gz``) under ``benchmarks/results/h200/``
 and resume from them in the next call. Requests still running ``--drain-s``
 after a trace's last arrival are cut (the GPU's default 60 s: an overloaded
 static split would otherwise hold a call for minutes); a cut request's TTFT,
@@ -99,6 +100,7 @@ from multi_model_gpu import (  # noqa: E402
     GpuSetup,
     gpu_device,
     kv_plan,
+    pack_logs,
     prepare_model,
 )
 from multi_model_stats import CONFIGS, peak_key, run_summary, summarize  # noqa: E402
@@ -812,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         return report
 
     stopped = ""
+    call_tag = ""
     for rnd in range(args.rounds):
         order = args.configs if rnd % 2 == 0 else args.configs[::-1]
         for config in order:
@@ -879,6 +882,9 @@ def main(argv: list[str] | None = None) -> int:
                 stopped = stopped or f"{config} r{rnd} failed"
             finally:
                 conf.close()
+                if gpu:  # one tarball per call, named by its first block: parts keep theirs
+                    call_tag = call_tag or conf.tag
+                    pack_logs(workdir, out.with_name(f"{out.stem}-logs-{call_tag}.tar.gz"))
     wanted = {(c, r, p) for r in range(args.rounds) for c in args.configs for p in peaks}
     complete = wanted <= done
     report = write(complete)

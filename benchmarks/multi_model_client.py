@@ -10,6 +10,7 @@ import http.client
 import io
 import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from multi_model_trace import prompt_tokens
-from vllm_server import SERVED_MODEL_NAME, ServerError
-from vllm_server import group_cpu_s as process_group_cpu_s
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration" / "vllm"))
+
+from multi_model_trace import prompt_tokens  # noqa: E402
+from vllm_server import SERVED_MODEL_NAME, ServerError  # noqa: E402
+from vllm_server import group_cpu_s as process_group_cpu_s  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -78,15 +81,24 @@ def send(
         conn.request(
             "POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"}
         )
+        sock = conn.sock  # the response reads through it, also after conn lets go of it
         resp = conn.getresponse()
         if resp.status != 200:
             out["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
             return out
-        for raw in resp:
-            line = raw.strip()
-            if deadline is not None and time.monotonic() >= deadline:
-                out["cut"] = True
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    out["cut"] = True
+                    break
+                # A timeout bounds one read, not the stream: each read gets what is left.
+                with contextlib.suppress(OSError, AttributeError):
+                    sock.settimeout(max(0.05, left))
+            raw = resp.readline()
+            if not raw:
                 break
+            line = raw.strip()
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()

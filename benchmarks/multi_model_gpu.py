@@ -41,6 +41,7 @@ arithmetic per peak into the result, beside the measured KV use.
 from __future__ import annotations
 
 import os
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +165,8 @@ class GpuServers:
         failed = [n for n, t in self.ready_s.items() if t is None]
         if failed:
             self.close()
-            raise RuntimeError(f"{self.config}: {failed} did not start (their logs say why)")
+            tails = {s.name: log_tail(s.log) for s in self.servers if s.name in failed}
+            raise RuntimeError(f"{self.config}: {failed} did not start; their logs end: {tails}")
         return [
             Target(s.name, s.name, s.port, s.port, s.proc.pid if s.proc else 0)
             for s in self.servers
@@ -186,6 +188,23 @@ class GpuServers:
 
     def close(self) -> dict[str, float | None]:
         return {s.name: s.stop() for s in self.servers}
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` of a log (what a failed start says), or why there is none."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return repr(exc)
+
+
+def pack_logs(workdir: Path, dest: Path) -> Path:
+    """Every server log of the work folder in one ``dest`` tarball: a device call
+    returns at most 8 files, and the logs live in a temporary folder."""
+    with tarfile.open(dest, "w:gz") as tar:
+        for path in sorted(workdir.glob("*.log")):
+            tar.add(path, arcname=path.name)
+    return dest
 
 
 def kv_plan(

@@ -265,6 +265,34 @@ def model_memory(
     }
 
 
+def device_drop_memory(
+    device_before: dict[str, int] | None, device_after: dict[str, int] | None, given_mib: int
+) -> dict[str, Any]:
+    """A sleeping model's share given back where nvidia-smi lists no process (a
+    sandboxed machine): the device's drop in used memory over what the model was
+    given (weights and KV, ``given_mib``). Its CUDA context and buffers are not in
+    that denominator, so the fraction is an upper bound; ``method`` says so."""
+    if not device_before or not device_after or given_mib <= 0:
+        return {"method": "no process of it listed, no device reading", "fraction": None}
+    drop = device_before["used_mib"] - device_after["used_mib"]
+    return {
+        "method": "device drop over weights + KV (no process listed; an upper bound)",
+        "before_mib": given_mib,
+        "released_mib": drop,
+        "fraction": drop / given_mib,
+    }
+
+
+def weights_memory(run: Run, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """:func:`model_memory` of a ``weights`` sleep, else :func:`device_drop_memory`."""
+    mem = model_memory(before["apps_mib"], after["apps_mib"], before["pids"])
+    if mem.get("fraction") is not None:
+        return mem
+    given = (run.result.get("model", {}).get("weights_bytes") or 0) + NATIVE_KV_BYTES
+    drop = device_drop_memory(before["device"], after["device"], given // MIB)
+    return {**drop, "per_process": mem}
+
+
 def safetensors_bytes(model_dir: str | os.PathLike[str]) -> int:
     """The tensor bytes of a model folder's safetensors (their headers' offsets)."""
     total = 0
@@ -385,6 +413,11 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, out: Path, logs: Path, work: Path) -> None:
         self.args, self.out, self.logs, self.work = args, out, logs, work
+        # What goes into logs.tar.gz is gathered outside --out's folder: a device call
+        # returns at most 8 files, and a call cut short before the packing must still
+        # return the JSON and run.log, not 8 of a dozen logs.
+        self.stage = work / "logs"
+        self.stage.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
         self.port = 0
         self.serve: subprocess.Popen[bytes] | None = None
@@ -517,7 +550,7 @@ class Run:
         }
 
     def engine_log(self, name: str) -> str:
-        path = self.logs / f"{name}.log"
+        path = self.stage / f"{name}.log"
         if not path.exists():
             path = self.work / "state" / f"{name}.log"
         try:
@@ -533,7 +566,7 @@ class Run:
             if name in self.linked or not src.exists():
                 continue
             with contextlib.suppress(OSError):
-                os.link(src, self.logs / f"{name}.log")
+                os.link(src, self.stage / f"{name}.log")
                 self.linked.add(name)
 
     # -- a sleep and a wake, measured ----------------------------------------------------------
@@ -643,7 +676,7 @@ def phase_weights(
             "engine_sleep_s": (engine_sleep_times(log1)[len(engine_sleep_times(log0)) :] or [None])[
                 -1
             ],
-            "memory": model_memory(before["apps_mib"], after["apps_mib"], before["pids"]),
+            "memory": weights_memory(run, before, after),
             "device_before": before["device"],
             "device_after": after["device"],
             "ledger_headroom_gain_bytes": gains[0] if gains else None,
@@ -859,13 +892,13 @@ def start_serve(
         cfg = serve_config(model_dir, free_port(), str(run.work / "state"), cpu=run.args.cpu,
                            stop_after=run.args.stop_after)  # fmt: skip
     run.port = cfg["port"]
-    (run.logs / "serve.yaml").write_text(json.dumps(cfg, indent=1))
+    (run.stage / "serve.yaml").write_text(json.dumps(cfg, indent=1))
     env = dict(os.environ, VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env.pop("KVCACHED_IPC_NAME", None)
-    with open(run.logs / "serve.log", "ab") as log:
+    with open(run.stage / "serve.log", "ab") as log:
         run.serve = subprocess.Popen(
-            [sys.executable, "-m", "kvcached", "serve", str(run.logs / "serve.yaml")],
+            [sys.executable, "-m", "kvcached", "serve", str(run.stage / "serve.yaml")],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -907,7 +940,7 @@ def stop_serve(run: Run, names: tuple[str, ...]) -> dict[str, Any]:
     run.link_logs(names)
     for name in names:  # a log a link could not keep (another file system): a copy now
         if name not in run.linked and (run.work / "state" / f"{name}.log").exists():
-            shutil.copy(run.work / "state" / f"{name}.log", run.logs / f"{name}.log")
+            shutil.copy(run.work / "state" / f"{name}.log", run.stage / f"{name}.log")
     began = time.monotonic()
     run.serve.send_signal(signal.SIGINT)
     try:
@@ -924,20 +957,16 @@ def stop_serve(run: Run, names: tuple[str, ...]) -> dict[str, Any]:
 
 def pack_logs(run: Run, names: tuple[str, ...], native: tuple[str, ...] = ("w1", "w2")) -> None:
     """Read every engine's log for findings (``native``: those run without kvcached), then
-    pack the logs folder into ``logs.tar.gz`` and remove what was packed."""
+    pack what was gathered (``run.stage``) into ``logs.tar.gz`` beside ``run.log``."""
     findings = {}
     for name in names:
-        path = run.logs / f"{name}.log"
+        path = run.stage / f"{name}.log"
         if path.exists():
             findings[name] = log_findings(path, kvcached=name not in native)
     run.result["engine_logs"] = findings
     with tarfile.open(run.logs / "logs.tar.gz", "w:gz") as tar:
-        for path in sorted(run.logs.iterdir()):
-            if path.name not in ("logs.tar.gz", "run.log"):
-                tar.add(path, arcname=path.name)
-    for path in run.logs.iterdir():
-        if path.name not in ("logs.tar.gz", "run.log"):
-            path.unlink()
+        for path in sorted(run.stage.iterdir()):
+            tar.add(path, arcname=path.name)
 
 
 def main(argv: list[str] | None = None) -> int:

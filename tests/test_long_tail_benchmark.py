@@ -238,3 +238,16 @@ def test_a_step_no_call_could_hold_is_begun_first_in_a_call():
     assert lt.first_of_call_anyway(need, 540.0)
     # 8 engines in 2 waves and 58.5 s fit a fresh call: wait for one instead
     assert not lt.first_of_call_anyway(lt.step_estimate_s(8, 5, 120.0, 58.5), 540.0)
+
+
+def test_models_are_also_counted_at_looser_slo_bounds_from_the_same_requests():
+    fast, slow = _req(0.5), _req(4.0)
+    steps = {
+        "static-7": {**_step("static", 7, True), "requests": [fast] * 100},
+        "kvcached-8": {**_step("kvcached", 8, False), "requests": [fast] * 97 + [slow] * 3},
+    }
+    assert lt.models_per_gpu_at(steps, "kvcached", 2.0) is None
+    assert lt.models_per_gpu_at(steps, "kvcached", 5.0) == 8
+    head = lt.headline({"steps": steps})["models_per_gpu_by_slo_s"]
+    assert head["2"] == {"static": 7, "kvcached": None}
+    assert head["5"] == {"static": 7, "kvcached": 8}

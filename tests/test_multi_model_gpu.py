@@ -189,3 +189,17 @@ def test_the_gpu_result_carries_the_long_tail_figures_beside_it(tmp_path):
     got = mm.long_tail_figures(tmp_path / "long-tail-gpu.json")
     assert got["models_per_gpu"] == {"kvcached": 14, "static": 7}
     assert got["slo"] == {"bound_s": 2.0} and got["complete"] is True
+
+
+def test_server_logs_travel_in_one_tarball_and_a_failed_start_quotes_them(tmp_path):
+    import tarfile
+
+    for name in ("kvcached-r0-mm-a.log", "native-r0-mm-a.log"):
+        (tmp_path / name).write_text("\n".join(f"line {i}" for i in range(100)) + "\n")
+    (tmp_path / "other.txt").write_text("not a log")
+    dest = mg.pack_logs(tmp_path, tmp_path / "r-logs.tar.gz")
+    with tarfile.open(dest) as tar:
+        assert sorted(tar.getnames()) == ["kvcached-r0-mm-a.log", "native-r0-mm-a.log"]
+    tail = mg.log_tail(tmp_path / "native-r0-mm-a.log", 3)
+    assert tail == "line 97\nline 98\nline 99"
+    assert "FileNotFoundError" in mg.log_tail(tmp_path / "missing.log")

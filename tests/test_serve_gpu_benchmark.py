@@ -172,3 +172,10 @@ def test_the_headline_figures_and_their_targets():
     }
     empty = sg.headline({})
     assert empty["failed_requests"] == 0 and empty["targets"]["kv_wake_ms_p50"]["met"] is None
+
+
+def test_without_a_process_listing_a_weights_sleep_is_the_devices_drop_over_what_it_held():
+    got = sg.device_drop_memory({"used_mib": 100_000}, {"used_mib": 77_000}, 24_000)
+    assert got["fraction"] == pytest.approx(23_000 / 24_000)
+    assert "upper bound" in got["method"] and got["released_mib"] == 23_000
+    assert sg.device_drop_memory(None, {"used_mib": 1}, 24_000)["fraction"] is None
