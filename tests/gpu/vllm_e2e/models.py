@@ -44,6 +44,7 @@ MISTRAL_HYBRID = {
 MODELS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {"tokenizer": "byte-level", "max_model_len": 4096},
     "llama-3.1-8b": {"tokenizer": "word-level", "max_model_len": 4096},
+    "llama-3.2-1b": {"tokenizer": "word-level", "max_model_len": 4096},
     "mistral-7b-hybrid-swa": {
         "tokenizer": "word-level",
         "max_model_len": 4096,
