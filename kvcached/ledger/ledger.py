@@ -260,8 +260,10 @@ class Ledger:
         when missing from a sample of ``sampler.mem_info()``.
 
         The safety margin is ``total x (1 - gpu_utilization)`` (default
-        ``KVCACHED_GPU_UTILIZATION``) and is fixed in the file by its creator; a
-        process configured differently is warned and follows the file.
+        ``KVCACHED_GPU_UTILIZATION``) and is fixed in the file by its creator while
+        any live process has a pool in it: a process configured differently is then
+        warned and follows the file; a file no live pool uses takes this process'
+        margin.
         """
         from kvcached.config import get_config
 
@@ -303,16 +305,56 @@ class Ledger:
                 variable,
             )
         elif wanted != ledger.safety_margin:
-            log.warning(
-                "ledger %s keeps its creator's safety margin of %d bytes; this process' "
-                "KVCACHED_GPU_UTILIZATION=%s would give %d (total %d). Use one value on a GPU.",
-                ledger.path,
-                ledger.safety_margin,
-                util,
-                wanted,
-                total,
-            )
+            try:
+                was = ledger.safety_margin
+                adopted = ledger._adopt_margin_if_unused(wanted)
+            except BaseException:
+                ledger.close()
+                raise
+            if adopted:
+                log.info(
+                    "ledger %s: no live process uses it; its safety margin is now this "
+                    "process' %d bytes (KVCACHED_GPU_UTILIZATION=%s), was %d",
+                    ledger.path,
+                    wanted,
+                    util,
+                    was,
+                )
+            else:
+                log.warning(
+                    "ledger %s keeps the safety margin of %d bytes that it was created "
+                    "with while other processes use it; this process' "
+                    "KVCACHED_GPU_UTILIZATION=%s would give %d (total %d). Use one value "
+                    "on a GPU.",
+                    ledger.path,
+                    ledger.safety_margin,
+                    util,
+                    wanted,
+                    total,
+                )
         return ledger
+
+    def _adopt_margin_if_unused(self, margin: int) -> bool:
+        """Give the ledger the safety margin ``margin`` if pools have used it and
+        none is in use once dead owners' are retired (a file outlives its
+        processes in /dev/shm, and a later run configured differently must not
+        inherit a margin that no running process asked for); the budget is
+        re-sampled with it. False, and nothing written, while a live pool uses
+        the file or none ever has (its creator is likely about to register)."""
+        self.retire_dead()
+        with self.locked():
+            high_water = self.u32[H_HIGH_WATER]
+            if not high_water or any(self.tokens[:high_water]):
+                return False
+            free, total = _checked_sample(self.sampler, self.device_id)
+            if total != self.i64[H_TOTAL]:
+                return False
+            # Each write alone leaves a valid ledger: the next calibration
+            # re-derives the budget from whichever margin is in the header.
+            self.i64[H_BUDGET] = min(max(0, free - margin), total - margin)
+            self.i64[H_MARGIN] = margin
+            self.safety_margin = margin
+            return True
 
     @classmethod
     def open_existing(cls, path: str) -> Ledger:

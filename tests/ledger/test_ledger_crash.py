@@ -148,3 +148,43 @@ def test_a_calibrator_killed_between_budget_and_sequence_leaves_neither_half(led
     assert (snap.header.budget, snap.header.calibration_seq) == (10 * MIB + 2 * GIB, 2)
     assert ledger.retire_dead() == 1
     assert ledger.budget == 2 * GIB
+
+
+class _Device:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.free, 10 * GIB
+
+
+def test_a_ledger_whose_users_all_died_takes_the_next_process_margin(ledger_dir, caplog):
+    """Found on the GPU: a run at KVCACHED_GPU_UTILIZATION=0.12 left its ledger
+    in /dev/shm, and the next run's engines (0.95) found 0 bytes of headroom
+    under the dead run's margin. A file whose pools are all dead is nobody's."""
+    from kvcached.ledger import Ledger
+
+    run_child(ledger_dir, "hold")  # created at 0.9 (margin 1 GiB), died holding 10 MiB
+    with Ledger.open("fake-0", _Device(8 * GIB), directory=ledger_dir, gpu_utilization=0.5) as led:
+        snap = led.snapshot()
+        assert snap.pools == ()  # the dead holder was retired on the way
+        assert snap.header.safety_margin == 5 * GIB
+        assert led.budget == 3 * GIB  # 8 free - 5 margin, sampled anew
+        assert "its safety margin is now" in caplog.text
+
+
+def test_a_live_pool_keeps_its_ledger_margin(ledger_dir, caplog):
+    from kvcached.ledger import Ledger
+
+    with Ledger.open(
+        "fake-0", _Device(8 * GIB), directory=ledger_dir, gpu_utilization=0.9
+    ) as first:
+        pool = first.register_pool("live")
+        assert pool.grant(10 * MIB)
+        with Ledger.open(
+            "fake-0", _Device(8 * GIB), directory=ledger_dir, gpu_utilization=0.5
+        ) as second:
+            assert second.snapshot().header.safety_margin == GIB
+            assert second.budget == 7 * GIB
+            assert "keeps the safety margin of 1073741824 bytes" in caplog.text
+        pool.close()
