@@ -63,10 +63,11 @@ def test_a_row_with_a_failure_is_not_supported() -> None:
 
 
 def test_a_gpu_row_counts_each_case_by_its_newest_run(tmp_path) -> None:
-    def summary(run: str, date: str, cases: dict) -> None:
-        folder = tmp_path / "vllm-0.26.0" / run
+    def summary(run: str, date: str, cases: dict, card: str = "h200") -> None:
+        folder = tmp_path / card / "vllm-0.26.0" / run
         folder.mkdir(parents=True)
-        info = {"date": date, "commit": "c" * 40, "command": "x", "device": "H200", "load_avg": 0.5}
+        device = f"NVIDIA {card.upper()}, 580, 1 MiB"
+        info = {"date": date, "commit": "c" * 40, "command": "x", "device": device, "load_avg": 0.5}
         info["vllm_version"] = "0.26.0"
         (folder / "summary.json").write_text(json.dumps({**info, "cases": cases}))
 
@@ -74,9 +75,11 @@ def test_a_gpu_row_counts_each_case_by_its_newest_run(tmp_path) -> None:
     summary("run2", "2026-12-04T11:00:00Z", {"a/kv": {"x": True, "y": True}})
     (row,) = table.gpu_rows(tmp_path)
     assert (row["version"], row["passed"], row["failed"], row["runs"]) == ("0.26.0", 3, 0, 2)
-    summary("run3", "2026-12-04T12:00:00Z", {"b/kv": {"x": False}})
-    (row,) = table.gpu_rows(tmp_path)
+    summary("run3", "2026-12-04T12:00:00Z", {"b/kv": {"x": False}}, card="h100")
+    (row,) = table.gpu_rows(tmp_path)  # the cards' runs of one release count together
     assert (row["passed"], row["failed"]) == (2, 1) and not table.proven(row)
+    assert row["devices"] == ["NVIDIA H100", "NVIDIA H200"]
+    assert "| vLLM (H100, H200, real engine) | 0.26.0 | no |" in table.render([row])
 
 
 def test_the_committed_gpu_row_of_vllm_026_is_proven() -> None:

@@ -237,7 +237,7 @@ def kv_cache_tokens(log: Path) -> int | None:
     return None
 
 
-def provenance(argv: list[str]) -> dict[str, Any]:
+def provenance(argv: list[str], module: str = "tests.gpu.vllm_e2e") -> dict[str, Any]:
     def sh(cmd: list[str]) -> str:
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
@@ -256,7 +256,7 @@ def provenance(argv: list[str]) -> dict[str, Any]:
     )
     block = {  # benchmarks/_provenance.py's block, which tests/test_readme_figures.py reads
         "commit": commit,
-        "command": "python -m tests.gpu.vllm_e2e " + " ".join(argv),
+        "command": f"python -m {module} " + " ".join(argv),
         "machine": {
             "device": device,
             "host": platform.node(),
@@ -269,7 +269,7 @@ def provenance(argv: list[str]) -> dict[str, Any]:
     return {
         "provenance": block,
         "commit": commit,
-        "command": "python -m tests.gpu.vllm_e2e " + " ".join(argv),
+        "command": f"python -m {module} " + " ".join(argv),
         "device": device,
         "vllm_version": version,
         "python": platform.python_version(),

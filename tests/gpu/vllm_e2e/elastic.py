@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         servers[key] = Server(env["KVCACHED_IPC_NAME"], args.port + i, str(path), extra, env,
                               out / f"elastic-{key}.log")  # fmt: skip
     a, b = servers["a"], servers["b"]
-    rec: dict[str, Any] = {**provenance(argv), "model": args.model}
+    rec: dict[str, Any] = {**provenance(argv, "tests.gpu.vllm_e2e.elastic"), "model": args.model}
     checks: dict[str, bool] = {}
     for s in servers.values():
         s.start()

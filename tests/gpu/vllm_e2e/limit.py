@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "KVCACHED_MAX_CACHED_TOKENS": "-1",
     }
     server = Server(NAME, args.port, str(path), extra, env, out / "limit.log")
-    rec: dict[str, Any] = {**provenance(argv), "model": args.model}
+    rec: dict[str, Any] = {**provenance(argv, "tests.gpu.vllm_e2e.limit"), "model": args.model}
     checks: dict[str, bool] = {}
     server.start()
     try:
