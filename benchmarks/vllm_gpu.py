@@ -35,6 +35,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -162,6 +163,29 @@ def ratios(rounds: list[dict], role: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """``--candidate-env`` values as a mapping; a malformed one is an error naming it."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--candidate-env {pair!r}: must be KEY=VALUE, e.g. KVCACHED_X=1")
+        out[key] = value
+    return out
+
+
+def gpu_name() -> str | None:
+    """The card, as nvidia-smi names it (None where there is none)."""
+    try:
+        got = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return got.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
@@ -177,12 +201,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--native-util", type=float, default=0.25)
     ap.add_argument("--device-args", default="", help="more server arguments, one string")
+    ap.add_argument(
+        "--candidate-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable of the kvcached server only (repeatable), to "
+        "measure a setting against native, e.g. KVCACHED_MIN_RESERVED_PAGES=20",
+    )
     ap.add_argument("--port", type=int, default=8200)
     ap.add_argument("--logs", default="/tmp/vllm-gpu-logs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/h200/vllm-gpu.json")
     args = ap.parse_args(argv)
+    candidate_env = parse_env(args.candidate_env)
     t0 = time.monotonic()
     block = _provenance.start(argv)
+    block["machine"]["device"] = gpu_name()
     spec = MODELS[args.model]
     args.tokenizer = spec["tokenizer"]
     if args.model_dir is None:
@@ -203,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {
             "ENABLE_KVCACHED": "true" if kvcached else "false",
             "KVCACHED_IPC_NAME": f"bench-{role}",
+            **(candidate_env if kvcached else {}),
         }
         extra = common if kvcached else [*common, "--gpu-memory-utilization", str(args.native_util)]
         servers[role] = Server(
@@ -233,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "model": args.model,
             "model_dir": args.model_dir,
+            "candidate_env": candidate_env,
         }
         _provenance.write_result(args.out, result, block)
         return result
