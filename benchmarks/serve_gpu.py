@@ -682,6 +682,9 @@ def phase_weights(
             "device_after": after["device"],
             "ledger_headroom_gain_bytes": gains[0] if gains else None,
             "ledger_calibrated": after["ledger"].get("calibrated"),
+            # kept whole: on the H100 a level-1 sleep's gain read 2.38 GB where
+            # nvidia-smi saw 11.15 GB freed, and the two rows tell budget from charges
+            "ledger_gpus": {"before": before["ledger"]["gpus"], "after": after["ledger"]["gpus"]},
             "wake": wake,
             "engine_wake_s": sum(wakes) if wakes else None,
             "engine_wake_steps_s": wakes,
