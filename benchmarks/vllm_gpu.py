@@ -14,7 +14,10 @@ first arrival to the last completion), p95 TTFT and p95 TPOT (per request,
 (end - first token) / (tokens - 1)). The ratios are candidate over baseline
 within a round; the result is their median with min and max over the rounds
 (``throughput_ratio``, ``p95_ttft_ratio``, ``p95_tpot_ratio``), and the
-control's under ``control``. Written to ``benchmarks/results/h200/vllm-gpu.json``
+control's under ``control``. Every round keeps each request's TTFT and TPOT, so
+``pooled`` gives, for the candidate and the control, the p95 and mean over all
+rounds' requests against the baseline's and the paired per-request TTFT
+difference (each prompt reaches every server at the same offset). Written to ``benchmarks/results/h200/vllm-gpu.json``
 (``--out``) with its provenance block.
 
     python benchmarks/vllm_gpu.py --model llama-3.1-8b --device-args=--enforce-eager
@@ -134,6 +137,10 @@ def open_loop(server: Server, prompts: list[str], gaps: list[float], max_tokens:
         "p95_ttft_s": p95([r["ttft_s"] for r in results]),
         "p95_tpot_s": p95([r["tpot_s"] for r in results]),
         "mean_ttft_s": statistics.fmean(r["ttft_s"] for r in results),
+        # per request, in request-set order: the same prompt at the same arrival
+        # went to every server, so candidate and baseline pair request by request
+        "ttft_ms": [round(r["ttft_s"] * 1e3, 2) for r in results],
+        "tpot_ms": [round(r["tpot_s"] * 1e3, 3) for r in results],
     }
 
 
@@ -161,6 +168,44 @@ def ratios(rounds: list[dict], role: str) -> dict[str, dict[str, float]]:
         values = [r[role][metric] / r["baseline"][metric] for r in rounds]
         out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return out
+
+
+def pooled(rounds: list[dict], role: str) -> dict[str, Any]:
+    """``role`` against the baseline over every request of every round: the p95
+    and mean of all TTFTs and TPOTs pooled (a p95 of 64 requests is their 4th
+    worst; pooled, of hundreds), and the paired per-request TTFT differences
+    (same prompt, same arrival time), whose median resolves milliseconds."""
+
+    def values(r: str, key: str) -> list[float]:
+        return [v for rnd in rounds for v in rnd[r][key]]
+
+    out: dict[str, Any] = {"requests": len(values(role, "ttft_ms"))}
+    for key in ("ttft_ms", "tpot_ms"):
+        mine, base = values(role, key), values("baseline", key)
+        name = key.removesuffix("_ms")
+        out[f"p95_{name}_ratio"] = p95(mine) / p95(base)
+        out[f"mean_{name}_ratio"] = statistics.fmean(mine) / statistics.fmean(base)
+    deltas = sorted(
+        m - b for m, b in zip(values(role, "ttft_ms"), values("baseline", "ttft_ms"), strict=True)
+    )
+    out["paired_ttft_delta_ms"] = {
+        "median": statistics.median(deltas),
+        "mean": statistics.fmean(deltas),
+        "p5": p95([-d for d in deltas]) * -1,
+        "p95": p95(deltas),
+    }
+    return out
+
+
+def merge_halves(halves: list[dict]) -> dict[str, Any]:
+    """One round of a server from its two halves: scalars averaged, per-request
+    lists concatenated."""
+    return {
+        key: [v for h in halves for v in h[key]]
+        if isinstance(halves[0][key], list)
+        else statistics.fmean(h[key] for h in halves)
+        for key in halves[0]
+    }
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
@@ -259,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "complete": complete,
             **(ratios(rounds, "candidate") if rounds else {}),
             "control": ratios(rounds, "control") if rounds else {},
+            "pooled": {r: pooled(rounds, r) for r in ("candidate", "control")} if rounds else {},
             "rounds": rounds,
             "ready_s": ready,
             "exit_s": exits,
@@ -293,19 +339,14 @@ def main(argv: list[str] | None = None) -> int:
             for order, (prompts, gaps) in ((ROLES, first), (ROLES[::-1], second)):
                 for role in order:
                     halves[role].append(open_loop(servers[role], prompts, gaps, args.max_tokens))
-            rounds.append(
-                {
-                    role: {key: statistics.fmean(h[key] for h in hs) for key in hs[0]}
-                    for role, hs in halves.items()
-                }
-            )
+            rounds.append({role: merge_halves(hs) for role, hs in halves.items()})
             round_s = time.monotonic() - began
             print(json.dumps({"round": k, **ratios(rounds[-1:], "candidate")}), flush=True)
             write(complete=False)
     finally:
         exits.update({role: s.stop() for role, s in servers.items()})
     result = write(complete=len(rounds) == args.rounds)
-    keys = ("throughput_ratio", "p95_ttft_ratio", "p95_tpot_ratio")
+    keys = ("throughput_ratio", "p95_ttft_ratio", "p95_tpot_ratio", "pooled")
     print(json.dumps({k: result.get(k) for k in keys}), flush=True)
     return 0 if rounds else 1
 

@@ -35,3 +35,36 @@ def test_ratios_are_candidate_over_baseline_per_round() -> None:
     ]
     got = vllm_gpu.ratios(rounds, "candidate")["throughput_ratio"]
     assert got == {"median": 0.98, "min": 0.97, "max": 0.99}
+
+
+def _side(ttfts: list[float]) -> dict:
+    return {"ttft_ms": ttfts, "tpot_ms": [10.0] * len(ttfts)}
+
+
+def test_pooled_pairs_requests_across_rounds() -> None:
+    base = [float(i) for i in range(1, 41)]
+    rounds = [
+        {"baseline": _side(base[:20]), "candidate": _side([v + 2 for v in base[:20]]),
+         "control": _side(base[:20])},
+        {"baseline": _side(base[20:]), "candidate": _side([v + 2 for v in base[20:]]),
+         "control": _side(base[20:])},
+    ]  # fmt: skip
+    got = vllm_gpu.pooled(rounds, "candidate")
+    assert got["requests"] == 40
+    assert got["paired_ttft_delta_ms"]["median"] == 2.0
+    assert got["paired_ttft_delta_ms"]["p5"] == pytest.approx(2.0)
+    assert got["p95_ttft_ratio"] == pytest.approx(
+        vllm_gpu.p95([v + 2 for v in base]) / vllm_gpu.p95(base)
+    )
+    assert got["p95_tpot_ratio"] == 1.0
+    control = vllm_gpu.pooled(rounds, "control")
+    assert control["paired_ttft_delta_ms"]["mean"] == 0.0
+    assert control["mean_ttft_ratio"] == 1.0
+
+
+def test_halves_merge_lists_and_average_scalars() -> None:
+    halves = [
+        {"wall_s": 10.0, "ttft_ms": [1.0, 2.0]},
+        {"wall_s": 12.0, "ttft_ms": [3.0]},
+    ]
+    assert vllm_gpu.merge_halves(halves) == {"wall_s": 11.0, "ttft_ms": [1.0, 2.0, 3.0]}
