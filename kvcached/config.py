@@ -295,6 +295,15 @@ VARIABLES: tuple[Variable, ...] = (
         _seconds,
         "New. Seconds between ledger calibrations against the driver's free memory.",
     ),
+    Variable(
+        "KVCACHED_OVERLAP_PAGE_OPS",
+        "overlap_page_ops",
+        "false",
+        _bool,
+        "New. vLLM: a worker maps the pages a step does not use (the reserve's "
+        "refill) and unmaps released ones in a thread of its own while the step "
+        "runs, instead of before its first kernel. Off until measured on a GPU.",
+    ),
 )
 
 
@@ -318,6 +327,7 @@ class Config:
     host_device: int
     ledger_dir: str
     calibration_interval_s: float
+    overlap_page_ops: bool
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:

@@ -65,6 +65,11 @@ class PoolUsage:
     prefix_cache_bytes: int = 0
     virtual_bytes: int = 0
     misses: int = 0
+    # Page ops a planning engine (vLLM's) sent its workers so far, and how
+    # many of them ran beside a step rather than before it (0 elsewhere).
+    page_maps: int = 0
+    page_unmaps: int = 0
+    page_ops_overlapped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

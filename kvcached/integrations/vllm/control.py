@@ -256,6 +256,9 @@ class VllmPoolSource:
             prefix_cache_bytes=cached * block * r,
             virtual_bytes=planner.geometry.num_pages * page * r,
             misses=planner.misses,
+            page_maps=planner.backend.maps,
+            page_unmaps=planner.backend.unmaps,
+            page_ops_overlapped=planner.overlapped_ops,
         )
 
     def apply_limit(self, limit_bytes: int | None) -> None:

@@ -14,8 +14,9 @@
   ``get_num_blocks_to_allocate``, inside that call only, reserves the exact
   need before vLLM compares it with ``get_num_free_blocks()``.
 * ``Scheduler.schedule`` serves posted control requests, then attaches the
-  step's page ops to its ``SchedulerOutput``; ``Scheduler.update_from_output``
-  refunds what the step's output confirms.
+  step's page ops to its ``SchedulerOutput`` (``kvcached_ops``, and in
+  ``kvcached_sync`` how many must precede the step's first kernel);
+  ``Scheduler.update_from_output`` refunds what the step's output confirms.
 * ``EngineCoreProc`` flushes page ops to the workers whenever it is about to
   wait idle, and serves control requests on ``WAKEUP``;
   ``EngineCore.reset_prefix_cache`` flushes the released pages at once.
@@ -256,6 +257,7 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
             world_size=len(descs),
             min_reserved=config.min_reserved_pages,
             max_reserved=config.max_reserved_pages,
+            overlap=config.overlap_page_ops,
         )
     except BaseException:
         for pool in pools:
@@ -387,10 +389,11 @@ def _schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         return orig(self, *args, **kwargs)
     context.serve_control()
     output = orig(self, *args, **kwargs)
-    ops, step = context.planner.ops_for_step()
+    ops, step, sync = context.planner.ops_for_step()
     output.kvcached_step = step
     if ops is not None:
         output.kvcached_ops = ops
+        output.kvcached_sync = sync
     return output
 
 

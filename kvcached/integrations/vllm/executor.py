@@ -16,12 +16,19 @@ applies the ops it receives, in order, before the step that needs them.
   decided and a kernel must never touch an unmapped page.
 * The worker calibrates its device's ledger (it is the process that can ask
   the driver), without owning a pool there.
+* Ops a step does not touch (the planner's ``overlap``) run in a thread of the
+  executor's own while the step runs (:meth:`PageExecutor.overlap`), one batch
+  at a time: the worker waits for them (:meth:`PageExecutor.finish`) before it
+  applies anything else, so the mapper is never driven by two threads at once
+  and every op still lands in queue order. The driver calls release the GIL,
+  so the step's own thread keeps launching kernels meanwhile.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -55,6 +62,9 @@ class PageExecutor:
             max_handle_bytes=lanes.num_pages * lanes.handle_bytes_per_page,
         )
         self.calibrator = None
+        self._thread: ThreadPoolExecutor | None = None
+        self._overlapped: Future[bool] | None = None
+        self.overlapped_maps = False  # whether the ops in flight there map pages
         self.failed_maps = 0
         self.maps = 0
         self.unmaps = 0
@@ -106,6 +116,27 @@ class PageExecutor:
             if not self._map(spans):
                 return False
         return True
+
+    def overlap(self, ops: Sequence[PageOp]) -> None:
+        """Start applying ``ops`` in the executor's thread; :meth:`finish`
+        waits for them. One batch at a time."""
+        assert self._overlapped is None, "invariant: finish() the overlapped ops first"
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvcached-page-ops")
+        self.overlapped_maps = any(op[0] == MAP for op in ops)
+        self._overlapped = self._thread.submit(self.apply, list(ops))
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether ops started by :meth:`overlap` await :meth:`finish`."""
+        return self._overlapped is not None
+
+    def finish(self) -> bool:
+        """Wait for the ops :meth:`overlap` started (at once if none are in
+        flight). ``False`` as :meth:`apply`; its exception is raised here."""
+        future, self._overlapped = self._overlapped, None
+        self.overlapped_maps = False
+        return True if future is None else future.result()
 
     def _map(self, spans: list[tuple[int, int]]) -> bool:
         """Map ``spans`` in order (one ``map_runs``, so runs of adjacent
@@ -172,6 +203,14 @@ class PageExecutor:
 
     def close(self) -> None:
         """Unmap everything and give the address space back (shutdown). Idempotent."""
+        try:
+            if not self.finish():
+                log.warning("pages mapped while the last step ran were refused at shutdown")
+        except Exception:  # shutdown goes on: everything is unmapped below
+            log.exception("page ops overlapped with the last step failed")
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
         if self.calibrator is not None:
             self.calibrator.stop()
             self.calibrator = None

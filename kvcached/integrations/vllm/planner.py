@@ -21,6 +21,14 @@ decision becomes an op that rides to the workers on vLLM's own step queue:
   memory while this engine stays busy.
 * **Idle flush.** When no step will come, :meth:`flush` sends the queued ops
   through ``collective_rpc``, which returns once every rank applied them.
+* **Overlap** (``overlap=True``, ``KVCACHED_OVERLAP_PAGE_OPS``). A step's ops
+  end with what the step itself does not touch: the reserve's refill (pages
+  still idle when ``schedule()`` ends) and the unmaps of released pages.
+  :meth:`ops_for_step` says how many ops lead up to the last map the step
+  needs; a worker applies those before the step's first kernel and the rest
+  in a thread of its own while the step runs, and finishes them before the
+  next step's ops. The unmaps among the rest are therefore confirmed by the
+  *next* step's output (or an idle flush), not this one's.
 
 Unmaps need no step fence here: a worker applies ops in queue order and
 synchronizes its device before any unmap, so every earlier step that could
@@ -41,8 +49,8 @@ from kvcached.log import get_logger
 from kvcached.memory.blocks import BlockManager
 from kvcached.memory.budget import PhysicalBudget
 from kvcached.memory.mapper import DEFAULT_MAX_HANDLE_BYTES
-from kvcached.memory.pages import PageAllocator
-from kvcached.memory.planned import PageOp, PlannedPages
+from kvcached.memory.pages import IDLE, PageAllocator
+from kvcached.memory.planned import MAP, UNMAP, PageOp, PlannedPages
 from kvcached.memory.spec import KVLayout, PageGeometry
 
 log = get_logger("integrations.vllm")
@@ -89,6 +97,7 @@ class StepPlanner:
         max_reserved: int = 0,
         max_run_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
         rpc: Callable[[list[PageOp]], object] | None = None,
+        overlap: bool = False,
     ) -> None:
         self.geometry = geometry
         self.budget = budget
@@ -97,6 +106,7 @@ class StepPlanner:
         self.num_blocks = geometry.num_blocks
         self.page_bytes = geometry.page_bytes
         self.rpc = rpc
+        self.overlap = overlap
         self.backend = PlannedPages(
             geometry, budget, max_run_pages=max(1, max_run_bytes // geometry.page_bytes)
         )
@@ -111,9 +121,11 @@ class StepPlanner:
         self.free = self.blocks.free
         self.ready_blocks = self.blocks.ready_size
         self.steps = 0
+        self.overlapped_ops = 0  # ops sent to run beside their step
         self.misses = 0
         self._miss_logged = -MISS_LOG_S
-        self._inflight: deque[tuple[int, int]] = deque()  # (step, bytes to refund)
+        # (step whose output confirms it, bytes to refund), in step order
+        self._inflight: deque[tuple[int, int]] = deque()
         self._control_lock = threading.Lock()
         self._control: dict[str, object] = {}
         self.closed = False
@@ -181,17 +193,44 @@ class StepPlanner:
         return self.backend.mapped_pages * self.page_bytes
 
     # -- steps -----------------------------------------------------------------------------
-    def ops_for_step(self) -> tuple[list[PageOp] | None, int]:
+    def ops_for_step(self) -> tuple[list[PageOp] | None, int, int]:
         """End of ``schedule()``: release idle pages beyond the reserve (a
         queued map of a page nobody used is simply cancelled), then take the
-        queued ops for this step. Returns ``(ops or None, step number)``."""
+        queued ops for this step. Returns ``(ops or None, step number,
+        sync)``: the first ``sync`` ops must be applied before the step's first
+        kernel, the rest may overlap the step (all of them without
+        ``overlap``; see the module docstring)."""
         self.pages.maintain()
         ops, refund = self.backend.take_ops()
         self.steps += 1
-        if ops:
-            self._inflight.append((self.steps, refund))
-            return ops, self.steps
-        return None, self.steps
+        if not ops:
+            return None, self.steps, 0
+        sync = self._sync_prefix(ops) if self.overlap else len(ops)
+        if sync < len(ops):
+            if not self.overlapped_ops:
+                log.info(
+                    "step %d: %d of its %d page ops run beside it, the first to "
+                    "(KVCACHED_OVERLAP_PAGE_OPS)",
+                    self.steps,
+                    len(ops) - sync,
+                    len(ops),
+                )
+            self.overlapped_ops += len(ops) - sync
+        overlapped = sum(c for kind, _, c in ops[sync:] if kind == UNMAP) * self.page_bytes
+        self._inflight.append((self.steps, refund - overlapped))
+        if overlapped:
+            self._inflight.append((self.steps + 1, overlapped))
+        return ops, self.steps, sync
+
+    def _sync_prefix(self, ops: list[PageOp]) -> int:
+        """How many of ``ops`` lead up to the last map of a page the step can
+        use: one the block manager took (an idle page holds no block)."""
+        state = self.pages.state_of
+        for i in range(len(ops) - 1, -1, -1):
+            kind, first, count = ops[i]
+            if kind == MAP and any(state(p) != IDLE for p in range(first, first + count)):
+                return i + 1
+        return 0
 
     def step_done(self, step: int, forward: bool) -> None:
         """The output of step ``step`` was processed: refund what every rank
@@ -213,13 +252,16 @@ class StepPlanner:
 
     @property
     def pending(self) -> bool:
-        return self.backend.pending
+        """Whether ops wait to be carried to the workers, or refunds for a
+        confirmation (an idle flush gives both)."""
+        return self.backend.pending or bool(self._inflight)
 
     def flush(self) -> bool:
         """Send queued ops to every rank now and wait (idle engine). Returns
         whether anything was sent. Everything carried earlier is confirmed too:
-        the RPC is queued behind it."""
-        if not self.backend.pending or self.rpc is None or self.closed:
+        the RPC is queued behind it, and a worker finishes the ops it overlaps
+        with a step before it applies the next ones."""
+        if not self.pending or self.rpc is None or self.closed:
             return False
         ops, refund = self.backend.take_ops()
         self.rpc(ops)

@@ -11,7 +11,9 @@
   return slices of that buffer as the raw tensors vLLM then views itself
   (:mod:`.raw_kv`).
 * ``WorkerWrapperBase.execute_model`` applies the step's page ops
-  (``scheduler_output.kvcached_ops``) before vLLM runs the step; under tensor
+  (``scheduler_output.kvcached_ops``) before vLLM runs the step, those the
+  step does not touch (past ``kvcached_sync``) in the executor's thread while
+  it runs, finished before the next step's; under tensor
   parallelism every rank agrees on the outcome of a growth step with one MIN
   all-reduce on vLLM's TP CPU group, so no rank fails alone.
 * ``kvcached_describe`` and ``kvcached_apply_page_ops`` are added to
@@ -299,13 +301,21 @@ def _initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
         WORKER.allocating = False
 
 
-def _apply_ops(ops: list[Any]) -> None:
-    """Apply page ops on this rank; with several ranks, agree on the outcome."""
+def _apply_ops(ops: list[Any], sync: int | None = None) -> None:
+    """Apply page ops on this rank: first finish those the last step
+    overlapped, then apply ``ops[:sync]`` (all of them by default) and start
+    the rest in the executor's thread, to overlap the step about to run. With
+    several ranks, agree on the outcome of every map applied before the step
+    (the same ops reach every rank, so every rank agrees at the same step)."""
     executor = WORKER.executor
     if executor is None:
         raise KVCachedError("page ops reached a worker whose KV cache kvcached does not hold")
-    ok = executor.apply(ops)
-    if WORKER.world_size > 1 and any(op[0] == "map" for op in ops):
+    overlapped_maps = executor.overlapped_maps
+    ok = executor.finish()
+    now = ops if sync is None or sync >= len(ops) else ops[:sync]
+    if ok and now:
+        ok = executor.apply(now)
+    if WORKER.world_size > 1 and (overlapped_maps or any(op[0] == "map" for op in now)):
         import torch
         import torch.distributed as dist
         from vllm.distributed.parallel_state import get_tp_group
@@ -319,12 +329,16 @@ def _apply_ops(ops: list[Any]) -> None:
             "(another process took the memory outside kvcached's budget, or "
             "KVCACHED_GPU_UTILIZATION leaves too small a safety margin)"
         )
+    if len(now) < len(ops):
+        executor.overlap(ops[len(now) :])
 
 
 def _execute_model(self: Any, scheduler_output: Any) -> Any:
     ops = getattr(scheduler_output, "kvcached_ops", None)
     if ops:
-        _apply_ops(ops)
+        _apply_ops(ops, scheduler_output.kvcached_sync)
+    elif WORKER.executor is not None and WORKER.executor.overlapping:
+        _apply_ops([])  # this step may use the pages the last one mapped
     return original(_execute_model)(self, scheduler_output)
 
 

@@ -79,6 +79,15 @@ def test_servers_named_themselves_apart(elastic: ElasticRecord) -> None:
         assert any(f"instance {server.name}" in line for line in server.kvcached_lines)
 
 
+def test_a_overlapped_page_ops_and_b_did_not(elastic: ElasticRecord) -> None:
+    """A (KVCACHED_OVERLAP_PAGE_OPS=true) applied some page ops beside its steps
+    and says so once; B, on the default, applied every op before its step."""
+    r = _ok(elastic)
+    said = [line for line in r.a.kvcached_lines if "page ops run beside it" in line]
+    assert len(said) == 1, r.a.kvcached_lines
+    assert not any("page ops run beside it" in line for line in r.b.kvcached_lines)
+
+
 def test_virtual_size_without_vllm_cpu_kvcache_space(elastic: ElasticRecord) -> None:
     """B was started without VLLM_CPU_KVCACHE_SPACE: its virtual KV size is the
     host device's capacity (A's is the 1 GiB it asked for)."""

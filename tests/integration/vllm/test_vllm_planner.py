@@ -3,11 +3,15 @@ layouts, the engine core's StepPlanner, the worker's PageExecutor."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from kvcached.driver.host import HostDriver
+from kvcached.errors import KVCachedError
 from kvcached.integrations.vllm import executor as executor_module
+from kvcached.integrations.vllm import worker as worker_module
 from kvcached.integrations.vllm.executor import PageExecutor
 from kvcached.integrations.vllm.geometry import (
     PlanError,
@@ -93,6 +97,7 @@ def make_planner(
     world_size: int = 1,
     min_reserved: int = 0,
     max_reserved: int = 0,
+    overlap: bool = False,
 ) -> tuple[StepPlanner, ExactBudget]:
     g = planner_geometry(num_pages, 8, 4 * MIB, G)
     budget = ExactBudget(budget_pages * g.page_bytes)
@@ -104,6 +109,7 @@ def make_planner(
         min_reserved=min_reserved,
         max_reserved=max_reserved,
         rpc=sent.append,
+        overlap=overlap,
     )
     planner.sent = sent  # type: ignore[attr-defined]
     return planner, budget
@@ -126,10 +132,10 @@ def test_ops_ride_the_step_and_refund_after_its_output() -> None:
     planner, budget = make_planner()
     planner.reserve(15)
     ids = planner.alloc(15)
-    ops, step = planner.ops_for_step()
+    ops, step, _ = planner.ops_for_step()
     assert ops == [(MAP, 1, 1)] and step == 1
     planner.free(ids)  # pages empty; no reserve kept: released
-    ops, step = planner.ops_for_step()
+    ops, step, _ = planner.ops_for_step()
     assert ops == [(UNMAP, 1, 1)] and step == 2
     assert budget.used == 2 * planner.page_bytes
     planner.step_done(2, forward=True)
@@ -142,12 +148,12 @@ def test_a_confirmed_refund_is_flushed_to_the_ledger_at_once() -> None:
     planner, budget = make_planner()
     planner.reserve(15)
     ids = planner.alloc(15)
-    _, step = planner.ops_for_step()
+    _, step, _ = planner.ops_for_step()
     before = budget.flushes
     planner.step_done(step, forward=True)
     assert budget.flushes == before, "a step that refunds nothing flushes nothing"
     planner.free(ids)
-    _, step = planner.ops_for_step()
+    _, step, _ = planner.ops_for_step()
     before = budget.flushes
     planner.step_done(step, forward=True)
     assert budget.flushes == before + 1 and budget.used == planner.page_bytes
@@ -159,7 +165,7 @@ def test_with_several_ranks_only_a_forward_step_confirms() -> None:
     ids = planner.alloc(15)
     planner.ops_for_step()
     planner.free(ids)
-    _, step = planner.ops_for_step()
+    _, step, _ = planner.ops_for_step()
     planner.step_done(step, forward=False)
     assert budget.used == 2 * planner.page_bytes, "no collective proved the ranks applied it"
     planner.step_done(step + 1, forward=True)
@@ -183,11 +189,77 @@ def test_unused_reserve_beyond_the_maximum_is_cancelled_at_the_end_of_schedule()
     planner, budget = make_planner(max_reserved=1)
     planner.reserve(40)  # five pages planned for a request that then missed
     assert planner.pages.n_idle == 5 and budget.used == 6 * planner.page_bytes
-    ops, _ = planner.ops_for_step()
+    ops, _, _ = planner.ops_for_step()
     # The five pages were one run, over the maximum: released whole, and since
     # their map never left, cancelled with nothing sent and everything refunded.
     assert ops is None and planner.backend.cancelled == 1
     assert planner.pages.n_idle == 0 and budget.used == planner.page_bytes
+
+
+def test_without_overlap_every_op_precedes_the_step() -> None:
+    planner, _ = make_planner(min_reserved=2, max_reserved=4)
+    planner.reserve(15)
+    planner.alloc(15)
+    ops, _, sync = planner.ops_for_step()
+    assert len(ops) == 2 and sync == 2
+
+
+def test_overlap_leaves_the_refill_the_step_does_not_use_to_run_beside_it() -> None:
+    planner, budget = make_planner(min_reserved=2, max_reserved=4, overlap=True)
+    assert planner.pages.n_idle == 2  # the reserve, pages 1-2 (one run)
+    ids = planner.alloc(15)  # takes page 1; the reserve refills with page 3
+    ops, _, sync = planner.ops_for_step()
+    assert ops == [(MAP, 1, 2), (MAP, 3, 1)]
+    assert sync == 1, "the run of page 1 precedes the step (page 2 with it); page 3 overlaps"
+    assert planner.overlapped_ops == 1
+    # The next step takes the reserve's pages without an op of its own (the
+    # worker finishes the overlapped maps before it runs that step) ...
+    more = planner.alloc(16)
+    assert more is not None and {b // 8 for b in more} == {2, 3}
+    ops, _, sync = planner.ops_for_step()
+    assert ops == [(MAP, 4, 2)] and sync == 0, "... and its refill alone overlaps it whole"
+    assert planner.overlapped_ops == 2
+    planner.free(ids + more)
+    assert budget.used == 6 * planner.page_bytes
+
+
+def test_overlap_keeps_queue_order_before_the_last_map_a_step_uses() -> None:
+    planner, _ = make_planner(max_reserved=0, overlap=True)
+    planner.reserve(23)
+    first = planner.alloc(23)  # pages 1-2, one run
+    planner.ops_for_step()
+    planner.free(first)  # the run is released: its unmap is queued
+    planner.reserve(15)
+    assert planner.alloc(15) is not None  # page 1 again, a run of its own
+    ops, _, sync = planner.ops_for_step()
+    # The step uses page 1, whose map must follow the unmap of its old run.
+    assert ops == [(UNMAP, 1, 2), (MAP, 1, 1)] and sync == 2
+
+
+def test_an_overlapped_unmap_is_refunded_by_the_next_step_or_an_idle_flush() -> None:
+    planner, budget = make_planner(max_reserved=0, overlap=True)
+    planner.reserve(15)
+    ids = planner.alloc(15)
+    _, step, _ = planner.ops_for_step()
+    planner.step_done(step, forward=True)
+    planner.free(ids)
+    ops, step, sync = planner.ops_for_step()
+    assert ops == [(UNMAP, 1, 1)] and sync == 0
+    planner.step_done(step, forward=True)
+    assert budget.used == 2 * planner.page_bytes, "the unmap may still be running"
+    assert planner.pending, "an idle engine must flush to confirm it"
+    planner.step_done(step + 1, forward=True)
+    assert budget.used == planner.page_bytes and not planner.pending
+    # Idle instead of a next step: the flush's RPC waits for the overlapped ops.
+    planner.reserve(15)
+    ids = planner.alloc(15)
+    _, step, _ = planner.ops_for_step()
+    planner.step_done(step, forward=True)
+    planner.free(ids)
+    _, step, _ = planner.ops_for_step()
+    planner.step_done(step, forward=True)
+    assert planner.flush() and planner.sent[-1] == []  # type: ignore[attr-defined]
+    assert budget.used == planner.page_bytes and not planner.pending
 
 
 def test_control_requests_merge_until_served() -> None:
@@ -247,3 +319,82 @@ def test_executor_reports_a_map_the_device_refuses(host, monkeypatch) -> None:
         assert ex.apply([(MAP, 1, 3)])
     finally:
         ex.close()
+
+
+def test_executor_overlaps_ops_and_finishes_them_before_the_next(host) -> None:
+    ex = PageExecutor(host, _lanes(), calibrate=False)
+    try:
+        assert not ex.overlapping and ex.finish(), "nothing in flight: finish returns at once"
+        ex.overlap([(MAP, 1, 2)])
+        assert ex.overlapping and ex.overlapped_maps
+        assert ex.finish() and not ex.overlapping and not ex.overlapped_maps
+        assert ex.mapped_pages == 3 and ex.maps == 1
+        ex.overlap([(UNMAP, 1, 2)])
+        assert not ex.overlapped_maps
+        with pytest.raises(AssertionError, match="finish"):
+            ex.overlap([(MAP, 1, 1)])  # one batch at a time
+        assert ex.finish() and ex.mapped_pages == 1 and ex.unmaps == 1
+        names = {t.name for t in threading.enumerate()}
+        assert any(n.startswith("kvcached-page-ops") for n in names)
+    finally:
+        ex.close()
+    assert host.own_bytes() == 0
+
+
+def test_an_overlapped_failure_is_reported_by_finish(host, monkeypatch) -> None:
+    monkeypatch.setattr(executor_module, "MAP_RETRY_S", 0.1)
+    ex = PageExecutor(host, _lanes(), calibrate=False)
+    try:
+        ex.overlap([(MAP, 1, 4)])  # 16 MiB of capacity: page 0 plus 3 more fit, not 4
+        assert not ex.finish() and ex.failed_maps >= 1
+
+        def broken(spans):
+            raise RuntimeError("driver gone")
+
+        monkeypatch.setattr(ex.mapper, "map_runs", broken)
+        ex.overlap([(MAP, 1, 1)])
+        with pytest.raises(RuntimeError, match="driver gone"):
+            ex.finish()
+        assert not ex.overlapping, "a raised batch is finished: the next step may go on"
+    finally:
+        monkeypatch.undo()
+        ex.close()
+    assert host.own_bytes() == 0
+
+
+def test_close_waits_for_overlapped_ops_then_unmaps_everything(host) -> None:
+    ex = PageExecutor(host, _lanes(), calibrate=False)
+    ex.overlap([(MAP, 1, 3)])
+    ex.close()
+    assert host.own_bytes() == 0 and not ex.overlapping
+
+
+@pytest.fixture
+def worker_executor(host, monkeypatch):
+    ex = PageExecutor(host, _lanes(), calibrate=False)
+    monkeypatch.setattr(worker_module.WORKER, "executor", ex)
+    monkeypatch.setattr(worker_module.WORKER, "world_size", 1)
+    yield ex
+    ex.close()
+
+
+def test_worker_applies_the_sync_prefix_then_overlaps_the_rest(worker_executor) -> None:
+    ex = worker_executor
+    worker_module._apply_ops([(MAP, 1, 1), (MAP, 2, 2)], sync=1)
+    assert ex.overlapping, "the refill runs beside the step"
+    worker_module._apply_ops([(UNMAP, 2, 2)], sync=0)  # finishes the maps first, in order
+    assert ex.maps == 2
+    worker_module._apply_ops([])  # a step without ops still finishes the last one's
+    assert not ex.overlapping and ex.mapped_pages == 2 and ex.unmaps == 1
+    worker_module._apply_ops([(MAP, 2, 1)])  # no split given: everything before the step
+    assert not ex.overlapping and ex.mapped_pages == 3
+
+
+def test_worker_raises_at_the_next_step_when_an_overlapped_map_failed(
+    worker_executor, monkeypatch
+) -> None:
+    monkeypatch.setattr(executor_module, "MAP_RETRY_S", 0.1)
+    worker_module._apply_ops([(MAP, 1, 4)], sync=0)
+    with pytest.raises(KVCachedError, match="refused"):
+        worker_module._apply_ops([])
+    assert not worker_executor.overlapping

@@ -10,7 +10,9 @@ Elastic phases: (1) A gets its load; (2) A's prefix cache is reset; (3) B gets
 its load and its prefix cache is reset; (4) both get their loads at the same
 time, B's first and A's once B holds half the free memory (more than the
 device holds: requests wait or are preempted, none fails).
-Three greedy probes per server run before and after.
+Three greedy probes per server run before and after. A applies the page ops
+a step does not use beside it (``KVCACHED_OVERLAP_PAGE_OPS``), B before it
+(the default): the same phases cover both.
 
 Limit phases, on B (A idle beside it), driven and read through ``kvctl``
 (``kvctl limit``, ``kvctl list --json``): fill its prefix cache; lower its
@@ -205,7 +207,13 @@ def run_elastic_case(
     ledger_dir.mkdir(parents=True, exist_ok=True)
     rec = ElasticRecord()
     options = elastic_options(ledger_dir)
-    a = VllmServer(model_dir, workdir / "elastic-a.log", options)
+    a = VllmServer(
+        model_dir,
+        workdir / "elastic-a.log",
+        dataclasses.replace(
+            options, extra_env={**options.extra_env, "KVCACHED_OVERLAP_PAGE_OPS": "true"}
+        ),
+    )
     # B without VLLM_CPU_KVCACHE_SPACE: vLLM would size its cache from the node's
     # free memory (and refuse to start when others use it); kvcached makes the
     # virtual size the host device's capacity.
