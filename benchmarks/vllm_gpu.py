@@ -17,8 +17,12 @@ within a round; the result is their median with min and max over the rounds
 control's under ``control``. Every round keeps each request's TTFT and TPOT, so
 ``pooled`` gives, for the candidate and the control, the p95 and mean over all
 rounds' requests against the baseline's and the paired per-request TTFT
-difference (each prompt reaches every server at the same offset). Written to ``benchmarks/results/h200/vllm-gpu.json``
-(``--out``) with its provenance block.
+difference (each prompt reaches every server at the same offset). After
+warm-up and every round, the candidate's page ops so far (``page_ops``: maps,
+unmaps, ops overlapped with a step, from its ``kvctl`` snapshot), and
+``page_ops_per_request`` over the rounds: what the driver did on the step path.
+Written to ``benchmarks/results/h200/vllm-gpu.json`` (``--out``) with its
+provenance block.
 
     python benchmarks/vllm_gpu.py --model llama-3.1-8b --device-args=--enforce-eager
 
@@ -59,6 +63,7 @@ from tests.gpu.vllm_e2e.server import Server  # noqa: E402
 ROLES = ("baseline", "candidate", "control")
 #: Seconds the three servers' stop may take (each within 90 s; usually a few).
 STOP_S = 45.0
+SNAPSHOT_S = 0.3  # an instance publishes its snapshot every 0.2 s (control.instance.TICK_S)
 
 
 def stream(server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -197,6 +202,29 @@ def pooled(rounds: list[dict], role: str) -> dict[str, Any]:
     return out
 
 
+def page_ops(instance: str) -> dict[str, int]:
+    """The page ops ``instance`` sent its workers so far (its snapshot, at most
+    one control tick old), summed over its pools."""
+    from kvcached.control.snapshot import read_snapshots
+
+    keys = ("page_maps", "page_unmaps", "page_ops_overlapped", "bytes_mapped")
+    total = dict.fromkeys(keys, 0)
+    for snap in read_snapshots(cleanup=False):
+        if snap.instance == instance and snap.alive:
+            for pool in snap.data.get("pools", []):
+                for key in keys:
+                    total[key] += int(pool.get(key, 0))
+    return total
+
+
+def per_request(before: dict[str, int], rounds: list[dict], requests: int) -> dict[str, float]:
+    """Page ops per request from ``before`` to the last round's reading."""
+    if not rounds or not requests:
+        return {}
+    after = rounds[-1]["page_ops"]
+    return {key: (after[key] - before[key]) / requests for key in before if key != "bytes_mapped"}
+
+
 def merge_halves(halves: list[dict]) -> dict[str, Any]:
     """One round of a server from its two halves: scalars averaged, per-request
     lists concatenated."""
@@ -298,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ready: dict[str, float | None] = {}
     rounds: list[dict] = []
     exits: dict[str, float | None] = {}
+    warm_ops: dict[str, int] = {}
 
     def write(complete: bool) -> dict[str, Any]:
         result = {
@@ -306,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             "control": ratios(rounds, "control") if rounds else {},
             "pooled": {r: pooled(rounds, r) for r in ("candidate", "control")} if rounds else {},
             "rounds": rounds,
+            "page_ops_after_warmup": warm_ops,
+            "page_ops_per_request": per_request(warm_ops, rounds, len(rounds) * 2 * args.requests),
             "ready_s": ready,
             "exit_s": exits,
             "trace": {
@@ -328,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         warm = request_set(args, 0)[0][:16]
         for s in servers.values():
             open_loop(s, warm, [0.0] * len(warm), args.max_tokens)
+        time.sleep(SNAPSHOT_S)
+        warm_ops.update(page_ops(servers["candidate"].name))
         round_s = 0.0
         for k in range(args.rounds):
             if time.monotonic() - t0 + 1.2 * round_s + STOP_S > args.deadline_s:
@@ -340,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                 for role in order:
                     halves[role].append(open_loop(servers[role], prompts, gaps, args.max_tokens))
             rounds.append({role: merge_halves(hs) for role, hs in halves.items()})
+            time.sleep(SNAPSHOT_S)
+            rounds[-1]["page_ops"] = page_ops(servers["candidate"].name)
             round_s = time.monotonic() - began
             print(json.dumps({"round": k, **ratios(rounds[-1:], "candidate")}), flush=True)
             write(complete=False)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvcached.control.instance import Instance, PoolUsage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -68,3 +71,54 @@ def test_halves_merge_lists_and_average_scalars() -> None:
         {"wall_s": 12.0, "ttft_ms": [3.0]},
     ]
     assert vllm_gpu.merge_halves(halves) == {"wall_s": 11.0, "ttft_ms": [1.0, 2.0, 3.0]}
+
+
+class _Pool:
+    def __init__(self, maps: int, unmaps: int, overlapped: int) -> None:
+        self.usage = PoolUsage(
+            name="vllm-kv",
+            gpu="host-0",
+            backend="host",
+            bytes_mapped=4 << 20,
+            page_maps=maps,
+            page_unmaps=unmaps,
+            page_ops_overlapped=overlapped,
+        )
+
+    def pool_usage(self) -> PoolUsage:
+        return self.usage
+
+    def apply_limit(self, limit_bytes: int | None) -> None:
+        pass
+
+    def reclaim(self, nbytes: int) -> int:
+        return 0
+
+
+def test_page_ops_come_from_the_candidates_published_snapshot() -> None:
+    name = f"bench-test-{os.getpid()}"
+    instance = Instance(name, start=False)
+    try:
+        instance.add_pool(_Pool(10, 4, 3))
+        instance.add_pool(_Pool(2, 1, 0))
+        got = vllm_gpu.page_ops(name)
+        assert got == {
+            "page_maps": 12,
+            "page_unmaps": 5,
+            "page_ops_overlapped": 3,
+            "bytes_mapped": 8 << 20,
+        }
+        assert vllm_gpu.page_ops(name + "-none")["page_maps"] == 0
+    finally:
+        instance.close()
+
+
+def test_page_ops_per_request_count_from_after_warmup() -> None:
+    before = {"page_maps": 10, "page_unmaps": 4, "page_ops_overlapped": 0, "bytes_mapped": 1}
+    rounds = [
+        {"page_ops": {"page_maps": 50, "page_unmaps": 30, "page_ops_overlapped": 0}},
+        {"page_ops": {"page_maps": 90, "page_unmaps": 84, "page_ops_overlapped": 8, "x": 0}},
+    ]
+    got = vllm_gpu.per_request(before, rounds, 256)
+    assert got == {"page_maps": 80 / 256, "page_unmaps": 80 / 256, "page_ops_overlapped": 8 / 256}
+    assert vllm_gpu.per_request(before, [], 0) == {}
