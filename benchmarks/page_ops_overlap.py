@@ -1,0 +1,201 @@
+"""What ``KVCACHED_OVERLAP_PAGE_OPS`` takes off a vLLM step's path, on the CPU.
+
+A vLLM worker applies a step's page ops before the step's first kernel; with
+overlap, those the step does not use run in the executor's thread beside it.
+This drives the worker's own code (``worker._apply_ops`` over a
+``PageExecutor``) through ``--steps`` steps, a step being ``--step-ms`` of
+small torch ops on one thread (an eager step's kernel launches: Python that
+releases the GIL at every op). Every ``--every``-th step carries one page op,
+alternately the map of a new page (a reserve refill) and the unmap of the
+oldest (a release), as the H100 serving run's ~16 page maps a second do. Each
+round runs the same steps with every op before the step (the baseline, as
+today) and with the ops beside it (``sync=0``), in alternating order.
+
+The host backend maps memfds in microseconds; a GPU's per-handle calls cost
+tens (``../shared/DESIGN.md``, H200 p50): ``--driver-delays h200`` adds those
+latencies through the fault driver's ``delay_s`` (a sleep, which releases the
+GIL as a driver call does), ``none`` measures the host alone. A page has
+``--lanes`` handles (32: an 8B model's per-layer layout, 2 MiB each).
+
+    python benchmarks/page_ops_overlap.py   # -> benchmarks/results/page-ops-overlap.json
+
+What this cannot say: whether a GPU driver lets kernel launches proceed while
+another thread maps, which only a GPU run shows (``vllm_gpu.py`` with
+``--candidate-env KVCACHED_OVERLAP_PAGE_OPS=true``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _provenance  # noqa: E402
+import torch  # noqa: E402
+
+from kvcached.driver.faulty import FaultyDriver  # noqa: E402
+from kvcached.driver.host import HostDriver  # noqa: E402
+from kvcached.integrations.vllm import worker  # noqa: E402
+from kvcached.integrations.vllm.executor import PageExecutor  # noqa: E402
+from kvcached.memory.planned import MAP, UNMAP  # noqa: E402
+from kvcached.memory.ranges import PageLanes  # noqa: E402
+from kvcached.units import MIB  # noqa: E402
+
+#: Per-call latency of the H200's VMM calls, 2 MiB handles, p50 (DESIGN.md).
+H200_DELAYS_S = {
+    "create": 14e-6,
+    "map": 2.5e-6,
+    "set_access": 30e-6,
+    "unmap": 20e-6,
+    "release": 11e-6,
+}
+HOST_DEVICE = 47  # a host device of this benchmark alone
+KEEP_MAPPED = 4  # pages mapped beside page 0 before the oldest is released
+
+
+def step_work(ops_per_step: int, t: torch.Tensor) -> None:
+    for _ in range(ops_per_step):
+        t.add_(1)
+
+
+def calibrate(step_ms: float, t: torch.Tensor) -> int:
+    """Torch ops that take about ``step_ms`` on this thread."""
+    n = 1000
+    start = time.perf_counter()
+    step_work(n, t)
+    per_op = (time.perf_counter() - start) / n
+    return max(1, int(step_ms / 1e3 / per_op))
+
+
+def schedule(steps: int, every: int, num_pages: int) -> list[list[tuple[str, int, int]]]:
+    """Each step's ops: every ``every``-th step maps the next page or, once
+    :data:`KEEP_MAPPED` are mapped, unmaps the oldest (alternately)."""
+    out: list[list[tuple[str, int, int]]] = []
+    mapped: list[int] = []
+    next_page = 1
+    for k in range(steps):
+        if k % every or k == 0:
+            out.append([])
+            continue
+        if len(mapped) >= KEEP_MAPPED and (k // every) % 2 == 0:
+            out.append([(UNMAP, mapped.pop(0), 1)])
+        else:
+            out.append([(MAP, next_page, 1)])
+            mapped.append(next_page)
+            next_page = next_page % (num_pages - 1) + 1
+            while next_page in mapped:
+                next_page = next_page % (num_pages - 1) + 1
+    for page in mapped:  # leave the executor as found
+        out.append([(UNMAP, page, 1)])
+    return out
+
+
+def run_steps(
+    plan: list[list[tuple[str, int, int]]], overlap: bool, ops_per_step: int, t: torch.Tensor
+) -> dict[str, float]:
+    apply_s = 0.0
+    op_steps = 0
+    start = time.perf_counter()
+    for ops in plan:
+        t0 = time.perf_counter()
+        if ops:
+            worker._apply_ops(ops, 0 if overlap else None)
+            op_steps += 1
+        elif worker.WORKER.executor.overlapping:
+            worker._apply_ops([])
+        apply_s += time.perf_counter() - t0
+        step_work(ops_per_step, t)
+    worker._apply_ops([])
+    wall = time.perf_counter() - start
+    return {
+        "step_ms": 1e3 * wall / len(plan),
+        # applying, and with overlap finishing, counted at whichever step waited
+        "main_thread_ms_per_page_op": 1e3 * apply_s / max(1, op_steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--every", type=int, default=4, help="a step with a page op every N")
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--lanes", type=int, default=32, help="handles of 2 MiB per page")
+    parser.add_argument("--driver-delays", choices=("h200", "none"), default="h200")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/page-ops-overlap.json"))
+    args = parser.parse_args(argv)
+    for name in ("steps", "rounds", "every", "lanes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    block = _provenance.start(argv)
+
+    torch.set_num_threads(1)
+    t = torch.zeros(16)
+    ops_per_step = calibrate(args.step_ms, t)
+    lane = 2 * MIB
+    num_pages = KEEP_MAPPED + 4
+    lanes = PageLanes(
+        size=args.lanes * num_pages * lane,
+        lanes=tuple((i * num_pages * lane, lane) for i in range(args.lanes)),
+        num_pages=num_pages,
+        blocks_per_page=1,
+        granularity=lane,
+    )
+    host = HostDriver(HOST_DEVICE, capacity=(KEEP_MAPPED + 2) * args.lanes * lane)
+    delays = H200_DELAYS_S if args.driver_delays == "h200" else {}
+    driver = FaultyDriver(host, delay_s=delays)
+    executor = PageExecutor(driver, lanes, calibrate=False)
+    worker.WORKER.executor, worker.WORKER.world_size = executor, 1
+    plan = schedule(args.steps, args.every, num_pages)
+    rounds: list[dict[str, Any]] = []
+    try:
+        for k in range(args.rounds):
+            order = (False, True) if k % 2 == 0 else (True, False)
+            r = {("overlap" if o else "sync"): run_steps(plan, o, ops_per_step, t) for o in order}
+            r["step_time_ratio"] = r["overlap"]["step_ms"] / r["sync"]["step_ms"]
+            rounds.append(r)
+            print(f"round {k}: overlap/sync step time {r['step_time_ratio']:.4f}", flush=True)
+    finally:
+        worker.WORKER.executor = None
+        executor.close()
+        host.close()
+
+    ratios = [r["step_time_ratio"] for r in rounds]
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(r[mode][key] for r in rounds)
+
+    result = {
+        "benchmark": "page_ops_overlap",
+        "baseline": "every page op applied before its step (KVCACHED_OVERLAP_PAGE_OPS off)",
+        "candidate": "page ops beside the step (KVCACHED_OVERLAP_PAGE_OPS on, sync=0)",
+        "step_time_ratio": statistics.median(ratios),
+        "step_time_ratio_range": [min(ratios), max(ratios)],
+        "step_ms": {"sync": median("sync", "step_ms"), "overlap": median("overlap", "step_ms")},
+        "main_thread_ms_per_page_op": {
+            "sync": median("sync", "main_thread_ms_per_page_op"),
+            "overlap": median("overlap", "main_thread_ms_per_page_op"),
+        },
+        "settings": {**vars(args), "ops_per_step": ops_per_step, "driver_delays_s": delays},
+        "rounds": rounds,
+    }
+    _provenance.write_result(args.out, result, block)
+    print(
+        f"step time overlap/sync {result['step_time_ratio']:.4f} "
+        f"({min(ratios):.4f}-{max(ratios):.4f}); main thread per page op "
+        f"{result['main_thread_ms_per_page_op']['sync']:.3f} ms -> "
+        f"{result['main_thread_ms_per_page_op']['overlap']:.3f} ms",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""benchmarks/page_ops_overlap.py: its op schedule, and one short run end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import page_ops_overlap  # noqa: E402
+
+from kvcached.integrations.vllm import worker  # noqa: E402
+from kvcached.memory.planned import MAP, UNMAP  # noqa: E402
+
+
+def test_schedule_maps_and_releases_and_leaves_nothing_mapped() -> None:
+    plan = page_ops_overlap.schedule(200, 4, 8)
+    mapped: set[int] = set()
+    most = 0
+    for k, ops in enumerate(plan[:200]):
+        assert len(ops) == (1 if k % 4 == 0 and k else 0)
+        for kind, page, count in ops:
+            assert count == 1 and 1 <= page < 8
+            if kind == MAP:
+                assert page not in mapped
+                mapped.add(page)
+            else:
+                assert kind == UNMAP and page in mapped
+                mapped.remove(page)
+        most = max(most, len(mapped))
+    assert most == page_ops_overlap.KEEP_MAPPED + 1
+    for ops in plan[200:]:
+        ((kind, page, _),) = ops
+        assert kind == UNMAP
+        mapped.remove(page)
+    assert not mapped
+
+
+def test_a_short_run_compares_both_modes_and_cleans_up(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--steps", "24", "--rounds", "2", "--step-ms", "1", "--lanes", "2"]
+    assert page_ops_overlap.main([*argv, "--driver-delays", "none", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert set(got["step_ms"]) == {"sync", "overlap"} and got["step_time_ratio"] > 0
+    assert len(got["rounds"]) == 2 and "provenance" in got
+    assert worker.WORKER.executor is None
