@@ -236,8 +236,9 @@ def test_overlap_keeps_queue_order_before_the_last_map_a_step_uses() -> None:
     assert ops == [(UNMAP, 1, 2), (MAP, 1, 1)] and sync == 2
 
 
-def test_an_overlapped_unmap_is_refunded_by_the_next_step_or_an_idle_flush() -> None:
-    planner, budget = make_planner(max_reserved=0, overlap=True)
+def _release_a_page_beside_a_step(planner: StepPlanner) -> int:
+    """Map a page for a step, run it, free it: the next step's ops are its
+    unmap alone, overlapped. Returns that step, whose output has been processed."""
     planner.reserve(15)
     ids = planner.alloc(15)
     _, step, _ = planner.ops_for_step()
@@ -246,18 +247,18 @@ def test_an_overlapped_unmap_is_refunded_by_the_next_step_or_an_idle_flush() -> 
     ops, step, sync = planner.ops_for_step()
     assert ops == [(UNMAP, 1, 1)] and sync == 0
     planner.step_done(step, forward=True)
+    return step
+
+
+def test_an_overlapped_unmap_is_refunded_by_the_next_step_or_an_idle_flush() -> None:
+    planner, budget = make_planner(max_reserved=0, overlap=True)
+    step = _release_a_page_beside_a_step(planner)
     assert budget.used == 2 * planner.page_bytes, "the unmap may still be running"
     assert planner.pending, "an idle engine must flush to confirm it"
     planner.step_done(step + 1, forward=True)
     assert budget.used == planner.page_bytes and not planner.pending
     # Idle instead of a next step: the flush's RPC waits for the overlapped ops.
-    planner.reserve(15)
-    ids = planner.alloc(15)
-    _, step, _ = planner.ops_for_step()
-    planner.step_done(step, forward=True)
-    planner.free(ids)
-    _, step, _ = planner.ops_for_step()
-    planner.step_done(step, forward=True)
+    _release_a_page_beside_a_step(planner)
     assert planner.flush() and planner.sent[-1] == []  # type: ignore[attr-defined]
     assert budget.used == planner.page_bytes and not planner.pending
 
