@@ -2,8 +2,8 @@
 
 A vLLM worker applies a step's page ops before the step's first kernel; with
 overlap, those the step does not use run in the executor's thread beside it.
-This drives the worker's own code (``worker._apply_ops`` over a
-``PageExecutor``) through ``--steps`` steps, a step being ``--step-ms`` of
+This drives the worker's own code (``worker.apply_step_ops``, what vLLM's
+``execute_model`` runs first, over a ``PageExecutor``) through ``--steps`` steps, a step being ``--step-ms`` of
 small torch ops on one thread (an eager step's kernel launches: Python that
 releases the GIL at every op). Every ``--every``-th step carries one page op,
 alternately the map of a new page (a reserve refill) and the unmap of the
@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,12 +105,12 @@ def run_steps(
     op_steps = 0
     start = time.perf_counter()
     for ops in plan:
+        # What the engine core attaches to a step: with overlap, none of these
+        # ops is used by its own step (the planner's split puts them all after).
+        output = SimpleNamespace(kvcached_ops=ops, kvcached_sync=0 if overlap else len(ops))
+        op_steps += bool(ops)
         t0 = time.perf_counter()
-        if ops:
-            worker._apply_ops(ops, 0 if overlap else None)
-            op_steps += 1
-        elif worker.WORKER.executor.overlapping:
-            worker._apply_ops([])
+        worker.apply_step_ops(output)
         apply_s += time.perf_counter() - t0
         step_work(ops_per_step, t)
     worker._apply_ops([])

@@ -306,7 +306,8 @@ def _apply_ops(ops: list[Any], sync: int | None = None) -> None:
     overlapped, then apply ``ops[:sync]`` (all of them by default) and start
     the rest in the executor's thread, to overlap the step about to run. With
     several ranks, agree on the outcome of every map applied before the step
-    (the same ops reach every rank, so every rank agrees at the same step)."""
+    and of the overlapped ones just finished (the same ops reach every rank,
+    so every rank agrees at the same step)."""
     executor = WORKER.executor
     if executor is None:
         raise KVCachedError("page ops reached a worker whose KV cache kvcached does not hold")
@@ -333,12 +334,19 @@ def _apply_ops(ops: list[Any], sync: int | None = None) -> None:
         executor.overlap(ops[len(now) :])
 
 
-def _execute_model(self: Any, scheduler_output: Any) -> Any:
+def apply_step_ops(scheduler_output: Any) -> None:
+    """Before a step: its page ops (``kvcached_ops``, the first
+    ``kvcached_sync`` of them at once), or, for a step without any, the end of
+    those the last step overlapped (this step may use the pages they map)."""
     ops = getattr(scheduler_output, "kvcached_ops", None)
     if ops:
         _apply_ops(ops, scheduler_output.kvcached_sync)
     elif WORKER.executor is not None and WORKER.executor.overlapping:
-        _apply_ops([])  # this step may use the pages the last one mapped
+        _apply_ops([])
+
+
+def _execute_model(self: Any, scheduler_output: Any) -> Any:
+    apply_step_ops(scheduler_output)
     return original(_execute_model)(self, scheduler_output)
 
 
