@@ -87,19 +87,19 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "with overlap, steps took {0.888}x as long with the H200's per-call latencies "
-        "emulated (median of 9 rounds, {0.857–0.944}x)",
+        "with overlap, steps took {0.880}x as long with the H200's per-call latencies "
+        "emulated (median of 9 rounds, {0.867–0.932}x)",
         "page-ops-overlap.json",
         ("step_time_ratio", "step_time_ratio_range"),
     ),
     Figure(
-        "and {0.866}x on the host backend alone",
+        "and {0.887}x on the host backend alone",
         "page-ops-overlap-host.json",
         "step_time_ratio",
     ),
     Figure(
-        "The step's thread still waited {12.3} ms per page op of the {21.7} ms it spent applying "
-        "them itself",
+        "The step's thread still waited {11.2} ms per page op of the {20.6} ms it spent "
+        "applying them itself",
         "page-ops-overlap.json",
         ("main_thread_ms_per_page_op.overlap", "main_thread_ms_per_page_op.sync"),
     ),
