@@ -8,8 +8,8 @@ usage is read from the ledger (each instance's charged bytes), sampled every
 
 Elastic phases: (1) A gets its load; (2) A's prefix cache is reset; (3) B gets
 its load and its prefix cache is reset; (4) both get their loads at the same
-time, B's first and A's once B holds half the free memory (more than the
-device holds: requests wait or are preempted, none fails).
+time, B's first (with longer outputs) and A's once B holds half the free
+memory (more than the device holds: requests wait or are preempted, none fails).
 Three greedy probes per server run before and after. A applies the page ops
 a step does not use beside it (``KVCACHED_OVERLAP_PAGE_OPS``), B before it
 (the default): the same phases cover both.
@@ -47,6 +47,11 @@ UTILIZATION = 0.8
 LOAD_REQUESTS = 32
 LOAD_PROMPT = 3500
 LOAD_OUTPUT = 64
+#: B's output per request in phase (4): B must still hold its memory while A's
+#: prefill grows (CI once saw no miss when B's 64-token decode ended first, with
+#: A's load started once B held half the free memory); 512 decode steps outlast
+#: A's prefill several times over and fit the 4,096-token context with the prompt.
+CONTENDED_B_OUTPUT = 512
 PROBE_TOKENS = 32
 LIMIT_FILL = 24
 LIMIT_FILL_PROMPT = 1500
@@ -274,13 +279,15 @@ def run_contended(a: VllmServer, b: VllmServer, rec: ElasticRecord, sampler: Usa
     idle instances leave free. Each load alone needs more than that half
     (``test_a_filled_memory``), so A's comes on top of B's: started at the
     same moment, one engine could finish most of its load before the other's
-    grew (CI once saw no miss at all that way)."""
+    grew (CI once saw no miss at all that way), and B decodes
+    :data:`CONTENDED_B_OUTPUT` tokens a request, so it still holds that memory
+    while A's prefill grows (with 64, B once finished first: no miss again)."""
     results: dict[str, list[Completion]] = {}
 
-    def load(server: VllmServer, key: str, seed: int) -> None:
-        results[key] = server.complete_all(load_prompts(seed), LOAD_OUTPUT, ignore_eos=True)
+    def load(server: VllmServer, key: str, seed: int, output: int) -> None:
+        results[key] = server.complete_all(load_prompts(seed), output, ignore_eos=True)
 
-    b_load = threading.Thread(target=load, args=(b, "b", 400_000))
+    b_load = threading.Thread(target=load, args=(b, "b", 400_000, CONTENDED_B_OUTPUT))
     start = time.monotonic()
     b_load.start()
     half = rec.b_idle + (rec.budget - rec.a_idle - rec.b_idle) // 2
@@ -289,7 +296,7 @@ def run_contended(a: VllmServer, b: VllmServer, rec: ElasticRecord, sampler: Usa
             rec.contended_head_start_s = time.monotonic() - start
             break
         time.sleep(0.05)
-    load(a, "a", 300_000)
+    load(a, "a", 300_000, LOAD_OUTPUT)
     b_load.join()
     rec.contended = results.get("a", []) + results.get("b", [])
 
