@@ -2,8 +2,8 @@
 
 :data:`VARIABLES` is the single table of names, defaults, allowed values and
 meanings. :class:`Config` is the frozen, typed result of parsing them once;
-:func:`get_config` caches it for the process. The README's table of variables
-is generated from :data:`VARIABLES` (``python -m kvcached.config``) and a test
+:func:`get_config` caches it for the process. The table of variables in
+``docs/configuration.md`` is generated from :data:`VARIABLES` (``python -m kvcached.config``) and a test
 checks that the two agree, so they cannot drift.
 
 Names, meanings and defaults follow the upstream kvcached project where it has
@@ -394,7 +394,7 @@ def reload_config() -> Config:
 
 
 def markdown_table() -> str:
-    """The README's table of variables, generated from :data:`VARIABLES`."""
+    """``docs/configuration.md``'s table of variables, generated from :data:`VARIABLES`."""
     lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for var in VARIABLES:
         default = f"`{var.default}`" if var.default else "(unset)"

@@ -23,7 +23,7 @@ naming its commit, command and machine.
 
 :func:`unclaimed` finds the figures nobody checks: every ratio (``1.5x``), time in
 ``µs``, percentage and bold number in a document's prose (code blocks, HTML comments
-and the README's generated variables table left out) must lie inside some Figure's
+and a generated variables table left out) must lie inside some Figure's
 text or in an :class:`Unmeasured` entry that says why it is not ours to measure.
 """
 
@@ -106,8 +106,7 @@ def normalize(text: str) -> str:
 
 
 def readme_prose(readme: str) -> str:
-    """A document without fenced code, HTML comments and the README's generated variables
-    table."""
+    """A document without fenced code, HTML comments and a generated variables table."""
     text = re.sub(r"<!-- variables:begin -->.*?<!-- variables:end -->", " ", readme, flags=re.S)
     text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
     return re.sub(r"^(```|~~~).*?^\1\s*$", " ", text, flags=re.S | re.M)
