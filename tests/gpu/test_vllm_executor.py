@@ -163,3 +163,49 @@ def test_vllm_views_over_pages_mapped_by_ops(cuda, layout) -> None:
     finally:
         executor.close()
     assert executor.mapped_pages == 0
+
+
+def test_ops_overlapped_with_kernels_keep_live_pages(cuda) -> None:
+    """``KVCACHED_OVERLAP_PAGE_OPS`` on the real driver: while the step's
+    thread launches kernels that write live pages, the executor's own thread
+    (a thread with no CUDA context of its own) maps a refill and unmaps a
+    finished request's pages, device sync included. The live requests read
+    back intact, the refilled pages take a new request, and the counts agree."""
+    t = shape_of("LBHNC")
+    lanes = lanes_of([t], LAYERS * NUM_BLOCKS * PAGE, NUM_BLOCKS, 2 * MIB)
+    executor = PageExecutor(cuda, lanes, calibrate=False)
+    try:
+        views = vllm_views(executor.buffer(), t)
+        rng = random.Random(5)
+        bpp = lanes.blocks_per_page
+        free_pages = list(range(1, lanes.num_pages))
+        rng.shuffle(free_pages)
+        requests = [Request(rng, n, free_pages, bpp) for n in (600, 900, 300)]
+        held = sorted(p for r in requests for p in r.pages)
+        assert executor.apply([(MAP, p, 1) for p in held])
+        for r in requests:
+            r.write(views)
+        torch.cuda.synchronize()
+        refill = sorted(free_pages[:16])
+        gone = sorted(requests[1].pages)
+        live = [requests[0], requests[2]]
+        executor.overlap([(MAP, p, 1) for p in refill] + [(UNMAP, p, 1) for p in gone])
+        assert executor.overlapping and executor.overlapped_maps
+        for _ in range(20):  # the step: kernels over live pages, beside the ops
+            for r in live:
+                r.write(views)
+        assert executor.finish() is True
+        assert not executor.overlapping
+        torch.cuda.synchronize()
+        assert executor.mapped_pages == 1 + len(held) - len(gone) + len(refill)
+        assert executor.maps == len(held) + len(refill) and executor.unmaps == len(gone)
+        for r in live:
+            r.check(views)
+        fresh = Request(rng, len(refill) * bpp * TOKENS, list(refill), bpp)
+        fresh.write(views)
+        torch.cuda.synchronize()
+        for r in [fresh, *live]:
+            r.check(views)
+    finally:
+        executor.close()
+    assert executor.mapped_pages == 0
