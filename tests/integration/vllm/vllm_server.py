@@ -31,7 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcached.integrations.amx import cpu_has_amx
+
 SERVED_MODEL_NAME = "tiny-llama"
+#: On a CPU with AMX, native servers start with this folder on PYTHONPATH, whose
+#: sitecustomize asks Linux for AMX tile data (kvcached/integrations/amx.py says why).
+AMX_SHIM = str(Path(__file__).resolve().parents[2] / "amx_permission")
 STOP_GRACE_S = 90.0
 
 #: kvcached variables a developer's shell may carry: every server gets them from
@@ -156,6 +161,11 @@ class ServerOptions:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(self.tensor_parallel)
         if self.kvcached and self.ipc_name:
             env["KVCACHED_IPC_NAME"] = self.ipc_name
+        if not self.kvcached and cpu_has_amx():
+            # A native server loads nothing of kvcached, whose plugin asks for AMX.
+            path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            if AMX_SHIM not in path:
+                env["PYTHONPATH"] = os.pathsep.join([AMX_SHIM, *path])
         env.update(self.extra_env)
         return env
 
