@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A fresh process: asks (or not), then reads its permitted features back.
 PROBE = """
-import ctypes, sys
+import ctypes
 from kvcached.integrations.amx import request_amx_permission
 asked = {ask}
 granted = request_amx_permission() if asked else None
@@ -28,8 +28,10 @@ print(granted, bool(mask.value & (1 << 18)))
 """
 
 
-def probe(ask: bool) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))  # without the tests' shim
+def probe(ask: bool, pythonpath: str = str(ROOT)) -> str:
+    """``granted permitted`` as a fresh process with ``pythonpath`` prints them
+    (by default without the tests' shim)."""
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     out = subprocess.run(
         [sys.executable, "-c", PROBE.format(ask=ask)],
         env=env,
@@ -57,13 +59,7 @@ def test_on_a_cpu_with_amx_the_permission_is_granted_only_when_asked() -> None:
 @pytest.mark.skipif(not cpu_has_amx(), reason="the CPU reports no AMX tiles")
 def test_the_tests_shim_asks_in_every_process_they_start() -> None:
     assert AMX_SHIM in os.environ["PYTHONPATH"].split(os.pathsep)
-    code = (
-        "import ctypes; m = ctypes.c_ulong(); "
-        "ctypes.CDLL(None).syscall(ctypes.c_long(158), ctypes.c_long(0x1022), ctypes.byref(m)); "
-        "print(bool(m.value & (1 << 18)))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"
+    assert probe(ask=False, pythonpath=os.environ["PYTHONPATH"]) == "None True"
 
 
 def test_the_plugin_asks_before_it_patches(monkeypatch) -> None:

@@ -3,7 +3,8 @@ Linux for AMX tile data at startup, so that native vLLM CPU servers, which load
 nothing of kvcached, do not die at their first step with SIGILL
 (``kvcached/integrations/amx.py`` says why). ``tests/conftest.py`` puts this
 folder first on ``PYTHONPATH`` there; no other sitecustomize is shadowed on the
-machines CI uses (pyenv's Python has none)."""
+machines CI uses (pyenv's Python has none). It repeats amx.py's one syscall
+rather than importing kvcached: tests check what a fresh process imports."""
 
 import contextlib
 import ctypes
