@@ -223,14 +223,16 @@ VARIABLES: tuple[Variable, ...] = (
         "min_reserved_pages",
         "5",
         _count,
-        "Pre-mapped idle pages the background refill keeps ready.",
+        "Pre-mapped idle pages the background refill keeps ready (vLLM: at least "
+        "one step's `max_num_batched_tokens`, up to a quarter of the cache).",
     ),
     Variable(
         "KVCACHED_MAX_RESERVED_PAGES",
         "max_reserved_pages",
         "10",
         _count,
-        "Most idle pre-mapped pages kept before the rest are unmapped.",
+        "Most idle pre-mapped pages kept before the rest are unmapped (vLLM: at "
+        "least twice the reserve).",
     ),
     Variable(
         "KVCACHED_MAX_CACHED_TOKENS",
@@ -298,13 +300,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "KVCACHED_OVERLAP_PAGE_OPS",
         "overlap_page_ops",
-        "false",
+        "true",
         _bool,
         "New. vLLM: a worker maps the pages a step does not use (the reserve's "
         "refill) and unmaps released ones in a thread of its own while the step "
-        "runs, instead of before its first kernel. Off by default: on an H100 it brought "
-        "kvcached's added TTFT per request down to a native control's (docs/benchmarks.md); "
-        "the default once measured side by side again and with tensor parallelism.",
+        "runs, instead of before its first kernel. `false` puts every page op "
+        "before the step (docs/vllm-integration.md, Page ops per step).",
     ),
 )
 

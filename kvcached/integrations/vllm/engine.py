@@ -207,7 +207,9 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     if not all(oks):
         raise KVCachedError(f"kvcached holds the KV cache of some workers only: {descs}")
     ENGINE.block_size = vllm_config.cache_config.block_size
-    context = build_context(kv_cache_config, descs)
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    step_tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
+    context = build_context(kv_cache_config, descs, step_tokens=step_tokens)
     # Idle data-parallel ranks run dummy batches that may read the null block
     # (docs/vllm-integration.md, open points): keep its page mapped there.
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -218,8 +220,28 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     return kv_cache_config
 
 
-def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
-    """Ledger pools for every rank, the planner, and the control instance."""
+def step_reserve(
+    step_tokens: int, tokens_per_page: int, num_pages: int, min_pages: int, max_pages: int
+) -> tuple[int, int]:
+    """The planner's reserve ``(min, max)`` in pages: at least one step's token
+    budget (vLLM's ``max_num_batched_tokens``), so that a step, even a whole
+    prompt's prefill, takes pages already mapped while the refill runs beside it;
+    at least ``KVCACHED_MIN/MAX_RESERVED_PAGES``; idle pages are kept up to twice
+    that before the surplus is unmapped, so a load that swings by a step's worth
+    does not map and unmap the same pages. Never more than a quarter of the
+    cache's pages (a small cache is not all reserve)."""
+    step_pages = -(-max(0, step_tokens) // max(1, tokens_per_page))
+    cap = max(min_pages, num_pages // 4)
+    low = min(cap, max(min_pages, step_pages))
+    high = min(max(cap, max_pages), max(max_pages, 2 * low))
+    return low, max(low, high)
+
+
+def build_context(
+    kv_cache_config: Any, descs: list[dict[str, Any]], *, step_tokens: int = 0
+) -> Any:
+    """Ledger pools for every rank, the planner, and the control instance;
+    ``step_tokens`` sizes the reserve (:func:`step_reserve`)."""
     from kvcached.config import get_config
     from kvcached.control.instance import get_instance
     from kvcached.integrations.vllm.control import EngineContext
@@ -251,12 +273,19 @@ def build_context(kv_cache_config: Any, descs: list[dict[str, Any]]) -> Any:
         geometry = planner_geometry(
             first["num_pages"], first["blocks_per_page"], first["page_bytes"], first["granularity"]
         )
+        min_reserved, max_reserved = step_reserve(
+            step_tokens,
+            first["blocks_per_page"] * ENGINE.block_size,
+            first["num_pages"],
+            config.min_reserved_pages,
+            config.max_reserved_pages,
+        )
         planner = StepPlanner(
             geometry,
             budget,
             world_size=len(descs),
-            min_reserved=config.min_reserved_pages,
-            max_reserved=config.max_reserved_pages,
+            min_reserved=min_reserved,
+            max_reserved=max_reserved,
             overlap=config.overlap_page_ops,
         )
     except BaseException:
@@ -307,7 +336,8 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
     log.info(
         "vLLM %s engine core: block pool, allocate_slots, schedule, update_from_output, "
         "reset_prefix_cache patched; %d blocks of %d tokens, %d pages of %d blocks (%s per "
-        "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, instance %s",
+        "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, reserve %d-%d "
+        "pages, page ops %s, instance %s",
         STATE.version,
         planner.num_blocks,
         ENGINE.block_size,
@@ -319,6 +349,9 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
         "" if len(context.devices) == 1 else "s",
         ",".join(devices),
         "unlimited" if cap < 0 else cap * ENGINE.block_size,
+        planner.pages.min_reserved,
+        planner.pages.max_reserved,
+        "beside the step" if planner.overlap else "before the step",
         context.instance.name,
     )
     return pool
