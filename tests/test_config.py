@@ -23,6 +23,7 @@ def test_defaults_follow_upstream():
     assert c.host_capacity is None
     assert c.ledger_dir == "/dev/shm"
     assert c.calibration_interval_s == 1.0
+    assert c.overlap_page_ops is True  # page ops beside the step (docs/vllm-integration.md)
 
 
 @pytest.mark.parametrize(
