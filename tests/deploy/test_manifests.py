@@ -94,9 +94,12 @@ def test_probes_scraping_weights_and_failure_policy(target: str) -> None:
     # or leaves it failed while the others serve; both need a container that restarts.
     assert config["on_model_failure"] in ("exit", "keep-serving")
     assert pod["spec"]["restartPolicy"] == "Always"
-    # serve stops engines one after another, each up to its stop_timeout.
+    # After the preStop pause, serve stops engines one after another, each up to its
+    # stop_timeout; the grace period covers all of it.
+    (sleep, pause) = serve["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep == "sleep"
     stops = sum(m.get("stop_timeout", 60) for m in config["models"])
-    assert pod["spec"]["terminationGracePeriodSeconds"] >= stops + 30
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= int(pause) + stops + 30
 
 
 def test_weights_come_from_a_claim_in_the_base_and_the_node_in_single_gpu() -> None:
@@ -150,6 +153,35 @@ def _epp_config(docs: list[dict[str, Any]], deployment: dict[str, Any]) -> dict[
     return yaml.safe_load(text)
 
 
+#: The parameters of the picker's plugins this overlay sets, as v1.5.0's source names them
+#: (gateway-api-inference-extension, pkg/epp/framework/plugins/datalayer/extractor/metrics/
+#: factories.go and source/metrics/datasource.go): the picker ignores a key it does not know.
+EXTRACTOR_KEYS = {"engineLabelKey", "defaultEngine", "engineConfigs"}
+ENGINE_KEYS = {
+    "name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec",
+    "cacheInfoSpec", "cacheBlockSizeLabelName", "cacheNumBlocksLabelName",
+    "cacheBlockSizeSpec", "cacheNumBlocksSpec",
+}  # fmt: skip
+DATA_SOURCE_KEYS = {"scheme", "path", "insecureSkipVerify"}
+
+
+def _check_plugin_keys(config: dict[str, Any]) -> None:
+    assert config["apiVersion"] == "inference.networking.x-k8s.io/v1alpha1"
+    assert config["kind"] == "EndpointPickerConfig"
+    declared = {p.get("name", p["type"]) for p in config["plugins"]}
+    for profile in config["schedulingProfiles"]:
+        for ref in profile["plugins"]:
+            assert ref["pluginRef"] in declared, ref
+    for p in config["plugins"]:
+        params = p.get("parameters", {})
+        if p["type"] == "core-metrics-extractor":
+            assert set(params) <= EXTRACTOR_KEYS, params
+            for engine in params["engineConfigs"]:
+                assert set(engine) <= ENGINE_KEYS, engine
+        elif p["type"] == "metrics-data-source":
+            assert set(params) <= DATA_SOURCE_KEYS, params
+
+
 def test_each_model_has_an_inference_pool_that_reads_its_own_series() -> None:
     """For every model of serve's config: a pool over serve's pods that carry the
     model's routable label, on serve's port; a picker watching that pool whose three
@@ -186,7 +218,9 @@ def test_each_model_has_an_inference_pool_that_reads_its_own_series() -> None:
         assert len(epps) == 1, f"the picker Service of {name} selects {len(epps)} Deployments"
         args = epps[0]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
-        plugins = {p["type"]: p for p in _epp_config(docs, epps[0])["plugins"]}
+        epp_config = _epp_config(docs, epps[0])
+        plugins = {p["type"]: p for p in epp_config["plugins"]}
+        _check_plugin_keys(epp_config)
         assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
         extractor = plugins["core-metrics-extractor"]["parameters"]
         (engine,) = [
