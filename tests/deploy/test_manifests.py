@@ -76,7 +76,13 @@ def test_probes_scraping_weights_and_failure_policy(target: str) -> None:
     pod = _pod(docs)
     serve = _container(pod, "serve")
     _, config = serve_config(docs)
-    assert serve["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # Ready once every eager model serves (/ready); then as long as the router answers
+    # (/health): a lazy model's cold start must not take the pod's other models out.
+    assert serve["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    startup = serve["startupProbe"]["periodSeconds"] * serve["startupProbe"]["failureThreshold"]
+    eager = [m for m in config["models"] if m.get("start", "eager") == "eager"]
+    assert startup >= max(m.get("startup_timeout", 600) for m in eager)
+    assert serve["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert serve["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     notes = pod["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true"
