@@ -74,16 +74,21 @@ def read_ready(url: str, timeout_s: float = 2.0) -> dict[str, object] | None:
     """serve's ``/ready`` document (it answers 503 with the same JSON while a model
     starts or failed); ``None`` while serve does not answer."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        if exc.code != 503:
-            log.warning("podlabels: %s answered %d", url, exc.code)
-            return None
-        return json.loads(exc.read())
-    except (OSError, ValueError) as exc:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                doc = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                log.warning("podlabels: %s answered %d", url, exc.code)
+                return None
+            doc = json.loads(exc.read())
+    except (OSError, ValueError) as exc:  # not up yet, or not JSON
         log.debug("podlabels: %s not read: %s", url, exc)
         return None
+    if not isinstance(doc, dict):
+        log.warning("podlabels: %s answered no JSON object: %.200r", url, doc)
+        return None
+    return doc
 
 
 class PodPatcher:

@@ -116,6 +116,15 @@ def test_a_refused_patch_is_retried_and_silence_from_serve_changes_nothing(fakes
     assert len(fakes.patches) == before
 
 
+def test_an_answer_that_is_not_serves_json_is_no_reading(fakes) -> None:
+    fakes.ready = (503, ["not", "a", "ready", "document"])
+    assert podlabels.read_ready(fakes.url + "/ready") is None
+    with pytest.raises(ValueError, match="no 'models' object"):
+        desired_labels({"ready": True})
+    fakes.ready = (404, {})
+    assert podlabels.read_ready(fakes.url + "/ready") is None
+
+
 def test_main_names_the_downward_api_variables_it_lacks(monkeypatch, capsys) -> None:
     monkeypatch.delenv("POD_NAME", raising=False)
     monkeypatch.setenv("POD_NAMESPACE", "ns1")
