@@ -14,7 +14,13 @@ labels them:
   hold now, ``used / (used + mappable)``, where ``mappable`` is what it could
   still map: the least of its limit's room and its GPU ledger's headroom. vLLM's
   own gauge under kvcached counts blocks of the virtual cache, which other
-  engines' memory does not shrink, so it overstates the room left.
+  engines' memory does not shrink, so it overstates the room left. A model
+  that is not awake (sleeping, waking, starting, stopped, failed) can map
+  nothing until it is woken, so it reads 1: a picker then prefers an awake
+  replica and wakes a sleeping one only when the awake ones queue more;
+* ``kvcached_serve_awake`` (1: ready, its engine serves now) and
+  ``kvcached_serve_routable`` (1: a request is served, waking or starting the
+  model first if need be; 0: failed, its requests get ``503``).
 
 The bytes behind the ratio are exposed too (``kvcached_serve_kv_*_bytes``).
 """
@@ -29,6 +35,7 @@ from typing import Any
 import aiohttp
 
 from kvcached.serve.engines import read_gauges
+from kvcached.serve.state import FAILED, READY
 
 #: A scrape waits at most this long for an engine's own /metrics.
 ENGINE_SCRAPE_S = 1.0
@@ -40,15 +47,20 @@ class GatewayReading:
 
     running: float = 0.0
     waiting: float = 0.0
+    awake: bool = True  #: ready: its engine serves now, no wake first
+    routable: bool = True  #: not failed: a request is served (after a wake or start)
     used_bytes: int | None = None
     limit_bytes: int | None = None
     headroom_bytes: int | None = None
 
     @property
     def mappable_bytes(self) -> int | None:
-        """What the instance could still map now: its limit's room and the ledger's headroom."""
+        """What the instance could still map now: its limit's room and the ledger's
+        headroom; nothing while it is not awake (it maps only once woken)."""
         if self.used_bytes is None or self.headroom_bytes is None:
             return None
+        if not self.awake:
+            return 0
         room = max(0, self.headroom_bytes)
         if self.limit_bytes is not None:
             room = min(room, max(0, self.limit_bytes - self.used_bytes))
@@ -56,6 +68,8 @@ class GatewayReading:
 
     @property
     def usage_perc(self) -> float | None:
+        if not self.awake:
+            return 1.0  # known without a ledger read: it can map nothing until woken
         mappable = self.mappable_bytes
         if mappable is None or self.used_bytes is None:
             return None
@@ -85,7 +99,12 @@ def kv_view(names: Sequence[str]) -> dict[str, tuple[int, int | None, int]]:
 async def readings(models: Sequence[Any]) -> dict[str, GatewayReading]:
     """Every model's :class:`GatewayReading`: its engine's gauges (ready models,
     fetched concurrently) and its instance's KV bytes."""
-    out = {m.name: GatewayReading(waiting=float(m.held_requests)) for m in models}
+    out = {
+        m.name: GatewayReading(
+            waiting=float(m.held_requests), awake=m.state == READY, routable=m.state != FAILED
+        )
+        for m in models
+    }
 
     async def engine(m: Any) -> None:
         running, waiting = m.kind.busy_gauges or ("", "")

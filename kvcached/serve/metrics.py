@@ -5,7 +5,8 @@ request's arrival to the engine's first byte), sleeps and wakes with their
 durations, starts, restarts, deaths, and the state as a labelled gauge
 (``kvcached_serve_state{model, state} 1`` for the current one) and a code
 (:data:`~kvcached.serve.state.STATE_CODES`). With gateway readings
-(:mod:`.gateway`), the gauges cluster routers read, per served name.
+(:mod:`.gateway`), the gauges cluster routers read, per served name, and
+whether each is awake and routable.
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ _GATEWAY = (
      lambda r: r.limit_bytes),
     ("kvcached_serve_kv_headroom_bytes", "gauge", "The least ledger headroom on its GPUs.",
      lambda r: r.headroom_bytes),
+    ("kvcached_serve_awake", "gauge",
+     "1 while the model is ready (its engine serves now); 0 while it sleeps, wakes, starts, "
+     "is stopped or failed.",
+     lambda r: int(r.awake)),
+    ("kvcached_serve_routable", "gauge",
+     "1 while a request for the model is served (serve wakes or starts it first if need be); "
+     "0 while it is failed (its requests get 503).",
+     lambda r: int(r.routable)),
 )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from kvcached.serve.engines import ENGINE_KINDS, read_gauges
 from kvcached.serve.gateway import GatewayReading
 from kvcached.serve.metrics import render_metrics
 from kvcached.serve.model import TTFT_BUCKETS
-from kvcached.serve.state import READY, WAKING
+from kvcached.serve.state import FAILED, READY, WAKING
 from kvcached.units import MIB
 
 
@@ -29,6 +29,14 @@ def test_usage_is_physical_use_over_what_the_instance_could_hold_now() -> None:
     r.headroom_bytes = 0  # another engine took the GPU: full, whatever the limit says
     assert (r.mappable_bytes, r.usage_perc) == (0, 1.0)
     assert GatewayReading(used_bytes=5).usage_perc is None  # no ledger read: not known
+
+
+def test_a_model_not_awake_can_map_nothing_so_it_reads_full() -> None:
+    """Asleep (its limit is one byte), stopped or failed, it maps only once woken:
+    a picker prefers an awake replica and wakes this one when the awake ones queue."""
+    r = GatewayReading(used_bytes=0, headroom_bytes=700 * MIB, awake=False)
+    assert (r.mappable_bytes, r.usage_perc) == (0, 1.0)
+    assert GatewayReading(awake=False).usage_perc == 1.0  # known without a ledger read
 
 
 def test_read_gauges_sums_every_labelled_sample() -> None:
@@ -124,12 +132,13 @@ def test_metrics_carry_the_gateway_gauges_per_served_name(monkeypatch) -> None:
         await web.TCPSite(runner, "127.0.0.1", port).start()
         alpha = _model("alpha", ["alpha", "a"], port)
         beta = _model("beta", ["beta"], _free_port(), state=WAKING, in_flight=4)
+        gamma = _model("gamma", ["gamma"], _free_port(), state=FAILED)
         try:
-            readings = await gateway.readings([alpha, beta])
+            readings = await gateway.readings([alpha, beta, gamma])
         finally:
             await alpha._session["s"].close()
             await runner.cleanup()
-        return render_metrics([alpha, beta], readings)
+        return render_metrics([alpha, beta, gamma], readings)
 
     text = asyncio.run(body())
     samples = {
@@ -145,5 +154,9 @@ def test_metrics_carry_the_gateway_gauges_per_served_name(monkeypatch) -> None:
         assert samples[("kvcached_serve_kv_limit_bytes", served)] == 400 * MIB
     assert samples[("vllm:num_requests_running", "beta")] == 0
     assert samples[("vllm:num_requests_waiting", "beta")] == 4  # held while it wakes
-    assert samples[("vllm:kv_cache_usage_perc", "beta")] == 0
+    assert samples[("vllm:kv_cache_usage_perc", "beta")] == 1.0  # maps nothing until awake
     assert ("kvcached_serve_kv_limit_bytes", "beta") not in samples  # no limit: absent
+    awake = {n: samples[("kvcached_serve_awake", n)] for n in ("alpha", "a", "beta", "gamma")}
+    assert awake == {"alpha": 1, "a": 1, "beta": 0, "gamma": 0}
+    routable = {n: samples[("kvcached_serve_routable", n)] for n in ("alpha", "beta", "gamma")}
+    assert routable == {"alpha": 1, "beta": 1, "gamma": 0}  # waking is routable, failed not
