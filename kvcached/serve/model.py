@@ -37,14 +37,8 @@ import aiohttp
 from kvcached.log import get_logger
 from kvcached.serve import sleep as sleep_levels
 from kvcached.serve.config import ModelConfig, ServeConfig
-from kvcached.serve.engine import (
-    MARKER,
-    EngineProcess,
-    free_port,
-    log_excerpt,
-    marked_groups,
-    rotate_log,
-)
+from kvcached.serve.engine import MARKER, EngineProcess, free_port, marked_groups
+from kvcached.serve.enginelog import failure_report, rotate_log
 from kvcached.serve.engines import read_activity
 from kvcached.serve.state import (
     FAILED,
@@ -393,15 +387,12 @@ class ModelRuntime:
         """The model failed: say why on serve's terminal (with the engine's own
         output), then schedule a restart as ``restart`` says, or give up."""
         self.failures += 1
+        error, report = failure_report(self.log_path, self._log_offset)
+        if error:
+            failure = f"{failure}: {error}"
         self.failure = f"{failure}; log {self.log_path}"
         self.set_state(FAILED, self.failure)
-        log.error(
-            "model %s: %s; its output (%s):\n%s",
-            self.name,
-            failure,
-            self.log_path,
-            log_excerpt(self.log_path, self._log_offset),
-        )
+        log.error("model %s: %s; from its log (%s):\n%s", self.name, failure, self.log_path, report)
         policy = self.config.restart
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < policy.window_s]

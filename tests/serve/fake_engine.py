@@ -3,7 +3,8 @@ endpoint shapes of vLLM's and SGLang's servers, every request it gets logged.
 
 ``python fake_engine.py PORT LOGFILE [--slow-start S] [--fail-start CODE]``
 (``--fail-start``: print a few lines, as an engine that cannot start would, and
-exit with CODE). Each
+exit with CODE; ``--fail-traceback``: die of a chained exception, a real
+traceback; ``--warnings N``: print N deprecation warnings before either). Each
 request is appended to LOGFILE as one JSON line: method, path, query string,
 body. Routes:
 
@@ -28,6 +29,23 @@ import time
 from aiohttp import web
 
 
+def warn_first(args: list[str]) -> None:
+    """``--warnings N``: N deprecation warnings first, as vLLM's start prints them."""
+    for i in range(int(args[args.index("--warnings") + 1]) if "--warnings" in args else 0):
+        print(f"/site-packages/engine/api_{i}.py:24: DeprecationWarning: this entrypoint is ")
+        print("  warnings.warn(", flush=True)
+
+
+def load_model() -> None:
+    def check(config: dict[str, int]) -> None:
+        raise ValueError(f"max_model_len ({config['len']}) is greater than the model's (2048)")
+
+    try:
+        check({"len": 100000})
+    except ValueError as exc:
+        raise RuntimeError("Engine core initialization failed. See root cause above.") from exc
+
+
 def main() -> None:
     port, log_path = int(sys.argv[1]), sys.argv[2]
     args = sys.argv[3:]
@@ -35,8 +53,12 @@ def main() -> None:
     state = {"sleeping": False, "level": 0}
     if "--fail-start" in args:
         print("fake engine: starting", flush=True)
+        warn_first(args)
         print("fake engine: error: the model cannot be loaded (asked to fail)", flush=True)
         sys.exit(int(args[args.index("--fail-start") + 1]))
+    if "--fail-traceback" in args:
+        warn_first(args)
+        load_model()  # raises: a real traceback, and exit status 1
 
     def record(request: web.Request, body: bytes) -> None:
         with open(log_path, "a") as f:

@@ -125,7 +125,7 @@ def test_a_failing_start_is_shown_on_serves_terminal_and_serve_exits_naming_it(t
             fake_model(
                 "broken",
                 tmp_path / "b.log",
-                extra=["--fail-start", "3"],
+                extra=["--fail-start", "3", "--warnings", "20"],
                 restart={"max_restarts": 1, "backoff_s": 0.1},
             ),
         ],
@@ -134,9 +134,14 @@ def test_a_failing_start_is_shown_on_serves_terminal_and_serve_exits_naming_it(t
     assert out.returncode == 1, out.stderr
     log = tmp_path / "state" / "broken.log"
     err = out.stderr
-    assert f"model broken: engine exited with 3 while starting; its output ({log})" in err
+    cause = "fake engine: error: the model cannot be loaded (asked to fail)"
+    header = f"model broken: engine exited with 3 while starting: {cause}; from its log ({log}):"
+    lines = err.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith(header))
+    # the error leads the report, not the engine's first lines (its deprecation warnings)
+    assert lines[at + 1 : at + 3] == ["    its error:", f"      {cause}"], err
+    assert lines[at + 3] == "    the last 15 lines of its output:"
     assert err.strip().splitlines()[-1].endswith("stopped; exit status 1: model broken failed")
-    assert "fake engine: error: the model cannot be loaded (asked to fail)" in err
     assert "model broken failed and will not be restarted" in err
     assert "it failed 2 times within restart.window_s=600 s (restart.max_restarts=1)" in err
     assert "on_model_failure: exit" in err
