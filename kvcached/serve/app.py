@@ -256,7 +256,7 @@ class Serve:
             paths = [m.log_path, m.log_path + ".1"]
             if m.failures:
                 log.info(
-                    "kvcached serve: model %s failed this run; its log stays: %s",
+                    "kvcached serve: model %s failed; its log stays: %s",
                     m.name,
                     m.log_path,
                 )

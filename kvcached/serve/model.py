@@ -124,7 +124,7 @@ class ModelRuntime:
         self.lock = asyncio.Lock()
         self.failure = ""
         self.given_up = False  #: failed past its restart policy: serve no longer tries
-        self.failures = 0  #: times it failed this run (its log is then kept at exit)
+        self.failures = 0  #: times it failed (this or a killed router's run): its log is kept
         self.stopping = False  #: serve is shutting down: no restarts
         self._wake_task: asyncio.Task[None] | None = None
         self._restart_times: list[float] = []
@@ -176,6 +176,8 @@ class ModelRuntime:
         self.publish()
 
     def publish(self) -> None:
+        self.record.failure, self.record.given_up = self.failure, self.given_up
+        self.record.failures = self.failures
         self.store.write(self.record)
         try:
             self.publisher.publish(
@@ -605,7 +607,14 @@ class ModelRuntime:
         """Take over the engine a previous router left running, whatever state it
         was in, if it is still the process that router started (same pid and
         start time). One that does not answer yet is adopted as ``starting``
-        (:meth:`wait_started`); one asleep as ``sleeping``."""
+        (:meth:`wait_started`); one asleep as ``sleeping``. A model that had
+        failed is adopted as ``failed``, with its reason: given up on, it stays
+        so (``on_given_up`` is told again); else its restart comes after
+        ``restart.backoff_s``. Its failures carry over, so its log is kept."""
+        self.failures = record.failures
+        if record.state == FAILED:
+            self._adopt_failed(record)
+            return True
         if not (record.pid and same_process(record.pid, record.start_ticks)):
             return False
         self.record.port = record.port
@@ -625,6 +634,20 @@ class ModelRuntime:
         else:
             self.set_state(STARTING, f"adopted pid {record.pid}, not answering yet")
         return True
+
+    def _adopt_failed(self, record: ModelRecord) -> None:
+        # A failed model runs no engine (every path to failed stops it first).
+        self.failures = max(1, record.failures)
+        self.failure = record.failure or "it had failed before serve restarted"
+        self.given_up = record.given_up
+        self.set_state(FAILED, f"as the previous router left it: {self.failure}")
+        if self.given_up:
+            if self.on_given_up is not None:
+                self.on_given_up(self)
+            return
+        delay = self.config.restart.backoff_s
+        self._next_restart = time.monotonic() + delay
+        log.info("model %s: restarting in %.1f s", self.name, delay)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -7,8 +7,10 @@ written to two places:
   (``<state_dir>/<model>.json``: engine pid and its start time, port, state,
   the limit to restore on wake), replaced atomically. A router that restarts
   (after a crash, even SIGKILL) reads these and adopts engines that still run,
-  instead of starting second copies; the pid is trusted only with the same
-  start time (``/proc/<pid>/stat``), so a reused pid is not adopted;
+  instead of starting second copies, and a model that had failed as failed
+  (its reason, whether serve gave up on it, and so its log, are in the file);
+  the pid is trusted only with the same start time (``/proc/<pid>/stat``), so
+  a reused pid is not adopted;
 * a kvcached snapshot segment per model (:mod:`kvcached.control.snapshot`,
   instance = the model's name, published by the router's pid, no pools) with a
   ``serve`` entry, so ``kvctl list/status/top/metrics`` show the state beside
@@ -82,6 +84,9 @@ class ModelRecord:
     sleep_level: str = ""  #: the level it sleeps at now ("" when awake)
     restore_limit: int = 0  #: the instance limit to put back on wake (0: unlimited)
     held_before_sleep: int = 0  #: bytes the instance held when it was put to sleep
+    failure: str = ""  #: why it failed last (kept while it is ``failed``)
+    given_up: bool = False  #: failed past its restart policy: no restart comes
+    failures: int = 0  #: times it failed under this state directory's routers (log kept)
     router_pid: int = 0
     updated_at: float = 0.0
 

@@ -229,3 +229,27 @@ def test_a_model_refuses_an_illegal_transition(tmp_path):
             m.set_state("sleeping")
     finally:
         pub.close()
+
+
+def test_a_failed_model_waiting_for_its_restart_is_restarted_after_adoption(tmp_path):
+    """The router was killed between a failure and its restart: the next one
+    adopts the model as failed, with the reason, then restarts it as planned;
+    the failure is remembered, so its log is kept at the stop."""
+    from kvcached.serve.state import ModelRecord, StateStore
+
+    cfg = config(tmp_path, [fake_model("m", tmp_path / "m.log", restart={"backoff_s": 0.5})])
+    store = StateStore(cfg.resolved_state_dir())
+    store.write(
+        ModelRecord(name="m", state="failed", failure="engine pid 7 died (exit -9)", failures=1)
+    )
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            m = serve.find("m")
+            assert m.state == "failed" and m.failure == "engine pid 7 died (exit -9)"
+            assert not m.given_up and m.counters.starts == 0
+            await until(lambda: m.state == "ready", 60, "the restart")
+            assert m.counters.restarts == 1 and m.failure == "" and m.failures == 1
+
+    run(body())
+    assert (tmp_path / "state" / "m.log").exists()  # it failed: its log stays

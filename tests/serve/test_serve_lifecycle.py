@@ -309,3 +309,54 @@ def test_a_router_killed_adopts_exactly_its_engines_whatever_their_state(tmp_pat
     for m in ("alpha", "beta", "slow", "gamma"):
         assert not marked_groups(f"{state_dir}/{m}"), m
     assert not state_dir.exists()  # lock, state files and logs gone; nothing failed
+
+
+def test_a_router_killed_keeps_a_failed_model_failed_with_its_reason_and_log(tmp_path, kill_marked):
+    """A model given up on (keep-serving), then the router SIGKILLed: the next
+    router shows it ``failed`` with the same reason, starts no engine for it,
+    and its clean stop keeps the log and names it."""
+    port = free_port()
+    state_dir = tmp_path / "state"
+    doc = {
+        "port": port,
+        "state_dir": str(state_dir),
+        "idle_check_s": 0.05,
+        "on_model_failure": "keep-serving",
+        "models": [
+            fake_model("fine", tmp_path / "f.log"),
+            fake_model(
+                "broken",
+                tmp_path / "b.log",
+                extra=["--fail-traceback"],
+                restart={"max_restarts": 0},
+            ),
+        ],
+    }
+    cfg = write(tmp_path, doc)
+    first = Cli(cfg, tmp_path / "first.log")
+    wait_for(lambda: state(port, "broken")["given_up"], 60, "broken given up", first)
+    wait_for(lambda: get(port, "/ready")[0] == 200, 60, "fine ready", first)
+    before = state(port, "broken")
+    assert before["state"] == "failed" and "ValueError: max_model_len (100000)" in before["failure"]
+    fine_pid = state(port, "fine")["pid"]
+    first.proc.kill()
+    first.proc.wait(30)
+
+    second = Cli(cfg, tmp_path / "second.log")
+    try:
+        wait_for(lambda: get(port, "/ready")[0] == 200, 60, "the second router", second)
+        after = state(port, "broken")
+        assert after["state"] == "failed" and after["given_up"], after
+        assert after["failure"] == before["failure"]
+        assert after["starts"] == 0 and after["pid"] == 0  # no engine started for it
+        assert get(port, "/ready")[1]["failed"] == ["broken"]
+        status, doc = post(port, "/v1/completions", {"model": "broken"})
+        assert status == 503 and "ValueError: max_model_len (100000)" in doc["error"]["message"]
+        assert state(port, "fine")["pid"] == fine_pid  # adopted as ever
+        assert "model broken failed and will not be restarted" in second.text()
+    finally:
+        assert second.stop() == 0
+    log = state_dir / "broken.log"
+    assert log.exists() and "ValueError: max_model_len (100000)" in log.read_text()
+    assert f"model broken failed; its log stays: {log}" in second.text()
+    assert not (state_dir / "fine.log").exists()
