@@ -360,3 +360,38 @@ def test_a_router_killed_keeps_a_failed_model_failed_with_its_reason_and_log(tmp
     assert log.exists() and "ValueError: max_model_len (100000)" in log.read_text()
     assert f"model broken failed; its log stays: {log}" in second.text()
     assert not (state_dir / "fine.log").exists()
+
+
+def test_a_clean_stop_returns_its_engines_pools_to_the_ledger_without_a_word_of_fault(
+    tmp_path, kill_marked
+):
+    """The engine ends on SIGINT with its kvcached pool still open (vLLM's
+    shutdown SIGKILLs its workers): serve retires the pool, its charge leaves
+    the ledger, and serve's terminal reads as a clean stop: no warning, no
+    error, no "dead process"."""
+    from kvcached.serve.sleep import read_kv
+
+    ledgers = tmp_path / "ledgers"
+    ledgers.mkdir()
+    name = f"kvpool-{os.getpid()}"  # snapshots are machine-wide: a name of this run's own
+    port = free_port()
+    cfg = write(
+        tmp_path,
+        {
+            "port": port,
+            "state_dir": str(tmp_path / "state"),
+            "models": [fake_model(name, tmp_path / "a.log", extra=["--kvcached"])],
+        },
+    )
+    cli = Cli(cfg, tmp_path / "serve.log", env={**os.environ, "KVCACHED_LEDGER_DIR": str(ledgers)})
+    try:
+        wait_for(lambda: get(port, "/ready")[0] == 200, 60, "serve ready", cli)
+        held = read_kv(name, str(ledgers))
+        assert held is not None and held.charged_bytes == 8 << 20
+    finally:
+        assert cli.stop() == 0
+    assert read_kv(name, str(ledgers)) is None  # no pool of it is left, dead or alive
+    text = cli.text()
+    assert "kvcached serve: stopped" in text
+    assert "dead process" not in text
+    assert not [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
