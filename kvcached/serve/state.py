@@ -260,14 +260,20 @@ class ServeLock:
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)
             raise ServeError(
-                f"another kvcached serve (pid {doc.get('pid', '?')}, config "
-                f"{doc.get('config', '?')}) already runs with state directory "
-                f"{os.path.dirname(self.path)} (router port {doc.get('port', '?')}); "
-                "stop it first, or give this one another port or state_dir"
+                f"another kvcached serve (pid {doc.get('pid', '?')}, router port "
+                f"{doc.get('port', '?')}, config {doc.get('config') or '?'}) already runs with "
+                f"state directory {os.path.dirname(self.path)}; stop it first, or give this "
+                "one another port or state_dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), **info}).encode(), 0)
         self._fd = fd
+        self.update(info)
+
+    def update(self, info: dict[str, Any]) -> None:
+        """Rewrite what a second serve is told about this one (pid added)."""
+        assert self._fd is not None, "ServeLock.update before acquire"
+        data = json.dumps({"pid": os.getpid(), **info}).encode()
+        os.pwrite(self._fd, data, 0)  # then cut: a reader never finds the file empty
+        os.ftruncate(self._fd, len(data))
 
     def release(self) -> None:
         if self._fd is None:

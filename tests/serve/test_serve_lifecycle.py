@@ -154,8 +154,8 @@ def test_a_second_serve_is_refused_in_one_line_touching_nothing_of_the_first(tmp
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1, out.stderr
             assert (
-                f"another kvcached serve (pid {first.proc.pid}, config {cfg}) already runs"
-                in lines[0]
+                f"another kvcached serve (pid {first.proc.pid}, router port {port}, config "
+                f"{cfg}) already runs with state directory {state_dir}" in lines[0]
             )
         assert (record.read_bytes(), record.stat().st_mtime_ns) == before
         assert state(port, "alpha")["pid"] == pid and alive(pid)
@@ -172,27 +172,75 @@ def test_a_second_serve_is_refused_in_one_line_touching_nothing_of_the_first(tmp
         assert first.stop() == 0
 
 
-def test_the_same_config_on_another_port_is_refused(tmp_path, kill_marked, monkeypatch):
-    """Default state dirs (per port): the second serve finds the first by its config."""
+def test_the_same_config_on_another_port_is_refused_naming_the_running_serve(
+    tmp_path, kill_marked, monkeypatch
+):
+    """Default state dirs (per port): the second serve finds the first by its
+    config, and says so first and alone, naming its pid and port, though the
+    first one's engine runs a kvcached instance of the model's name (a foreign
+    instance to a serve of another state directory). A serve of another config
+    file with that model name is told whose engine that instance is."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     port = free_port()
-    cfg = write(tmp_path, {"port": port, "models": [fake_model("alpha", tmp_path / "a.log")]})
+    name = f"alpha-{os.getpid()}"  # snapshots are machine-wide: a name of this run's own
+    model = fake_model(name, tmp_path / "a.log", extra=["--kvcached"])
+    cfg = write(tmp_path, {"port": port, "models": [model]})
     first = Cli(cfg, tmp_path / "first.log")
     try:
         wait_for(lambda: get(port, "/ready")[0] == 200, 60, "the first serve", first)
+        expected = (
+            f"kvcached serve: {cfg}: another kvcached serve (pid {first.proc.pid}, router port "
+            f"{port}) already runs with config {cfg}; stop it first"
+        )
+        for check in ([], ["--check"]):
+            out = subprocess.run(
+                [sys.executable, "-m", "kvcached", "serve", *check, str(cfg)]
+                + ["--port", str(free_port())],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 2, out.stderr
+            assert out.stderr.strip().count("\n") == 0, out.stderr
+            assert out.stderr.startswith(expected), out.stderr
+        other = write(tmp_path, {"port": free_port(), "models": [model]}, "other.yaml")
         out = subprocess.run(
-            [sys.executable, "-m", "kvcached", "serve", str(cfg), "--port", str(free_port())],
+            [sys.executable, "-m", "kvcached", "serve", "--check", str(other)],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert out.returncode == 2, out.stderr
-        assert out.stderr.strip().count("\n") == 0
-        assert f"already runs with config {cfg}" in out.stderr
+        assert (
+            f"models[0].name ({name}): a kvcached instance named {name!r} already runs (pid "
+            f"{state(port, name)['pid']}), model {name} of another kvcached serve (pid "
+            f"{first.proc.pid}, router port {port}, config {cfg}); stop that serve, or rename "
+            "the model" in out.stderr
+        ), out.stderr
     finally:
         assert first.stop(signal.SIGTERM) == 0
     assert not list(tmp_path.glob("kvcached-serve-*"))  # SIGTERM too: its state dir went
-    assert not marked_groups(f"{tmp_path}/kvcached-serve-{port}/alpha")
+    assert not marked_groups(f"{tmp_path}/kvcached-serve-{port}/{name}")
+
+
+def test_a_router_on_port_0_tells_a_second_serve_the_port_it_took(tmp_path):
+    import asyncio
+
+    from kvcached.serve.app import Serve
+    from kvcached.serve.preflight import running_serve
+    from kvcached.serve.state import lock_holder
+    from tests.serve.serve_helpers import config
+
+    cfg = config(tmp_path, [fake_model("a", tmp_path / "a.log", start="lazy")])
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            assert serve.port != 0
+            holder = lock_holder(cfg.resolved_state_dir())
+            assert holder is not None and holder["port"] == serve.port
+            assert f"router port {serve.port}" in (running_serve(cfg) or "")
+
+    asyncio.run(body())
 
 
 def test_a_port_in_use_is_one_line(tmp_path):
