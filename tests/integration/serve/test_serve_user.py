@@ -232,6 +232,18 @@ def test_direct_clients_keep_it_awake_probes_are_open_and_ctrl_c_leaves_nothing(
     assert code == 0, log.read_text()
     assert not _group_alive(f"{state_dir}/{name}")
     assert _shm(tag, port) == before, "left in /dev/shm after Ctrl-C"
+    # vLLM's shutdown SIGKILLs its worker, pool open: serve retires it, as routine
+    from kvcached.serve.sleep import read_kv
+
+    assert read_kv(name, str(tmp_path)) is None
+    text = log.read_text()
+    assert "dead process" not in text
+    faults = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("[kvcached] WARNING", "[kvcached] ERROR"))
+    ]
+    assert not faults, text
     # the ledger file stays (docs/serve.md says so): it is the GPU's, not serve's
     assert list(tmp_path.glob("kvcached-ledger-*"))
 
