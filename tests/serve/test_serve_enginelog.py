@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvcached.serve.enginelog import engine_errors, failure_report
+from kvcached.serve.enginelog import engine_errors, failure_report, read_start, root_cause
 
 VLLM_LOG = Path(__file__).with_name("data") / "vllm-0.32-cpu-failed-start.log"
 ROOT = "ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
@@ -88,3 +88,51 @@ def test_without_a_traceback_the_last_error_line_that_is_not_a_warning(tmp_path)
     error, report = failure_report(str(log), 0)
     assert error == "" and report.splitlines()[0] == "    its output:"
     assert failure_report(str(tmp_path / "none.log"), 0)[1].startswith("    (log ")
+
+
+def test_a_long_log_is_read_from_its_end(tmp_path):
+    """An engine that served for long before it died: the report reads the
+    end of its output, not all of it."""
+    log = tmp_path / "m.log"
+    with open(log, "w") as f:
+        f.write("Traceback (most recent call last):\n  File x\nKeyError: an old request's\n")
+        f.write("INFO: a request served\n" * 5000)
+        f.write("Traceback (most recent call last):\n  File y\nMemoryError: the end\n")
+    lines = read_start(str(log), 0, limit=4096)
+    assert lines[-1] == "MemoryError: the end"
+    assert all(line == "INFO: a request served" for line in lines[:-3])  # no partial first line
+    assert len(lines) < 200
+    # within 1 MiB, both: the failure is the last, which points at no earlier one
+    assert engine_errors(read_start(str(log), 0)) == [
+        "KeyError: an old request's",
+        "MemoryError: the end",
+    ]
+    assert failure_report(str(log), 0)[0] == "MemoryError: the end"
+
+
+def test_the_root_cause_is_what_the_last_error_goes_back_to():
+    def tb(error: str, chained: bool = False) -> list[str]:
+        head = ["The above exception was the direct cause of the following exception:"]
+        return [*(head if chained else []), "Traceback (most recent call last):", "  File x", error]
+
+    cases = [
+        # vLLM's: a later error quotes the first, the last points "above"
+        (
+            tb("ValueError: bad block size 16")
+            + tb("RuntimeError: Worker failed with error 'bad block size 16'")
+            + tb("RuntimeError: init failed. See root cause above."),
+            "ValueError: bad block size 16",
+        ),
+        (
+            tb("OSError: disk full") + tb("RuntimeError: could not save", chained=True),
+            "OSError: disk full",
+        ),
+        # unrelated: an earlier request's error is not the cause of the death
+        (
+            tb("KeyError: 'model'") + tb("MemoryError: out of memory above the limit"),
+            "MemoryError: out of memory above the limit",
+        ),
+        ([], ""),
+    ]
+    for lines, cause in cases:
+        assert root_cause(lines) == cause, lines
