@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -113,7 +115,7 @@ class ModelRuntime:
         self.store = store
         self.publisher = publisher
         self.on_given_up = on_given_up
-        self.record = ModelRecord(name=config.name, port=config.port or 0)
+        self.record = ModelRecord(name=config.name, port=config.port or 0, launch=self._launch())
         self.process: EngineProcess | None = None
         self.in_flight = 0
         self.last_end = time.monotonic()  #: end of the last request (or of the last wake)
@@ -610,11 +612,11 @@ class ModelRuntime:
         (:meth:`wait_started`); one asleep as ``sleeping``. A model that had
         failed is adopted as ``failed``, with its reason: given up on, it stays
         so (``on_given_up`` is told again); else its restart comes after
-        ``restart.backoff_s``. Its failures carry over, so its log is kept."""
+        ``restart.backoff_s``; unless its launch (argv, environment) changed
+        since: then it starts afresh. Its failures carry over, so its log is kept."""
         self.failures = record.failures
         if record.state == FAILED:
-            self._adopt_failed(record)
-            return True
+            return self._adopt_failed(record)
         if not (record.pid and same_process(record.pid, record.start_ticks)):
             return False
         self.record.port = record.port
@@ -635,19 +637,35 @@ class ModelRuntime:
             self.set_state(STARTING, f"adopted pid {record.pid}, not answering yet")
         return True
 
-    def _adopt_failed(self, record: ModelRecord) -> None:
+    def _launch(self) -> str:
+        launch = {
+            "argv": self.config.argv(self.serve.engine_host, "{port}"),
+            "env": self.config.environment({}),
+        }
+        return hashlib.sha256(json.dumps(launch, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _adopt_failed(self, record: ModelRecord) -> bool:
         # A failed model runs no engine (every path to failed stops it first).
         self.failures = max(1, record.failures)
+        if record.launch and record.launch != self.record.launch:
+            log.info(
+                "model %s had failed under the previous router (%s); its launch changed "
+                "since (argv, env), so it starts afresh",
+                self.name,
+                record.failure,
+            )
+            return False
         self.failure = record.failure or "it had failed before serve restarted"
         self.given_up = record.given_up
         self.set_state(FAILED, f"as the previous router left it: {self.failure}")
         if self.given_up:
             if self.on_given_up is not None:
                 self.on_given_up(self)
-            return
+            return True
         delay = self.config.restart.backoff_s
         self._next_restart = time.monotonic() + delay
         log.info("model %s: restarting in %.1f s", self.name, delay)
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {

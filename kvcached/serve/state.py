@@ -87,6 +87,7 @@ class ModelRecord:
     failure: str = ""  #: why it failed last (kept while it is ``failed``)
     given_up: bool = False  #: failed past its restart policy: no restart comes
     failures: int = 0  #: times it failed under this state directory's routers (log kept)
+    launch: str = ""  #: a digest of its launch (argv, env): a changed config is a new start
     router_pid: int = 0
     updated_at: float = 0.0
 

@@ -253,3 +253,25 @@ def test_a_failed_model_waiting_for_its_restart_is_restarted_after_adoption(tmp_
 
     run(body())
     assert (tmp_path / "state" / "m.log").exists()  # it failed: its log stays
+
+
+def test_a_failed_model_whose_launch_changed_since_starts_afresh(tmp_path):
+    """Given up on under the killed router, but its config was fixed before
+    this one started (another argv): it starts; its old failure keeps its log."""
+    from kvcached.serve.state import ModelRecord, StateStore
+
+    cfg = config(tmp_path, [fake_model("m", tmp_path / "m.log")])
+    StateStore(cfg.resolved_state_dir()).write(
+        ModelRecord(
+            name="m", state="failed", failure="bad args", given_up=True, failures=1, launch="0" * 16
+        )
+    )
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            m = serve.find("m")
+            await until(lambda: m.state == "ready", 60, "a fresh start")
+            assert m.counters.starts == 1 and not m.given_up and serve.exit_code == 0
+
+    run(body())
+    assert (tmp_path / "state" / "m.log").exists()
