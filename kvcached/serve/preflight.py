@@ -132,27 +132,31 @@ def running_serve(config: ServeConfig) -> str | None:
     runs this config file on another port (their engines would share kvcached
     instance names, limits included). None: no other serve stands in the way."""
     directory = config.resolved_state_dir()
+    ours = config_path(config)
     holder = lock_holder(directory)
-    if holder is not None:
+    if holder is not None and not (ours and holder.get("config") == ours):
         return (
             f"another kvcached serve ({_serve_named(holder)}) already runs with state "
             f"directory {directory}; stop it first, or give this one another port or state_dir"
         )
-    ours = config_path(config)
-    if not ours:
+    if holder is None and ours:
+        holder = _serve_of_config(ours)
+    if holder is None:
         return None
-    mine = os.path.realpath(directory)
-    for path in sorted(glob.glob(os.path.join(_runtime_dir(), "kvcached-serve-*", LOCK_FILE))):
-        other = os.path.dirname(path)
-        if os.path.realpath(other) == mine:
-            continue
-        holder = lock_holder(other)
-        if holder and holder.get("config") == ours:
-            return (
-                f"another kvcached serve ({_serve_named(holder, config=False)}) already runs "
-                f"with config {ours}; stop it first: one serve per config file (the same "
-                "models twice would share their kvcached instances)"
-            )
+    return (
+        f"another kvcached serve ({_serve_named(holder, config=False)}) already runs with "
+        f"config {ours}; stop it first: one serve per config file (the same models twice "
+        "would share their kvcached instances)"
+    )
+
+
+def _serve_of_config(path: str) -> dict[str, Any] | None:
+    """The lock file of a live serve of config ``path`` in the default place of
+    state directories (one per port), or None."""
+    for lock in sorted(glob.glob(os.path.join(_runtime_dir(), "kvcached-serve-*", LOCK_FILE))):
+        holder = lock_holder(os.path.dirname(lock))
+        if holder and holder.get("config") == path:
+            return holder
     return None
 
 

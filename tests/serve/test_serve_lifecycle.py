@@ -153,10 +153,14 @@ def test_a_second_serve_is_refused_in_one_line_touching_nothing_of_the_first(tmp
             assert out.returncode == 2
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1, out.stderr
-            assert (
-                f"another kvcached serve (pid {first.proc.pid}, router port {port}, config "
-                f"{cfg}) already runs with state directory {state_dir}" in lines[0]
+            expected = (
+                f"another kvcached serve (pid {first.proc.pid}, router port {port}) already "
+                f"runs with config {cfg}; stop it first"
+                if path == cfg
+                else f"another kvcached serve (pid {first.proc.pid}, router port {port}, config "
+                f"{cfg}) already runs with state directory {state_dir}; stop it first"
             )
+            assert expected in lines[0], lines[0]
         assert (record.read_bytes(), record.stat().st_mtime_ns) == before
         assert state(port, "alpha")["pid"] == pid and alive(pid)
         # another port, but the config's state_dir: the same lock
