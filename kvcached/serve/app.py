@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import glob
 import os
 import signal
 import time
@@ -42,12 +41,12 @@ from typing import Any
 from aiohttp import web
 
 from kvcached.log import get_logger
-from kvcached.serve.config import ServeConfig, _runtime_dir
+from kvcached.serve.config import ServeConfig
 from kvcached.serve.model import ModelRuntime
+from kvcached.serve.preflight import config_path, running_serve
 from kvcached.serve.router import Router
 from kvcached.serve.state import (
     FAILED,
-    LOCK_FILE,
     READY,
     SLEEPING,
     STARTING,
@@ -55,7 +54,6 @@ from kvcached.serve.state import (
     ServeLock,
     StatePublisher,
     StateStore,
-    lock_holder,
 )
 
 log = get_logger("kvcached.serve")
@@ -104,12 +102,15 @@ class Serve:
         """Take the lock, bind the router, adopt, start the eager models. Raises
         :class:`~kvcached.serve.state.ServeError` (one line) when another serve
         runs with this state directory or config, or the port is in use."""
-        self._refuse_same_config()
-        self._lock.acquire(
-            {"port": self.config.port, "host": self.config.host, "config": self._config_path()}
-        )
+        refusal = running_serve(self.config)
+        if refusal is not None:
+            raise ServeError(refusal)
+        info = {"port": self.config.port, "host": self.config.host}
+        self._lock.acquire({**info, "config": config_path(self.config)})
         try:
             await self._bind()
+            if self.port != self.config.port:  # port 0: say which one, for the next refusal
+                self._lock.update({**info, "port": self.port, "config": config_path(self.config)})
         except BaseException:
             if self._runner is not None:
                 await self._runner.cleanup()
@@ -161,26 +162,6 @@ class Serve:
         sockets = getattr(server, "sockets", None) or []
         if sockets:
             self.port = sockets[0].getsockname()[1]
-
-    def _config_path(self) -> str:
-        return os.path.realpath(self.config.source) if os.path.isfile(self.config.source) else ""
-
-    def _refuse_same_config(self) -> None:
-        """One serve per config file, even on another port: its engines would
-        share kvcached instance names (and ledger limits) with the first's."""
-        ours = self._config_path()
-        if not ours:
-            return
-        mine = os.path.realpath(os.path.join(self.store.directory, LOCK_FILE))
-        for path in glob.glob(os.path.join(_runtime_dir(), "kvcached-serve-*", LOCK_FILE)):
-            if os.path.realpath(path) == mine:
-                continue
-            holder = lock_holder(os.path.dirname(path))
-            if holder and holder.get("config") == ours:
-                raise ServeError(
-                    f"another kvcached serve (pid {holder.get('pid', '?')}, router port "
-                    f"{holder.get('port', '?')}) already runs with config {ours}; stop it first"
-                )
 
     def _spawn_task(self, coro: Any, what: str) -> None:  # noqa: ANN401
         task = asyncio.ensure_future(coro)
@@ -256,7 +237,7 @@ class Serve:
             paths = [m.log_path, m.log_path + ".1"]
             if m.failures:
                 log.info(
-                    "kvcached serve: model %s failed this run; its log stays: %s",
+                    "kvcached serve: model %s failed; its log stays: %s",
                     m.name,
                     m.log_path,
                 )

@@ -57,8 +57,21 @@ def group_pids(pgid: int) -> list[int]:
 #: restarted router finds exactly the engines it started, even without their
 #: state file, and how a stopping one makes sure none of them outlives it.
 MARKER = "KVCACHED_SERVE_ENGINE"
-#: An engine log past this size is rotated (one ``.1`` kept) when the engine next starts.
-LOG_ROTATE_BYTES = 16 * 1024 * 1024
+
+
+def marker_of(pid: int) -> str | None:
+    """The serve mark in process ``pid``'s environment (``<state dir>/<model>``),
+    or None: unmarked, gone, or another user's."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return None
+    needle = f"{MARKER}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(needle):
+            return entry[len(needle) :].decode(errors="replace")
+    return None
 
 
 def marked_groups(marker: str) -> dict[int, int]:
@@ -84,30 +97,6 @@ def marked_groups(marker: str) -> dict[int, int]:
         ticks = process_start_ticks(pgid)
         groups[pgid] = ticks if ticks is not None else -1
     return groups
-
-
-def rotate_log(path: str) -> None:
-    """Keep one old copy of an engine log that grew past :data:`LOG_ROTATE_BYTES`."""
-    try:
-        if os.path.getsize(path) > LOG_ROTATE_BYTES:
-            os.replace(path, path + ".1")
-    except FileNotFoundError:
-        pass
-
-
-def log_excerpt(path: str, offset: int, head: int = 5, tail: int = 15) -> str:
-    """The output an engine wrote to ``path`` from ``offset`` on (its latest
-    start): the first ``head`` lines and the last ``tail``, indented."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            text = f.read().decode(errors="replace")
-    except OSError as exc:
-        return f"    (log {path} unreadable: {exc.strerror})"
-    lines = [line for line in text.splitlines() if line.strip()]
-    if len(lines) > head + tail:
-        lines = [*lines[:head], f"... {len(lines) - head - tail} lines ...", *lines[-tail:]]
-    return "\n".join("    " + line for line in lines) or "    (the engine wrote nothing)"
 
 
 class EngineProcess:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -37,14 +39,8 @@ import aiohttp
 from kvcached.log import get_logger
 from kvcached.serve import sleep as sleep_levels
 from kvcached.serve.config import ModelConfig, ServeConfig
-from kvcached.serve.engine import (
-    MARKER,
-    EngineProcess,
-    free_port,
-    log_excerpt,
-    marked_groups,
-    rotate_log,
-)
+from kvcached.serve.engine import MARKER, EngineProcess, free_port, marked_groups
+from kvcached.serve.enginelog import failure_report, rotate_log
 from kvcached.serve.engines import read_activity
 from kvcached.serve.state import (
     FAILED,
@@ -119,7 +115,7 @@ class ModelRuntime:
         self.store = store
         self.publisher = publisher
         self.on_given_up = on_given_up
-        self.record = ModelRecord(name=config.name, port=config.port or 0)
+        self.record = ModelRecord(name=config.name, port=config.port or 0, launch=self._launch())
         self.process: EngineProcess | None = None
         self.in_flight = 0
         self.last_end = time.monotonic()  #: end of the last request (or of the last wake)
@@ -130,7 +126,7 @@ class ModelRuntime:
         self.lock = asyncio.Lock()
         self.failure = ""
         self.given_up = False  #: failed past its restart policy: serve no longer tries
-        self.failures = 0  #: times it failed this run (its log is then kept at exit)
+        self.failures = 0  #: times it failed (this or a killed router's run): its log is kept
         self.stopping = False  #: serve is shutting down: no restarts
         self._wake_task: asyncio.Task[None] | None = None
         self._restart_times: list[float] = []
@@ -182,6 +178,8 @@ class ModelRuntime:
         self.publish()
 
     def publish(self) -> None:
+        self.record.failure, self.record.given_up = self.failure, self.given_up
+        self.record.failures = self.failures
         self.store.write(self.record)
         try:
             self.publisher.publish(
@@ -393,15 +391,12 @@ class ModelRuntime:
         """The model failed: say why on serve's terminal (with the engine's own
         output), then schedule a restart as ``restart`` says, or give up."""
         self.failures += 1
+        error, report = failure_report(self.log_path, self._log_offset)
+        if error:
+            failure = f"{failure}: {error}"
         self.failure = f"{failure}; log {self.log_path}"
         self.set_state(FAILED, self.failure)
-        log.error(
-            "model %s: %s; its output (%s):\n%s",
-            self.name,
-            failure,
-            self.log_path,
-            log_excerpt(self.log_path, self._log_offset),
-        )
+        log.error("model %s: %s; from its log (%s):\n%s", self.name, failure, self.log_path, report)
         policy = self.config.restart
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < policy.window_s]
@@ -614,7 +609,14 @@ class ModelRuntime:
         """Take over the engine a previous router left running, whatever state it
         was in, if it is still the process that router started (same pid and
         start time). One that does not answer yet is adopted as ``starting``
-        (:meth:`wait_started`); one asleep as ``sleeping``."""
+        (:meth:`wait_started`); one asleep as ``sleeping``. A model that had
+        failed is adopted as ``failed``, with its reason: given up on, it stays
+        so (``on_given_up`` is told again); else its restart comes after
+        ``restart.backoff_s``; unless its launch (argv, environment) changed
+        since: then it starts afresh. Its failures carry over, so its log is kept."""
+        self.failures = record.failures
+        if record.state == FAILED:
+            return self._adopt_failed(record)
         if not (record.pid and same_process(record.pid, record.start_ticks)):
             return False
         self.record.port = record.port
@@ -633,6 +635,36 @@ class ModelRuntime:
             self.set_state(READY, f"adopted pid {record.pid} on port {record.port}")
         else:
             self.set_state(STARTING, f"adopted pid {record.pid}, not answering yet")
+        return True
+
+    def _launch(self) -> str:
+        launch = {
+            "argv": self.config.argv(self.serve.engine_host, "{port}"),
+            "env": self.config.environment({}),
+        }
+        return hashlib.sha256(json.dumps(launch, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _adopt_failed(self, record: ModelRecord) -> bool:
+        # A failed model runs no engine (every path to failed stops it first).
+        self.failures = max(1, record.failures)
+        if record.launch and record.launch != self.record.launch:
+            log.info(
+                "model %s had failed under the previous router (%s); its launch changed "
+                "since (argv, env), so it starts afresh",
+                self.name,
+                record.failure,
+            )
+            return False
+        self.failure = record.failure or "it had failed before serve restarted"
+        self.given_up = record.given_up
+        self.set_state(FAILED, f"as the previous router left it: {self.failure}")
+        if self.given_up:
+            if self.on_given_up is not None:
+                self.on_given_up(self)
+            return True
+        delay = self.config.restart.backoff_s
+        self._next_restart = time.monotonic() + delay
+        log.info("model %s: restarting in %.1f s", self.name, delay)
         return True
 
     def describe(self) -> dict[str, Any]:

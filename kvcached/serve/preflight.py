@@ -2,7 +2,9 @@
 
 Each problem is one line naming the model and key, and what would be right:
 
-* another serve already runs with this state directory (port) or config;
+* another serve already runs with this state directory (port) or config
+  file: that one line alone, first, naming the serve (its pid and router
+  port), since every other problem found would be that serve's own engines;
 * the router's port, or a model's fixed ``port``, is in use (an engine that a
   previous router of this state directory left running is not a problem:
   serve adopts it);
@@ -11,7 +13,8 @@ Each problem is one line naming the model and key, and what would be right:
   package; otherwise the program is not found or not executable;
 * a local model path (absolute, ``./``, ``../`` or ``~``) does not exist;
 * a live kvcached instance of a model's name runs that this serve did not
-  start (the two would share one ledger record, limit included).
+  start (the two would share one ledger record, limit included); where
+  another serve started it, that serve is named.
 
 Model names and aliases are unique already (:func:`~kvcached.serve.config.parse_config`).
 Nothing here creates a file or starts a process but the import probe.
@@ -19,14 +22,16 @@ Nothing here creates a file or starts a process but the import probe.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import socket
 import subprocess
+from typing import Any
 
-from kvcached.serve.config import ModelConfig, ServeConfig
-from kvcached.serve.engine import marked_groups
-from kvcached.serve.state import StateStore, lock_holder, same_process
+from kvcached.serve.config import ModelConfig, ServeConfig, _runtime_dir
+from kvcached.serve.engine import marked_groups, marker_of
+from kvcached.serve.state import LOCK_FILE, StateStore, lock_holder, same_process
 
 _PROBE = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec(sys.argv[1]) else 3)"
 
@@ -110,6 +115,51 @@ def _model_problems(
     return out
 
 
+def config_path(config: ServeConfig) -> str:
+    """The config's file, resolved ("" for a config that is not a file's)."""
+    return os.path.realpath(config.source) if os.path.isfile(config.source) else ""
+
+
+def _serve_named(holder: dict[str, Any], config: bool = True) -> str:
+    """Another serve, as its lock file describes it: pid, router port (, config)."""
+    who = f"pid {holder.get('pid', '?')}, router port {holder.get('port', '?')}"
+    return f"{who}, config {holder['config']}" if config and holder.get("config") else who
+
+
+def running_serve(config: ServeConfig) -> str | None:
+    """Why this serve must not start because another one runs, naming it (pid,
+    router port): one holds this state directory (by default: this port), or
+    runs this config file on another port (their engines would share kvcached
+    instance names, limits included). None: no other serve stands in the way."""
+    directory = config.resolved_state_dir()
+    ours = config_path(config)
+    holder = lock_holder(directory)
+    if holder is not None and not (ours and holder.get("config") == ours):
+        return (
+            f"another kvcached serve ({_serve_named(holder)}) already runs with state "
+            f"directory {directory}; stop it first, or give this one another port or state_dir"
+        )
+    if holder is None and ours:
+        holder = _serve_of_config(ours)
+    if holder is None:
+        return None
+    return (
+        f"another kvcached serve ({_serve_named(holder, config=False)}) already runs with "
+        f"config {ours}; stop it first: one serve per config file (the same models twice "
+        "would share their kvcached instances)"
+    )
+
+
+def _serve_of_config(path: str) -> dict[str, Any] | None:
+    """The lock file of a live serve of config ``path`` in the default place of
+    state directories (one per port), or None."""
+    for lock in sorted(glob.glob(os.path.join(_runtime_dir(), "kvcached-serve-*", LOCK_FILE))):
+        holder = lock_holder(os.path.dirname(lock))
+        if holder and holder.get("config") == path:
+            return holder
+    return None
+
+
 def _foreign_instances(config: ServeConfig, ours: dict[str, set[int]]) -> list[str]:
     try:
         from kvcached.control.snapshot import read_snapshots
@@ -125,11 +175,30 @@ def _foreign_instances(config: ServeConfig, ours: dict[str, set[int]]) -> list[s
             if _group_of(snap.pid) in ours[m.name]:
                 continue
             out.append(
-                f"models[{i}].name ({m.name}): a kvcached instance named {m.name!r} already runs "
-                f"(pid {snap.pid}), not started by this serve; stop it or rename the model"
+                f"models[{i}].name ({m.name}): a kvcached instance named {m.name!r} already "
+                f"runs (pid {snap.pid}), {_started_by(snap.pid)}"
             )
             break
     return out
+
+
+def _started_by(pid: int) -> str:
+    """Who started the foreign instance of process ``pid``, and what to do."""
+    mark = marker_of(pid)
+    if not mark:
+        return "not started by this serve; stop it or rename the model"
+    directory, model = os.path.split(mark)
+    holder = lock_holder(directory)
+    if holder is not None:
+        return (
+            f"model {model} of another kvcached serve ({_serve_named(holder)}); stop that "
+            "serve, or rename the model"
+        )
+    return (
+        f"an engine that the kvcached serve of state directory {directory} started and left "
+        "running (its router is gone: a serve of that state directory adopts or stops it); "
+        "stop it, or rename the model"
+    )
 
 
 def _group_of(pid: int) -> int:
@@ -143,15 +212,12 @@ def preflight(config: ServeConfig, env: dict[str, str] | None = None) -> list[st
     """Every problem found, one line each; empty when serve may start."""
     env = dict(os.environ if env is None else env)
     directory = config.resolved_state_dir()
-    holder = lock_holder(directory)
+    refusal = running_serve(config)
+    if refusal is not None:
+        # Alone: what else would be found here (its ports, its engines' instances) is that serve.
+        return [refusal]
     problems = []
-    if holder is not None:
-        problems.append(
-            f"another kvcached serve (pid {holder.get('pid', '?')}, config "
-            f"{holder.get('config', '?')}) already runs with state directory {directory}; "
-            "stop it first, or give this one another port or state_dir"
-        )
-    elif config.port and not port_free(config.host, config.port):
+    if config.port and not port_free(config.host, config.port):
         problems.append(
             f"port: {config.host}:{config.port} is in use by another program; choose "
             f"another port (port: in {config.source}, or --port)"

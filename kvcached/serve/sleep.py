@@ -120,10 +120,14 @@ def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> boo
 
 
 def retire_dead_pools(name: str) -> int:
-    """Retire the ledger records of instance ``name``'s dead processes (an engine
-    that was killed, or exited without closing its pools), as the next
-    registration or calibration would: their charge leaves the sum and the
-    budget alike (a later calibration finds the memory free). Returns how many."""
+    """Return to the budget what instance ``name``'s ended processes left charged
+    in the ledgers: pools they never closed, because serve stopped or lost their
+    engine (vLLM's own shutdown SIGKILLs its workers, pools open) or it died.
+    The next registration or calibration would retire them too; serve does it
+    now, so no charge outlives its engine. Only this instance's pools: serve
+    stopped these processes itself, which is routine (logged at debug), while a
+    dead process of another instance is left to the ledger, which says so when
+    it retires it. Returns how many."""
     from kvcached.control.limits import ledger_dirs
     from kvcached.errors import LedgerError
     from kvcached.ledger.file import list_ledgers
@@ -138,8 +142,26 @@ def retire_dead_pools(name: str) -> int:
             log.warning("model %s: ledger %s unreadable (%s)", name, path, exc)
             continue
         try:
-            if any(p.instance == name and not p.alive for p in ledger.snapshot().pools):
-                retired += ledger.retire_dead()
+            dead = [p for p in ledger.snapshot().pools if p.instance == name and not p.alive]
+            if not dead:
+                continue
+            with ledger.locked():
+                for pool in dead:
+                    # The same token under the data lock: still that dead owner's record
+                    # (a record is re-claimed only after its retirement, with a new token).
+                    if ledger.tokens[pool.slot] != pool.token:
+                        continue  # retired meanwhile, by a registration or a calibration
+                    charge = ledger.close_pool_locked(pool.slot, pool.token)
+                    retired += 1
+                    log.debug(
+                        "model %s: ledger %s: pool %d of its ended process %d retired "
+                        "(%d bytes back in the budget)",
+                        name,
+                        path,
+                        pool.slot,
+                        pool.pid,
+                        charge,
+                    )
         finally:
             ledger.close()
     return retired

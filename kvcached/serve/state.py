@@ -7,8 +7,10 @@ written to two places:
   (``<state_dir>/<model>.json``: engine pid and its start time, port, state,
   the limit to restore on wake), replaced atomically. A router that restarts
   (after a crash, even SIGKILL) reads these and adopts engines that still run,
-  instead of starting second copies; the pid is trusted only with the same
-  start time (``/proc/<pid>/stat``), so a reused pid is not adopted;
+  instead of starting second copies, and a model that had failed as failed
+  (its reason, whether serve gave up on it, and so its log, are in the file);
+  the pid is trusted only with the same start time (``/proc/<pid>/stat``), so
+  a reused pid is not adopted;
 * a kvcached snapshot segment per model (:mod:`kvcached.control.snapshot`,
   instance = the model's name, published by the router's pid, no pools) with a
   ``serve`` entry, so ``kvctl list/status/top/metrics`` show the state beside
@@ -82,6 +84,10 @@ class ModelRecord:
     sleep_level: str = ""  #: the level it sleeps at now ("" when awake)
     restore_limit: int = 0  #: the instance limit to put back on wake (0: unlimited)
     held_before_sleep: int = 0  #: bytes the instance held when it was put to sleep
+    failure: str = ""  #: why it failed last (kept while it is ``failed``)
+    given_up: bool = False  #: failed past its restart policy: no restart comes
+    failures: int = 0  #: times it failed under this state directory's routers (log kept)
+    launch: str = ""  #: a digest of its launch (argv, env): a changed config is a new start
     router_pid: int = 0
     updated_at: float = 0.0
 
@@ -255,14 +261,20 @@ class ServeLock:
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)
             raise ServeError(
-                f"another kvcached serve (pid {doc.get('pid', '?')}, config "
-                f"{doc.get('config', '?')}) already runs with state directory "
-                f"{os.path.dirname(self.path)} (router port {doc.get('port', '?')}); "
-                "stop it first, or give this one another port or state_dir"
+                f"another kvcached serve (pid {doc.get('pid', '?')}, router port "
+                f"{doc.get('port', '?')}, config {doc.get('config') or '?'}) already runs with "
+                f"state directory {os.path.dirname(self.path)}; stop it first, or give this "
+                "one another port or state_dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), **info}).encode(), 0)
         self._fd = fd
+        self.update(info)
+
+    def update(self, info: dict[str, Any]) -> None:
+        """Rewrite what a second serve is told about this one (pid added)."""
+        assert self._fd is not None, "ServeLock.update before acquire"
+        data = json.dumps({"pid": os.getpid(), **info}).encode()
+        os.pwrite(self._fd, data, 0)  # then cut: a reader never finds the file empty
+        os.ftruncate(self._fd, len(data))
 
     def release(self) -> None:
         if self._fd is None:

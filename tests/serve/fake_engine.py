@@ -3,7 +3,9 @@ endpoint shapes of vLLM's and SGLang's servers, every request it gets logged.
 
 ``python fake_engine.py PORT LOGFILE [--slow-start S] [--fail-start CODE]``
 (``--fail-start``: print a few lines, as an engine that cannot start would, and
-exit with CODE). Each
+exit with CODE; ``--fail-traceback``: die of a chained exception, a real
+traceback; ``--warnings N``: print N deprecation warnings before either;
+``--kvcached``: see :func:`act_as_kvcached`). Each
 request is appended to LOGFILE as one JSON line: method, path, query string,
 body. Routes:
 
@@ -28,6 +30,57 @@ import time
 from aiohttp import web
 
 
+def warn_first(args: list[str]) -> None:
+    """``--warnings N``: N deprecation warnings first, as vLLM's start prints them."""
+    for i in range(int(args[args.index("--warnings") + 1]) if "--warnings" in args else 0):
+        print(f"/site-packages/engine/api_{i}.py:24: DeprecationWarning: this entrypoint is ")
+        print("  warnings.warn(", flush=True)
+
+
+def load_model() -> None:
+    def check(config: dict[str, int]) -> None:
+        raise ValueError(f"max_model_len ({config['len']}) is greater than the model's (2048)")
+
+    try:
+        check({"len": 100000})
+    except ValueError as exc:
+        raise RuntimeError("Engine core initialization failed. See root cause above.") from exc
+
+
+class _Device:
+    """The ledger's view of a device: a fixed 1 GiB, all free."""
+
+    def mem_info(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 30
+
+
+def act_as_kvcached() -> object:
+    """``--kvcached``: what a kvcached engine leaves where serve and kvctl look,
+    as instance ``KVCACHED_IPC_NAME``: a snapshot, and a ledger pool (device
+    ``fake-serve-0`` in ``KVCACHED_LEDGER_DIR``) charged 8 MiB. SIGINT ends the
+    process at once, the pool never closed, as vLLM's shutdown SIGKILLs its
+    workers."""
+    import os
+    import signal
+
+    from kvcached.control.snapshot import SnapshotPublisher
+    from kvcached.ledger import Ledger
+
+    name = os.environ["KVCACHED_IPC_NAME"]
+    ledger = Ledger.open(
+        "fake-serve-0",
+        _Device(),
+        directory=os.environ["KVCACHED_LEDGER_DIR"],
+        gpu_utilization=1.0,
+    )
+    pool = ledger.register_pool(name)
+    assert pool.grant(8 << 20), "the fake device's budget has room for 8 MiB"
+    snapshot = SnapshotPublisher(name)
+    snapshot.publish({"instance": name, "pid": os.getpid(), "engine": "fake", "pools": []})
+    signal.signal(signal.SIGINT, lambda *_: os._exit(0))
+    return (ledger, pool, snapshot)  # held for the process' life
+
+
 def main() -> None:
     port, log_path = int(sys.argv[1]), sys.argv[2]
     args = sys.argv[3:]
@@ -35,8 +88,12 @@ def main() -> None:
     state = {"sleeping": False, "level": 0}
     if "--fail-start" in args:
         print("fake engine: starting", flush=True)
+        warn_first(args)
         print("fake engine: error: the model cannot be loaded (asked to fail)", flush=True)
         sys.exit(int(args[args.index("--fail-start") + 1]))
+    if "--fail-traceback" in args:
+        warn_first(args)
+        load_model()  # raises: a real traceback, and exit status 1
 
     def record(request: web.Request, body: bytes) -> None:
         with open(log_path, "a") as f:
@@ -118,8 +175,9 @@ def main() -> None:
             web.post("/resume_memory_occupation", wake),
         ]
     )
+    kvcached = act_as_kvcached() if "--kvcached" in args else None
     time.sleep(slow_start)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, handle_signals=kvcached is None)
 
 
 if __name__ == "__main__":

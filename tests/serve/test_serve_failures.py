@@ -125,7 +125,7 @@ def test_a_failing_start_is_shown_on_serves_terminal_and_serve_exits_naming_it(t
             fake_model(
                 "broken",
                 tmp_path / "b.log",
-                extra=["--fail-start", "3"],
+                extra=["--fail-start", "3", "--warnings", "20"],
                 restart={"max_restarts": 1, "backoff_s": 0.1},
             ),
         ],
@@ -134,9 +134,14 @@ def test_a_failing_start_is_shown_on_serves_terminal_and_serve_exits_naming_it(t
     assert out.returncode == 1, out.stderr
     log = tmp_path / "state" / "broken.log"
     err = out.stderr
-    assert f"model broken: engine exited with 3 while starting; its output ({log})" in err
+    cause = "fake engine: error: the model cannot be loaded (asked to fail)"
+    header = f"model broken: engine exited with 3 while starting: {cause}; from its log ({log}):"
+    lines = err.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith(header))
+    # the error leads the report, not the engine's first lines (its deprecation warnings)
+    assert lines[at + 1 : at + 3] == ["    its error:", f"      {cause}"], err
+    assert lines[at + 3] == "    the last 15 lines of its output:"
     assert err.strip().splitlines()[-1].endswith("stopped; exit status 1: model broken failed")
-    assert "fake engine: error: the model cannot be loaded (asked to fail)" in err
     assert "model broken failed and will not be restarted" in err
     assert "it failed 2 times within restart.window_s=600 s (restart.max_restarts=1)" in err
     assert "on_model_failure: exit" in err
@@ -224,3 +229,49 @@ def test_a_model_refuses_an_illegal_transition(tmp_path):
             m.set_state("sleeping")
     finally:
         pub.close()
+
+
+def test_a_failed_model_waiting_for_its_restart_is_restarted_after_adoption(tmp_path):
+    """The router was killed between a failure and its restart: the next one
+    adopts the model as failed, with the reason, then restarts it as planned;
+    the failure is remembered, so its log is kept at the stop."""
+    from kvcached.serve.state import ModelRecord, StateStore
+
+    cfg = config(tmp_path, [fake_model("m", tmp_path / "m.log", restart={"backoff_s": 0.5})])
+    store = StateStore(cfg.resolved_state_dir())
+    store.write(
+        ModelRecord(name="m", state="failed", failure="engine pid 7 died (exit -9)", failures=1)
+    )
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            m = serve.find("m")
+            assert m.state == "failed" and m.failure == "engine pid 7 died (exit -9)"
+            assert not m.given_up and m.counters.starts == 0
+            await until(lambda: m.state == "ready", 60, "the restart")
+            assert m.counters.restarts == 1 and m.failure == "" and m.failures == 1
+
+    run(body())
+    assert (tmp_path / "state" / "m.log").exists()  # it failed: its log stays
+
+
+def test_a_failed_model_whose_launch_changed_since_starts_afresh(tmp_path):
+    """Given up on under the killed router, but its config was fixed before
+    this one started (another argv): it starts; its old failure keeps its log."""
+    from kvcached.serve.state import ModelRecord, StateStore
+
+    cfg = config(tmp_path, [fake_model("m", tmp_path / "m.log")])
+    StateStore(cfg.resolved_state_dir()).write(
+        ModelRecord(
+            name="m", state="failed", failure="bad args", given_up=True, failures=1, launch="0" * 16
+        )
+    )
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            m = serve.find("m")
+            await until(lambda: m.state == "ready", 60, "a fresh start")
+            assert m.counters.starts == 1 and not m.given_up and serve.exit_code == 0
+
+    run(body())
+    assert (tmp_path / "state" / "m.log").exists()

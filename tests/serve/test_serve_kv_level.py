@@ -98,3 +98,53 @@ def test_no_instance_is_nothing_to_do(tmp_path, monkeypatch):
     assert kv.kv_sleep("nobody-here") is None
     assert not kv.kv_wake("nobody-here", 0)
     assert kv.retire_dead_pools("nobody-here") == 0
+
+
+DIE_HOLDING = """
+import os, sys
+from kvcached.ledger import Ledger
+
+class Device:
+    def mem_info(self):
+        return 1 << 30, 1 << 30
+
+ledger = Ledger.open("retire-0", Device(), directory=sys.argv[1], gpu_utilization=1.0)
+pools = [ledger.register_pool(name) for name in sys.argv[2:]]
+assert all(pool.grant(4 << 20) for pool in pools)
+os._exit(0)  # no pool closed: an engine whose workers were SIGKILLed
+"""
+
+
+def test_serve_retires_only_its_own_dead_pools_and_quietly(tmp_path, monkeypatch, caplog):
+    """What serve stopped itself is routine (nothing at info or above); a dead
+    process of another instance is left to the ledger, which names it when it
+    retires it."""
+    import logging
+    import subprocess
+    import sys
+
+    from kvcached.ledger.ledger import Ledger
+
+    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
+    from kvcached import config
+
+    config.reload_config()
+    subprocess.run([sys.executable, "-c", DIE_HOLDING, str(tmp_path), "ours", "theirs"], check=True)
+    assert kv.read_kv("ours") is not None and kv.read_kv("theirs") is not None
+    with caplog.at_level(logging.DEBUG, logger="kvcached"):
+        assert kv.retire_dead_pools("ours") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text
+    assert "pool 0 of its ended process" in caplog.text  # at debug, for whoever asks
+    assert kv.read_kv("ours") is None
+    theirs = kv.read_kv("theirs")
+    assert theirs is not None and theirs.charged_bytes == 4 << 20  # not serve's to retire
+    assert kv.retire_dead_pools("ours") == 0
+    caplog.clear()
+    ledger = Ledger.open_existing(theirs.ledgers[0])
+    try:
+        with caplog.at_level(logging.INFO, logger="kvcached"):
+            assert ledger.retire_dead() == 1
+    finally:
+        ledger.close()
+    assert "retired pool 1 of a dead process" in caplog.text
+    assert kv.read_kv("theirs") is None

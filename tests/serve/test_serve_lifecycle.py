@@ -153,10 +153,14 @@ def test_a_second_serve_is_refused_in_one_line_touching_nothing_of_the_first(tmp
             assert out.returncode == 2
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1, out.stderr
-            assert (
-                f"another kvcached serve (pid {first.proc.pid}, config {cfg}) already runs"
-                in lines[0]
+            expected = (
+                f"another kvcached serve (pid {first.proc.pid}, router port {port}) already "
+                f"runs with config {cfg}; stop it first"
+                if path == cfg
+                else f"another kvcached serve (pid {first.proc.pid}, router port {port}, config "
+                f"{cfg}) already runs with state directory {state_dir}; stop it first"
             )
+            assert expected in lines[0], lines[0]
         assert (record.read_bytes(), record.stat().st_mtime_ns) == before
         assert state(port, "alpha")["pid"] == pid and alive(pid)
         # another port, but the config's state_dir: the same lock
@@ -172,27 +176,75 @@ def test_a_second_serve_is_refused_in_one_line_touching_nothing_of_the_first(tmp
         assert first.stop() == 0
 
 
-def test_the_same_config_on_another_port_is_refused(tmp_path, kill_marked, monkeypatch):
-    """Default state dirs (per port): the second serve finds the first by its config."""
+def test_the_same_config_on_another_port_is_refused_naming_the_running_serve(
+    tmp_path, kill_marked, monkeypatch
+):
+    """Default state dirs (per port): the second serve finds the first by its
+    config, and says so first and alone, naming its pid and port, though the
+    first one's engine runs a kvcached instance of the model's name (a foreign
+    instance to a serve of another state directory). A serve of another config
+    file with that model name is told whose engine that instance is."""
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     port = free_port()
-    cfg = write(tmp_path, {"port": port, "models": [fake_model("alpha", tmp_path / "a.log")]})
+    name = f"alpha-{os.getpid()}"  # snapshots are machine-wide: a name of this run's own
+    model = fake_model(name, tmp_path / "a.log", extra=["--kvcached"])
+    cfg = write(tmp_path, {"port": port, "models": [model]})
     first = Cli(cfg, tmp_path / "first.log")
     try:
         wait_for(lambda: get(port, "/ready")[0] == 200, 60, "the first serve", first)
+        expected = (
+            f"kvcached serve: {cfg}: another kvcached serve (pid {first.proc.pid}, router port "
+            f"{port}) already runs with config {cfg}; stop it first"
+        )
+        for check in ([], ["--check"]):
+            out = subprocess.run(
+                [sys.executable, "-m", "kvcached", "serve", *check, str(cfg)]
+                + ["--port", str(free_port())],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 2, out.stderr
+            assert out.stderr.strip().count("\n") == 0, out.stderr
+            assert out.stderr.startswith(expected), out.stderr
+        other = write(tmp_path, {"port": free_port(), "models": [model]}, "other.yaml")
         out = subprocess.run(
-            [sys.executable, "-m", "kvcached", "serve", str(cfg), "--port", str(free_port())],
+            [sys.executable, "-m", "kvcached", "serve", "--check", str(other)],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert out.returncode == 2, out.stderr
-        assert out.stderr.strip().count("\n") == 0
-        assert f"already runs with config {cfg}" in out.stderr
+        assert (
+            f"models[0].name ({name}): a kvcached instance named {name!r} already runs (pid "
+            f"{state(port, name)['pid']}), model {name} of another kvcached serve (pid "
+            f"{first.proc.pid}, router port {port}, config {cfg}); stop that serve, or rename "
+            "the model" in out.stderr
+        ), out.stderr
     finally:
         assert first.stop(signal.SIGTERM) == 0
     assert not list(tmp_path.glob("kvcached-serve-*"))  # SIGTERM too: its state dir went
-    assert not marked_groups(f"{tmp_path}/kvcached-serve-{port}/alpha")
+    assert not marked_groups(f"{tmp_path}/kvcached-serve-{port}/{name}")
+
+
+def test_a_router_on_port_0_tells_a_second_serve_the_port_it_took(tmp_path):
+    import asyncio
+
+    from kvcached.serve.app import Serve
+    from kvcached.serve.preflight import running_serve
+    from kvcached.serve.state import lock_holder
+    from tests.serve.serve_helpers import config
+
+    cfg = config(tmp_path, [fake_model("a", tmp_path / "a.log", start="lazy")])
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            assert serve.port != 0
+            holder = lock_holder(cfg.resolved_state_dir())
+            assert holder is not None and holder["port"] == serve.port
+            assert f"router port {serve.port}" in (running_serve(cfg) or "")
+
+    asyncio.run(body())
 
 
 def test_a_port_in_use_is_one_line(tmp_path):
@@ -309,3 +361,89 @@ def test_a_router_killed_adopts_exactly_its_engines_whatever_their_state(tmp_pat
     for m in ("alpha", "beta", "slow", "gamma"):
         assert not marked_groups(f"{state_dir}/{m}"), m
     assert not state_dir.exists()  # lock, state files and logs gone; nothing failed
+
+
+def test_a_router_killed_keeps_a_failed_model_failed_with_its_reason_and_log(tmp_path, kill_marked):
+    """A model given up on (keep-serving), then the router SIGKILLed: the next
+    router shows it ``failed`` with the same reason, starts no engine for it,
+    and its clean stop keeps the log and names it."""
+    port = free_port()
+    state_dir = tmp_path / "state"
+    doc = {
+        "port": port,
+        "state_dir": str(state_dir),
+        "idle_check_s": 0.05,
+        "on_model_failure": "keep-serving",
+        "models": [
+            fake_model("fine", tmp_path / "f.log"),
+            fake_model(
+                "broken",
+                tmp_path / "b.log",
+                extra=["--fail-traceback"],
+                restart={"max_restarts": 0},
+            ),
+        ],
+    }
+    cfg = write(tmp_path, doc)
+    first = Cli(cfg, tmp_path / "first.log")
+    wait_for(lambda: state(port, "broken")["given_up"], 60, "broken given up", first)
+    wait_for(lambda: get(port, "/ready")[0] == 200, 60, "fine ready", first)
+    before = state(port, "broken")
+    assert before["state"] == "failed" and "ValueError: max_model_len (100000)" in before["failure"]
+    fine_pid = state(port, "fine")["pid"]
+    first.proc.kill()
+    first.proc.wait(30)
+
+    second = Cli(cfg, tmp_path / "second.log")
+    try:
+        wait_for(lambda: get(port, "/ready")[0] == 200, 60, "the second router", second)
+        after = state(port, "broken")
+        assert after["state"] == "failed" and after["given_up"], after
+        assert after["failure"] == before["failure"]
+        assert after["starts"] == 0 and after["pid"] == 0  # no engine started for it
+        assert get(port, "/ready")[1]["failed"] == ["broken"]
+        status, doc = post(port, "/v1/completions", {"model": "broken"})
+        assert status == 503 and "ValueError: max_model_len (100000)" in doc["error"]["message"]
+        assert state(port, "fine")["pid"] == fine_pid  # adopted as ever
+        assert "model broken failed and will not be restarted" in second.text()
+    finally:
+        assert second.stop() == 0
+    log = state_dir / "broken.log"
+    assert log.exists() and "ValueError: max_model_len (100000)" in log.read_text()
+    assert f"model broken failed; its log stays: {log}" in second.text()
+    assert not (state_dir / "fine.log").exists()
+
+
+def test_a_clean_stop_returns_its_engines_pools_to_the_ledger_without_a_word_of_fault(
+    tmp_path, kill_marked
+):
+    """The engine ends on SIGINT with its kvcached pool still open (vLLM's
+    shutdown SIGKILLs its workers): serve retires the pool, its charge leaves
+    the ledger, and serve's terminal reads as a clean stop: no warning, no
+    error, no "dead process"."""
+    from kvcached.serve.sleep import read_kv
+
+    ledgers = tmp_path / "ledgers"
+    ledgers.mkdir()
+    name = f"kvpool-{os.getpid()}"  # snapshots are machine-wide: a name of this run's own
+    port = free_port()
+    cfg = write(
+        tmp_path,
+        {
+            "port": port,
+            "state_dir": str(tmp_path / "state"),
+            "models": [fake_model(name, tmp_path / "a.log", extra=["--kvcached"])],
+        },
+    )
+    cli = Cli(cfg, tmp_path / "serve.log", env={**os.environ, "KVCACHED_LEDGER_DIR": str(ledgers)})
+    try:
+        wait_for(lambda: get(port, "/ready")[0] == 200, 60, "serve ready", cli)
+        held = read_kv(name, str(ledgers))
+        assert held is not None and held.charged_bytes == 8 << 20
+    finally:
+        assert cli.stop() == 0
+    assert read_kv(name, str(ledgers)) is None  # no pool of it is left, dead or alive
+    text = cli.text()
+    assert "kvcached serve: stopped" in text
+    assert "dead process" not in text
+    assert not [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]

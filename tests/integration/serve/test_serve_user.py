@@ -127,10 +127,14 @@ def test_a_vllm_that_cannot_start_stops_serve_with_its_own_error(tmp_path):
     )
     assert out.returncode == 1, out.stderr
     log = tmp_path / "state" / f"broken-{tag}.log"
-    assert (
-        f"model broken-{tag}: engine exited with 2 while starting; its output ({log})" in out.stderr
-    )
-    assert "error: unrecognized arguments: --no-such-flag" in out.stderr
+    # vLLM's own error leads serve's report (its first lines are deprecation warnings)
+    cause = "api_server.py: error: unrecognized arguments: --no-such-flag"
+    lines = out.stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if "; from its log (" in line)
+    assert lines[at].endswith(
+        f"model broken-{tag}: engine exited with 2 while starting: {cause}; from its log ({log}):"
+    ), out.stderr
+    assert lines[at + 1 : at + 3] == ["    its error:", f"      {cause}"], out.stderr
     assert f"model broken-{tag} failed and will not be restarted" in out.stderr
     assert "--no-such-flag" in log.read_text()
 
@@ -228,6 +232,18 @@ def test_direct_clients_keep_it_awake_probes_are_open_and_ctrl_c_leaves_nothing(
     assert code == 0, log.read_text()
     assert not _group_alive(f"{state_dir}/{name}")
     assert _shm(tag, port) == before, "left in /dev/shm after Ctrl-C"
+    # vLLM's shutdown SIGKILLs its worker, pool open: serve retires it, as routine
+    from kvcached.serve.sleep import read_kv
+
+    assert read_kv(name, str(tmp_path)) is None
+    text = log.read_text()
+    assert "dead process" not in text
+    faults = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("[kvcached] WARNING", "[kvcached] ERROR"))
+    ]
+    assert not faults, text
     # the ledger file stays (docs/serve.md says so): it is the GPU's, not serve's
     assert list(tmp_path.glob("kvcached-ledger-*"))
 
