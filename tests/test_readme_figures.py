@@ -26,14 +26,25 @@ BENCHMARKS = (rf.ROOT / "docs" / "benchmarks.md").read_text()
 MEMORY_RUNS = "h200/run*/memory-h200.json"
 # Runs after the grow lock (runs 5 on): the pooled figure's "after".
 MEMORY_RUNS_LOCKED = ("h200/run[5-9]/memory-h200.json", "h200/run[1-9][0-9]/memory-h200.json")
-# vllm_gpu.py's runs on kvcached's defaults (the others set --candidate-env).
-GPU_SERVING_RUNS = (
-    "h100/vllm-gpu.json",
-    "h100/vllm-gpu-defaults.json",
-    "h100/vllm-gpu-defaults2.json",
+# vllm_gpu.py on the current defaults (page ops beside the step, a step-sized reserve).
+GPU_GRAPHS_RUN = "h100/page-path-graphs/vllm-gpu-graphs.json"
+GPU_EAGER_RUN = "h100/page-path-eager/vllm-gpu-eager.json"
+GIL_RUNS = "h100/page-path-graphs/driver-gil*.json"
+# The multi-model harness on an H100, one round a call (peaks 1-1.5, then 2-2.5).
+H100_MULTI_MODEL = (
+    "h100/multi-model-lowload/multi-model-gpu.json",
+    "h100/multi-model-knee/multi-model-gpu-knee.json",
 )
 # The runs on the current memory code (runs 12 to 14).
 RUNS_NOW = "h200/run1[234]/memory-h200.json"
+
+
+def _gil_at(d: dict, interval: float, key: str) -> float | None:
+    """``key`` of a driver_gil.py result at one switch interval (None if not measured)."""
+    for x in d["by_switch_interval"]:
+        if abs(x["switch_interval_s"] - interval) < 1e-9:
+            return x[key]
+    return None
 
 
 def _runs_wall(peak: float) -> list[float]:
@@ -122,72 +133,101 @@ FIGURES: list[Figure] = [
         "On the host backend, {1.03}x (`driver-host.json`)", "driver-host.json", "overhead_ratio"
     ),
     Figure(
-        "serving an 8B shape at {0.991–0.998}x native throughput and {1.039–1.117}x its p95 "
-        "TTFT, against a second native server's {0.998–1.004}x and {1.034–1.072}x; "
-        "p95 TPOT {1.014–1.039}x (control {1.003–1.078}x)",
-        GPU_SERVING_RUNS,
-        (
-            "throughput_ratio.median",
-            "p95_ttft_ratio.median",
-            "control.throughput_ratio.median",
-            "control.p95_ttft_ratio.median",
-            "p95_tpot_ratio.median",
-            "control.p95_tpot_ratio.median",
-        ),
-    ),
-    Figure(
-        "Pooled over all {768} requests of the second run, p95 TTFT {1.030}x (control {1.025}x); "
-        "request by request, kvcached's TTFT was {1.10} ms over native's (median) against the "
-        "control's {0.44} ms",
-        "h100/vllm-gpu-defaults.json",
+        "CUDA graphs on (as vLLM serves by default): 3 rounds before the call's deadline, "
+        "{384} requests a side; throughput {1.000}x native, pooled mean TTFT {1.020}x against "
+        "the native control's {0.946}x, paired TTFT {0.29} ms below native's against the "
+        "control's {1.51} ms below (median); kvcached mapped {0.19} and unmapped {0.13} pages a request, every one of them "
+        "beside the step ({0.32} overlapped)",
+        GPU_GRAPHS_RUN,
         (
             "pooled.candidate.requests",
-            "pooled.candidate.p95_ttft_ratio",
-            "pooled.control.p95_ttft_ratio",
-            "pooled.candidate.paired_ttft_delta_ms.median",
-            "pooled.control.paired_ttft_delta_ms.median",
-        ),
-    ),
-    Figure(
-        "pooled p95 TTFT {1.125}x (control {1.041}x) and {2.38} ms over native's per request "
-        "against the control's {0.74} ms",
-        "h100/vllm-gpu-defaults2.json",
-        (
-            "pooled.candidate.p95_ttft_ratio",
-            "pooled.control.p95_ttft_ratio",
-            "pooled.candidate.paired_ttft_delta_ms.median",
-            "pooled.control.paired_ttft_delta_ms.median",
-        ),
-    ),
-    Figure(
-        "kvcached server mapped {0.48} and unmapped {0.46} pages per request",
-        "h100/vllm-gpu-defaults2.json",
-        ("page_ops_per_request.page_maps", "page_ops_per_request.page_unmaps"),
-    ),
-    Figure(
-        "kvcached's TTFT was {0.83} ms over native's per request against the control's "
-        "{1.11} ms, pooled p95 TTFT {1.067}x (control {1.027}x), pooled p95 TPOT {1.023}x, "
-        "throughput {0.996}x; it ran {0.91} page ops a request beside the step (of {0.47} "
-        "pages mapped and {0.45} unmapped a request)",
-        "h100/vllm-gpu-overlap.json",
-        (
-            "pooled.candidate.paired_ttft_delta_ms.median",
-            "pooled.control.paired_ttft_delta_ms.median",
-            "pooled.candidate.p95_ttft_ratio",
-            "pooled.control.p95_ttft_ratio",
-            "pooled.candidate.p95_tpot_ratio",
             "throughput_ratio.median",
-            "page_ops_per_request.page_ops_overlapped",
+            "pooled.candidate.mean_ttft_ratio",
+            "pooled.control.mean_ttft_ratio",
+            lambda d: -d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"],
+            lambda d: -d["pooled"]["control"]["paired_ttft_delta_ms"]["median"],
             "page_ops_per_request.page_maps",
             "page_ops_per_request.page_unmaps",
+            "page_ops_per_request.page_ops_overlapped",
         ),
     ),
     Figure(
-        "{0.64} ms over native's per request against the control's {1.12} ms under it",
-        "h100/vllm-gpu-contiguous.json",
+        "Eager: {5} rounds, {640} requests a side; throughput {1.008}x, pooled mean TTFT "
+        "{0.927}x (control {0.923}x), mean TPOT {0.942}x (control {0.963}x), paired TTFT "
+        "{0.73} ms below native's against the control's {1.43} ms below",
+        GPU_EAGER_RUN,
         (
-            "pooled.candidate.paired_ttft_delta_ms.median",
+            lambda d: len(d["rounds"]),
+            "pooled.candidate.requests",
+            "throughput_ratio.median",
+            "pooled.candidate.mean_ttft_ratio",
+            "pooled.control.mean_ttft_ratio",
+            "pooled.candidate.mean_tpot_ratio",
+            "pooled.control.mean_tpot_ratio",
+            lambda d: -d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"],
             lambda d: -d["pooled"]["control"]["paired_ttft_delta_ms"]["median"],
+        ),
+    ),
+    Figure(
+        "two native servers differed by 5-8% in pooled mean TTFT (the control's {0.946}x with "
+        "CUDA graphs",
+        GPU_GRAPHS_RUN,
+        "pooled.control.mean_ttft_ratio",
+    ),
+    Figure("and {0.923}x eager)", GPU_EAGER_RUN, "pooled.control.mean_ttft_ratio"),
+    Figure(
+        "calls: the busy thread kept {0.76–1.01} of its speed (median of 3 rounds per interval)",
+        GIL_RUNS,
+        lambda d: [x["busy_kept"] for x in d["by_switch_interval"]],
+    ),
+    Figure(
+        "a page took {1.77–2.31} ms alone and {354–356} ms beside the busy thread at Python's "
+        "default 5 ms interval, {70.3} ms at 0.5 ms, {18.0} ms at 0.1 ms and {9.89} ms at 0.02 "
+        "ms (the busy thread then kept {0.93} of its speed)",
+        GIL_RUNS,
+        (
+            lambda d: [x["ms_per_page_alone"] for x in d["by_switch_interval"]],
+            lambda d: _gil_at(d, 0.005, "ms_per_page_together"),
+            lambda d: _gil_at(d, 0.0005, "ms_per_page_together"),
+            lambda d: _gil_at(d, 0.0001, "ms_per_page_together"),
+            lambda d: _gil_at(d, 0.00002, "ms_per_page_together"),
+            lambda d: _gil_at(d, 0.00002, "busy_kept"),
+        ),
+    ),
+    Figure(
+        "The ledger's KV budget was {24.45} GiB, so a static third is {8.15} GiB.",
+        H100_MULTI_MODEL[0],
+        (
+            lambda d: d["setup"]["budget_bytes"] / 2**30,
+            lambda d: d["setup"]["static_bytes"] / 2**30,
+        ),
+    ),
+    *[
+        Figure(
+            f"| {label} | {{{n}}} | {{{mean}}}x | {{{p50}}}x | {{{p99}}}x | {{{native}}} s |",
+            H100_MULTI_MODEL,
+            (
+                lambda d, k=key: d["ttft_s"]["kvcached"].get(k, {}).get("n"),
+                lambda d, k=key: d["mean_ttft_speedup"].get(k),
+                lambda d, k=key: d["p50_ttft_speedup"].get(k),
+                lambda d, k=key: d["p99_ttft_speedup"].get(k),
+                lambda d, k=key: d["ttft_s"]["native"].get(k, {}).get("p99"),
+            ),
+        )
+        for label, key, n, mean, p50, p99, native in (
+            ("1", "1", 39, "0.99", "0.97", "0.98", "0.34"),
+            ("1.5", "1.5", 44, "0.99", "1.03", "0.91", "0.45"),
+            ("2", "2", 33, "0.94", "0.92", "1.00", "0.41"),
+            ("2.5", "2.5", 72, "1.49", "0.96", "3.91", "3.28"),
+        )
+    ],
+    Figure(
+        "(native p99 TTFT {3.28} s); with kvcached the peaking model grows into what the idle "
+        "ones leave and its p99 stays at {0.84} s",
+        H100_MULTI_MODEL,
+        (
+            lambda d: d["ttft_s"]["native"].get("2.5", {}).get("p99"),
+            lambda d: d["ttft_s"]["kvcached"].get("2.5", {}).get("p99"),
         ),
     ),
     # memory
@@ -571,15 +611,24 @@ HEADLINES: list[Figure] = [
         ("throughput_ratio", "settings.rounds", "control.throughput_ratio"),
     ),
     Figure(
-        "serving an 8B shape at {0.991–0.998}x native throughput and {1.039–1.117}x its p95 "
-        "TTFT, against a second native server's {0.998–1.004}x and {1.034–1.072}x",
-        GPU_SERVING_RUNS,
+        "serving an 8B shape on an H100 with CUDA graphs at {1.000}x native throughput and "
+        "{1.020}x its mean TTFT, against a second native server's {0.946}x",
+        GPU_GRAPHS_RUN,
         (
             "throughput_ratio.median",
-            "p95_ttft_ratio.median",
-            "control.throughput_ratio.median",
-            "control.p95_ttft_ratio.median",
+            "pooled.candidate.mean_ttft_ratio",
+            "pooled.control.mean_ttft_ratio",
         ),
+    ),
+    Figure(
+        "P99 TTFT {3.91}x faster at a peak of 2.5 req/s per model (mean {1.49}x)",
+        H100_MULTI_MODEL[1],
+        (lambda d: d["p99_ttft_speedup"]["2.5"], lambda d: d["mean_ttft_speedup"]["2.5"]),
+    ),
+    Figure(
+        "mean {0.99}x at peak 1 and {0.99}x at 1.5, where neither runs short",
+        H100_MULTI_MODEL[0],
+        (lambda d: d["mean_ttft_speedup"]["1"], lambda d: d["mean_ttft_speedup"]["1.5"]),
     ),
     Figure(
         "kvcached adds {1.51} µs per `allocate_slots` call",
@@ -619,6 +668,10 @@ HEADLINES: list[Figure] = [
 ]
 
 UNMEASURED: list[Unmeasured] = [
+    Unmeasured(
+        "at 1.5 the defaults before c9696d6 measured 0.92x mean in the issue's own run",
+        "issue #34's run at 7ca126d, quoted from the issue; its files were not committed",
+    ),
     Unmeasured(
         "Result on the 2-core machine: no gain beyond the noise; the goal (P99 speed-up >= 2 "
         "and mean >= 1.5 at the peaks where the static split queues, mean >= 0.95 at every "
