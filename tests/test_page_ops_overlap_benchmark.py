@@ -37,11 +37,16 @@ def test_schedule_maps_and_releases_and_leaves_nothing_mapped() -> None:
     assert not mapped
 
 
-def test_a_short_run_compares_both_modes_and_cleans_up(tmp_path: Path) -> None:
+def test_a_short_run_compares_every_mode_and_cleans_up(tmp_path: Path) -> None:
+    from kvcached.integrations.vllm import executor
+
+    interval = executor.OVERLAP_SWITCH_INTERVAL_S
     out = tmp_path / "r.json"
-    argv = ["--steps", "24", "--rounds", "2", "--step-ms", "1", "--lanes", "2"]
+    argv = ["--steps", "24", "--rounds", "3", "--step-ms", "1", "--lanes", "2"]
     assert page_ops_overlap.main([*argv, "--driver-delays", "none", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
-    assert set(got["step_ms"]) == {"sync", "overlap"} and got["step_time_ratio"] > 0
-    assert len(got["rounds"]) == 2 and "provenance" in got
+    assert set(got["step_ms"]) == {"sync", "overlap", "overlap_long"}
+    assert got["step_time_ratio"] > 0 and got["long_interval_ratio"] > 0
+    assert len(got["rounds"]) == 3 and "provenance" in got
     assert worker.WORKER.executor is None
+    assert executor.OVERLAP_SWITCH_INTERVAL_S == interval, "the executor's setting is put back"

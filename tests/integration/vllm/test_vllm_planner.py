@@ -3,6 +3,7 @@ layouts, the engine core's StepPlanner, the worker's PageExecutor."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -361,6 +362,45 @@ def test_an_overlapped_failure_is_reported_by_finish(host, monkeypatch) -> None:
         monkeypatch.undo()
         ex.close()
     assert host.own_bytes() == 0
+
+
+def test_the_switch_interval_is_short_only_while_overlapped_ops_run(host, monkeypatch) -> None:
+    """A page thread beside a step busy in Python gets the GIL back at the switch
+    interval: the executor shortens it for the overlapped ops alone."""
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    release = threading.Event()
+    ex = PageExecutor(host, _lanes(), calibrate=False)
+    real = ex.apply
+
+    def slow(ops):
+        seen.append(sys.getswitchinterval())
+        release.wait(5)
+        return real(ops)
+
+    monkeypatch.setattr(ex, "apply", slow)
+    try:
+        ex.overlap([(MAP, 1, 2)])
+        short = executor_module.OVERLAP_SWITCH_INTERVAL_S
+        assert sys.getswitchinterval() == pytest.approx(short, rel=1e-3) and short < before
+        release.set()
+        assert ex.finish() and ex.mapped_pages == 3
+        assert seen == [pytest.approx(short, rel=1e-3)]
+        assert sys.getswitchinterval() == before, "the process' interval is back once they end"
+
+        def broken(ops):
+            raise RuntimeError("driver gone")
+
+        monkeypatch.setattr(ex, "apply", broken)
+        ex.overlap([(MAP, 3, 1)])
+        with pytest.raises(RuntimeError, match="driver gone"):
+            ex.finish()
+        assert sys.getswitchinterval() == before, "a failed batch puts it back too"
+    finally:
+        release.set()
+        monkeypatch.undo()
+        ex.close()
+        sys.setswitchinterval(before)
 
 
 def test_close_waits_for_overlapped_ops_then_unmaps_everything(host) -> None:
