@@ -49,4 +49,4 @@ def test_a_short_run_compares_every_mode_and_cleans_up(tmp_path: Path) -> None:
     assert got["step_time_ratio"] > 0 and got["long_interval_ratio"] > 0
     assert len(got["rounds"]) == 3 and "provenance" in got
     assert worker.WORKER.executor is None
-    assert executor.OVERLAP_SWITCH_INTERVAL_S == interval, "the executor's setting is put back"
+    assert interval == executor.OVERLAP_SWITCH_INTERVAL_S, "the executor's setting is put back"
