@@ -80,8 +80,8 @@ def test_servers_named_themselves_apart(elastic: ElasticRecord) -> None:
 
 
 def test_a_overlapped_page_ops_and_b_did_not(elastic: ElasticRecord) -> None:
-    """A (KVCACHED_OVERLAP_PAGE_OPS=true) applied some page ops beside its steps
-    and says so once; B, on the default, applied every op before its step."""
+    """A, on the default (KVCACHED_OVERLAP_PAGE_OPS=true), applied some page ops
+    beside its steps and says so once; B (false) applied every op before its step."""
     r = _ok(elastic)
     said = [line for line in r.a.kvcached_lines if "page ops run beside it" in line]
     assert len(said) == 1, r.a.kvcached_lines

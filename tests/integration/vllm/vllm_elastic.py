@@ -11,8 +11,9 @@ its load and its prefix cache is reset; (4) both get their loads at the same
 time, B's first (with longer outputs) and A's once B holds half the free
 memory (more than the device holds: requests wait or are preempted, none fails).
 Three greedy probes per server run before and after. A applies the page ops
-a step does not use beside it (``KVCACHED_OVERLAP_PAGE_OPS``), B before it
-(the default): the same phases cover both.
+a step does not use beside it (``KVCACHED_OVERLAP_PAGE_OPS``, the default), B
+every op before its step (``KVCACHED_OVERLAP_PAGE_OPS=false``): the same phases
+cover both.
 
 Limit phases, on B (A idle beside it), driven and read through ``kvctl``
 (``kvctl limit``, ``kvctl list --json``): fill its prefix cache; lower its
@@ -212,18 +213,18 @@ def run_elastic_case(
     ledger_dir.mkdir(parents=True, exist_ok=True)
     rec = ElasticRecord()
     options = elastic_options(ledger_dir)
-    a = VllmServer(
-        model_dir,
-        workdir / "elastic-a.log",
-        dataclasses.replace(
-            options, extra_env={**options.extra_env, "KVCACHED_OVERLAP_PAGE_OPS": "true"}
-        ),
-    )
+    a = VllmServer(model_dir, workdir / "elastic-a.log", options)
     # B without VLLM_CPU_KVCACHE_SPACE: vLLM would size its cache from the node's
     # free memory (and refuse to start when others use it); kvcached makes the
     # virtual size the host device's capacity.
     b = VllmServer(
-        model_dir, workdir / "elastic-b.log", dataclasses.replace(options, kv_cache_gib=None)
+        model_dir,
+        workdir / "elastic-b.log",
+        dataclasses.replace(
+            options,
+            kv_cache_gib=None,
+            extra_env={**options.extra_env, "KVCACHED_OVERLAP_PAGE_OPS": "false"},
+        ),
     )
     sampler = UsageSampler(ledger_dir)
     try:
