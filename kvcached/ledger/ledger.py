@@ -227,6 +227,8 @@ class Ledger:
         self._calibrator_users = 0
         self._users_lock = threading.Lock()
         self.start_time = _process_start_time()
+        #: Seconds between this process' calibrations (None: the default).
+        self.calibration_interval_s: float | None = None
         # Hot-path views: every pool's charge, instance and token, by slot.
         i64, u32, u64 = lfile.i64, lfile.u32, lfile.u64
         self.i64, self.u32, self.u64 = i64, u32, u64
@@ -254,22 +256,24 @@ class Ledger:
         *,
         directory: str | None = None,
         gpu_utilization: float | None = None,
+        calibration_interval_s: float | None = None,
     ) -> Ledger:
         """Open the ledger of ``device_id`` (a PCI bus id; ``host-N`` for the host
-        backend) in ``directory`` (default ``KVCACHED_LEDGER_DIR``), creating it
-        when missing from a sample of ``sampler.mem_info()``.
+        backend) in ``directory`` (the caller's ``KVCACHED_LEDGER_DIR``; unset:
+        its documented default), creating it when missing from a sample of
+        ``sampler.mem_info()``. This process' calibrator thread samples every
+        ``calibration_interval_s`` (likewise).
 
-        The safety margin is ``total x (1 - gpu_utilization)`` (default
-        ``KVCACHED_GPU_UTILIZATION``) and is fixed in the file by its creator while
+        The safety margin is ``total x (1 - gpu_utilization)`` (the caller's
+        ``KVCACHED_GPU_UTILIZATION``, likewise) and is fixed in the file by its creator while
         any live process has a pool in it: a process configured differently is then
         warned and follows the file; a file no live pool uses takes this process'
         margin.
         """
-        from kvcached.config import get_config
+        from kvcached.config import defaults
 
-        config = get_config()
-        directory = config.ledger_dir if directory is None else directory
-        util = config.gpu_utilization if gpu_utilization is None else gpu_utilization
+        directory = defaults().ledger_dir if directory is None else directory
+        util = defaults().gpu_utilization if gpu_utilization is None else gpu_utilization
         if not isinstance(device_id, str) or not device_id:
             raise ValueError(f"device_id={device_id!r}: must be the device's PCI bus id")
         if not 0.0 < util <= 1.0:
@@ -281,6 +285,7 @@ class Ledger:
             return Initial(device_id, total, margin, min(max(0, free - margin), total - margin))
 
         ledger = cls(open_file(directory, device_id, initial), sampler)
+        ledger.calibration_interval_s = calibration_interval_s
         try:
             with ledger.locked():
                 ledger.validate_locked()
@@ -894,6 +899,8 @@ class Ledger:
 
     def calibrator(self, sampler: MemInfo | None = None, interval_s: float | None = None):
         """A new :class:`~kvcached.ledger.calibrator.Calibrator` for this ledger (not started)."""
+        if interval_s is None:
+            interval_s = self.calibration_interval_s
         return Calibrator(self, sampler or self.sampler, interval_s)
 
     def _acquire_calibrator(self) -> None:
