@@ -9,8 +9,10 @@ Start here:
 * :func:`open_ledger` — the process' shared :class:`Ledger` of a device, for
   limits (:meth:`Ledger.set_limit`) and snapshots (:meth:`Ledger.snapshot`).
 
-See :mod:`kvcached.ledger.ledger` for the rules the ledger keeps and
-:mod:`kvcached.ledger.layout` for the file.
+See :mod:`kvcached.ledger.ledger` for the rules the ledger keeps (each one
+points to the module that keeps it: ``datalock``, ``journal``, ``registry``,
+``limits``, ``calibration``, ``snapshot``) and :mod:`kvcached.ledger.layout`
+for the file.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from kvcached.ledger.calibrator import Calibration, Calibrator, MemInfo
 from kvcached.ledger.file import ledger_path
-from kvcached.ledger.ledger import Ledger, check_instance_name
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.limits import check_instance_name
 from kvcached.ledger.pool import REFUND_FLUSH_BYTES, PoolBudget
 from kvcached.ledger.snapshot import (
     HeaderView,

@@ -8,7 +8,8 @@ lock: the sample is taken before it is acquired.
 What a calibration returns (:class:`Calibration`) and what it samples
 (:class:`MemInfo`) are defined here, and the ledger is known only by what the
 thread calls (:class:`Calibrated`), so this module does not import
-:mod:`kvcached.ledger.ledger`, which starts the thread.
+:mod:`kvcached.ledger.calibration`, which starts the thread and holds what
+one calibration does.
 """
 
 from __future__ import annotations
