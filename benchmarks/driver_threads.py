@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import _provenance  # noqa: E402
 from grow_overhead import raw_growth, raw_growth_threads  # noqa: E402
 
+from kvcached.config import get_config  # noqa: E402
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
@@ -190,7 +191,7 @@ def main() -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prov = _provenance.start()
-    driver = make_driver(args.backend, args.device)
+    driver = make_driver(args.backend, args.device, config=get_config())
     g = driver.granularity
     pages = args.mib * MIB // g
     driver.mem_info()
