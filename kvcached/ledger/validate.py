@@ -57,33 +57,9 @@ def check_image(buf, path: str, *, locked: bool) -> None:
         mv.release()
 
 
-def _check(mv: memoryview, path: str, locked: bool) -> None:
+def _check_header(mv: memoryview, path: str) -> Header:
+    """The header, every word of it in range (else the corruption error)."""
     head = Header.from_buffer_copy(mv[: layout.HEADER_SIZE])
-    _check_header(head, path)
-    pools = mv[layout.POOLS_OFFSET : layout.INSTANCES_OFFSET]
-    p64, p32 = pools.cast("q"), pools.cast("i")
-    insts = mv[layout.INSTANCES_OFFSET : layout.FILE_SIZE]
-    i64 = insts.cast("q")
-    try:
-        iw = layout.INSTANCE_RECORD_SIZE // 8
-        live_instances = {s for s in range(layout.INSTANCE_SLOTS) if i64[s * iw + _I_TOKEN]}
-        charged_sum = sum(
-            _check_pool(p64, p32, s, head, live_instances, path, locked)
-            for s in range(layout.POOL_SLOTS)
-        )
-        if locked and charged_sum > head.total_bytes:
-            raise corrupt(
-                path,
-                f"the pools charge {charged_sum} bytes together on a device of {head.total_bytes}",
-            )
-        for s in sorted(live_instances):
-            _check_instance(insts, i64, s, path)
-    finally:
-        for v in (p64, p32, pools, i64, insts):
-            v.release()
-
-
-def _check_header(head: Header, path: str) -> None:
     total = head.total_bytes
     if not 0 < total <= MAX_TOTAL_BYTES:
         raise corrupt(path, f"the device's total is {total} bytes (must be 1 to 2**53)")
@@ -107,64 +83,75 @@ def _check_header(head: Header, path: str) -> None:
         in_range("publish_free", head.publish_free, 0, total)
     if head.calibration_seq == 0:
         raise corrupt(path, "header calibration_seq is 0 (a ledger starts at 1)")
+    return head
 
 
-def _check_pool(
-    p64: memoryview,
-    p32: memoryview,
-    s: int,
-    head: Header,
-    live_instances: set[int],
-    path: str,
-    locked: bool,
-) -> int:
-    """Check pool record ``s``; returns what it charges."""
-    pw, pw4 = layout.POOL_RECORD_SIZE // 8, layout.POOL_RECORD_SIZE // 4
-    token = p64[s * pw + _P_TOKEN]
-    charged = p64[s * pw + _P_CHARGED]
-    released = p64[s * pw + _P_RELEASED]
+def _check(mv: memoryview, path: str, locked: bool) -> None:
+    head = _check_header(mv, path)
     total = head.total_bytes
-    if not token:
-        if locked and (charged or released):
+    pools = mv[layout.POOLS_OFFSET : layout.INSTANCES_OFFSET]
+    p64, p32 = pools.cast("q"), pools.cast("i")
+    insts = mv[layout.INSTANCES_OFFSET : layout.FILE_SIZE]
+    i64 = insts.cast("q")
+    try:
+        pw, pw4 = layout.POOL_RECORD_SIZE // 8, layout.POOL_RECORD_SIZE // 4
+        iw = layout.INSTANCE_RECORD_SIZE // 8
+        live_instances = {s for s in range(layout.INSTANCE_SLOTS) if i64[s * iw + _I_TOKEN]}
+        charged_sum = 0
+        for s in range(layout.POOL_SLOTS):
+            token = p64[s * pw + _P_TOKEN]
+            charged = p64[s * pw + _P_CHARGED]
+            released = p64[s * pw + _P_RELEASED]
+            if not token:
+                if locked and (charged or released):
+                    raise corrupt(
+                        path,
+                        f"free pool record {s} charges {charged} bytes "
+                        f"({released} released); a free record charges 0",
+                    )
+                continue
+            if s >= head.pool_high_water:
+                raise corrupt(
+                    path,
+                    f"pool record {s} is in use above the high-water mark {head.pool_high_water}",
+                )
+            if not 0 <= charged <= total:
+                raise corrupt(
+                    path, f"pool record {s} charges {charged} bytes on a device of {total}"
+                )
+            if not 0 <= released <= charged:
+                raise corrupt(
+                    path, f"pool record {s} has {released} bytes released of {charged} charged"
+                )
+            inst = p32[s * pw4 + _P_INSTANCE]
+            if not 1 <= inst <= layout.INSTANCE_SLOTS:
+                raise corrupt(
+                    path,
+                    f"pool record {s} names instance record {inst - 1}, "
+                    f"outside 0..{layout.INSTANCE_SLOTS - 1}",
+                )
+            if locked and inst - 1 not in live_instances:
+                raise corrupt(
+                    path, f"pool record {s} names instance record {inst - 1}, which is not in use"
+                )
+            if p32[s * pw4 + _P_PID] <= 0:
+                raise corrupt(path, f"pool record {s} has owner pid {p32[s * pw4 + _P_PID]}")
+            charged_sum += charged
+        if locked and charged_sum > total:
             raise corrupt(
-                path,
-                f"free pool record {s} charges {charged} bytes "
-                f"({released} released); a free record charges 0",
+                path, f"the pools charge {charged_sum} bytes together on a device of {total}"
             )
-        return 0
-    if s >= head.pool_high_water:
-        raise corrupt(
-            path,
-            f"pool record {s} is in use above the high-water mark {head.pool_high_water}",
-        )
-    if not 0 <= charged <= total:
-        raise corrupt(path, f"pool record {s} charges {charged} bytes on a device of {total}")
-    if not 0 <= released <= charged:
-        raise corrupt(path, f"pool record {s} has {released} bytes released of {charged} charged")
-    inst = p32[s * pw4 + _P_INSTANCE]
-    if not 1 <= inst <= layout.INSTANCE_SLOTS:
-        raise corrupt(
-            path,
-            f"pool record {s} names instance record {inst - 1}, "
-            f"outside 0..{layout.INSTANCE_SLOTS - 1}",
-        )
-    if locked and inst - 1 not in live_instances:
-        raise corrupt(
-            path, f"pool record {s} names instance record {inst - 1}, which is not in use"
-        )
-    if p32[s * pw4 + _P_PID] <= 0:
-        raise corrupt(path, f"pool record {s} has owner pid {p32[s * pw4 + _P_PID]}")
-    return charged
-
-
-def _check_instance(insts: memoryview, i64: memoryview, s: int, path: str) -> None:
-    start = s * layout.INSTANCE_RECORD_SIZE + InstanceRecord.name.offset
-    name = bytes(insts[start : start + layout.NAME_BYTES]).rstrip(b"\0")
-    if not _NAME.match(name):
-        raise corrupt(
-            path,
-            f"instance record {s} has the name {name[:64]!r}, not a valid KVCACHED_IPC_NAME",
-        )
-    limit = i64[s * (layout.INSTANCE_RECORD_SIZE // 8) + _I_LIMIT]
-    if limit < 0:
-        raise corrupt(path, f"instance record {s} has the limit {limit}")
+        for s in sorted(live_instances):
+            start = s * layout.INSTANCE_RECORD_SIZE + InstanceRecord.name.offset
+            name = bytes(insts[start : start + layout.NAME_BYTES]).rstrip(b"\0")
+            if not _NAME.match(name):
+                raise corrupt(
+                    path,
+                    f"instance record {s} has the name {name[:64]!r}, not a "
+                    "valid KVCACHED_IPC_NAME",
+                )
+            if i64[s * iw + _I_LIMIT] < 0:
+                raise corrupt(path, f"instance record {s} has the limit {i64[s * iw + _I_LIMIT]}")
+    finally:
+        for v in (p64, p32, pools, i64, insts):
+            v.release()

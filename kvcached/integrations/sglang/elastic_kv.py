@@ -154,10 +154,10 @@ class ElasticKV:
             cache_kwargs.setdefault("layout", KVLayout.PER_LAYER)
             self.cache = KVCache(
                 shape.spec(),
+                config=config,
                 driver=self.driver,
                 budget=budget,
                 num_blocks=shape.pages,
-                config=config,
                 **cache_kwargs,
             )
         except BaseException:
