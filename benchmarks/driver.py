@@ -46,7 +46,6 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 import _provenance  # noqa: E402
 
-from kvcached.config import get_config  # noqa: E402
 from kvcached.driver import _libc, make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
@@ -333,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.iters < 1 or args.rounds < 1:
         parser.error("--iters and --rounds must be at least 1")
     prov = _provenance.start(argv)
+    from kvcached.config import get_config
+
     driver = make_driver(args.backend, args.device, config=get_config())
     result: dict = {
         "benchmark": "driver",

@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _provenance  # noqa: E402
 
-from kvcached.config import get_config  # noqa: E402
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
@@ -127,6 +126,8 @@ def main() -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prov = _provenance.start()
+    from kvcached.config import get_config
+
     driver = make_driver(args.backend, args.device, config=get_config())
     pages = args.mib * MIB // driver.granularity
     total = pages * driver.granularity

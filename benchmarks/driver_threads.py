@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import _provenance  # noqa: E402
 from grow_overhead import raw_growth, raw_growth_threads  # noqa: E402
 
-from kvcached.config import get_config  # noqa: E402
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
 
@@ -191,6 +190,8 @@ def main() -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prov = _provenance.start()
+    from kvcached.config import get_config
+
     driver = make_driver(args.backend, args.device, config=get_config())
     g = driver.granularity
     pages = args.mib * MIB // g

@@ -99,7 +99,6 @@ from grow_overhead import (  # noqa: E402
     raw_shrink,
 )
 
-from kvcached.config import get_config  # noqa: E402
 from kvcached.driver import make_driver  # noqa: E402
 from kvcached.memory import KVCache, KVCacheSpec, KVLayout  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
@@ -576,6 +575,8 @@ def main() -> None:
     if args.backend == "host" and "KVCACHED_HOST_CAPACITY" not in os.environ:
         os.environ["KVCACHED_HOST_CAPACITY"] = "4G"
     prov = _provenance.start()
+    from kvcached.config import get_config
+
     driver = make_driver(args.backend, args.device, config=get_config())
     info = driver.info()
     grow_mib = args.grow_mib or (64 if args.backend == "host" else 1024)
