@@ -332,7 +332,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.iters < 1 or args.rounds < 1:
         parser.error("--iters and --rounds must be at least 1")
     prov = _provenance.start(argv)
-    driver = make_driver(args.backend, args.device)
+    from kvcached.config import get_config
+
+    driver = make_driver(args.backend, args.device, config=get_config())
     result: dict = {
         "benchmark": "driver",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -126,7 +126,9 @@ def main() -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prov = _provenance.start()
-    driver = make_driver(args.backend, args.device)
+    from kvcached.config import get_config
+
+    driver = make_driver(args.backend, args.device, config=get_config())
     pages = args.mib * MIB // driver.granularity
     total = pages * driver.granularity
     load_before = os.getloadavg()

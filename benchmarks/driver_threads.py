@@ -190,7 +190,9 @@ def main() -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     prov = _provenance.start()
-    driver = make_driver(args.backend, args.device)
+    from kvcached.config import get_config
+
+    driver = make_driver(args.backend, args.device, config=get_config())
     g = driver.granularity
     pages = args.mib * MIB // g
     driver.mem_info()

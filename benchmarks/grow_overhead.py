@@ -558,9 +558,10 @@ def main() -> None:
         "null": python_overhead(args.pages, args.rounds, args.pages_per_take),
     }
     if args.backend != "null":
+        from kvcached.config import get_config
         from kvcached.driver import make_driver
 
-        driver = make_driver(args.backend, args.device)
+        driver = make_driver(args.backend, args.device, config=get_config())
         result["device"] = driver.info().as_dict()
         result["split_us_per_page"] = split(
             driver, args.pages * driver.granularity, rounds=min(args.rounds, 3)

@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -97,6 +98,7 @@ class LockObjectLedger(Ledger):
     def __init__(self, lfile, sampler=None) -> None:
         super().__init__(lfile, sampler)
         self._data = self.make_lock()
+        self._tlock = threading.Lock()
 
     def make_lock(self):
         raise NotImplementedError
@@ -109,7 +111,7 @@ class LockObjectLedger(Ledger):
             self._tlock.release()
             raise
         if self.u64[H_JOURNAL]:
-            self._apply_journal()
+            self.journal.replay()
         if _hooks.point is not None:
             _hooks.point("data-locked")
 
@@ -132,7 +134,7 @@ class LockObjectLedger(Ledger):
             self._tlock.release()
             raise
         if self.u64[H_JOURNAL]:
-            self._apply_journal()
+            self.journal.replay()
         if _hooks.point is not None:
             _hooks.point("data-locked")
 

@@ -575,7 +575,9 @@ def main() -> None:
     if args.backend == "host" and "KVCACHED_HOST_CAPACITY" not in os.environ:
         os.environ["KVCACHED_HOST_CAPACITY"] = "4G"
     prov = _provenance.start()
-    driver = make_driver(args.backend, args.device)
+    from kvcached.config import get_config
+
+    driver = make_driver(args.backend, args.device, config=get_config())
     info = driver.info()
     grow_mib = args.grow_mib or (64 if args.backend == "host" else 1024)
     result = {

@@ -2,7 +2,8 @@
 
 :data:`VARIABLES` is the single table of names, defaults, allowed values and
 meanings. :class:`Config` is the frozen, typed result of parsing them once;
-:func:`get_config` caches it for the process. The table of variables in
+:func:`get_config` caches it for the process. Only entry points call it (see
+:func:`defaults`): the layers below take the settings as arguments. The table of variables in
 ``docs/configuration.md`` is generated from :data:`VARIABLES` (``python -m kvcached.config``) and a test
 checks that the two agree, so they cannot drift.
 
@@ -384,6 +385,25 @@ def get_config() -> Config:
         if _cached is None:
             _cached = Config.from_env()
         return _cached
+
+
+_defaults: Config | None = None
+
+
+def defaults() -> Config:
+    """Every variable at its documented default (:data:`VARIABLES`), whatever the
+    environment says.
+
+    Only the entry points (the engine integrations, the CLIs, ``serve``, the
+    control API a process opens its cache with) read the environment, through
+    :func:`get_config`; they hand the result down. The layers below them
+    (``driver``, ``ledger``, ``memory``) take a :class:`Config` or single values
+    as arguments, and an argument left unset there means this, never
+    ``os.environ``."""
+    global _defaults
+    if _defaults is None:
+        _defaults = Config.from_env({})
+    return _defaults
 
 
 def reload_config() -> Config:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcached.config import get_config
 from kvcached.driver import Driver, default_driver
 from kvcached.errors import KVCachedError
 from kvcached.units import format_bytes
@@ -87,7 +88,7 @@ def run_check(driver: Driver, pages: int = 8) -> CheckResult:
 def info(as_json: bool = False, pages: int = 8, backend: str | None = None) -> int:
     """Print what kvcached sees and prove the driver works; return the exit code."""
     try:
-        driver = default_driver(backend)
+        driver = default_driver(backend, config=get_config())
         device = driver.info()
         free, total = driver.mem_info()
         check = run_check(driver, pages)

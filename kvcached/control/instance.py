@@ -32,11 +32,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvcached.control.naming import instance_name
 from kvcached.control.snapshot import SnapshotPublisher
 from kvcached.log import get_logger
+
+if TYPE_CHECKING:
+    from kvcached.config import Config
 
 log = get_logger("kvcached.control")
 
@@ -404,21 +407,28 @@ def open_kv_cache(
     name: str = "kv",
     evict_cached: Callable[[int], int] | None = None,
     prefix_cache_bytes: Callable[[], int] | None = None,
+    config: Config | None = None,
     **kwargs: Any,
 ) -> Any:
     """A :class:`~kvcached.memory.cache.KVCache` charged to this device's ledger
     under this process' instance, and registered with the instance (snapshot,
     limits). ``kwargs`` go to ``KVCache`` (``driver``, ``num_blocks``, ...).
-    Close the cache, then :func:`close_kv_cache`, when the engine stops."""
+    Close the cache, then :func:`close_kv_cache`, when the engine stops.
+
+    This is where a process that opens its own cache reads its settings:
+    ``config`` defaults to :func:`kvcached.config.get_config` (the ``KVCACHED_*``
+    variables), and the driver, the ledger and the cache are given it."""
+    from kvcached.config import get_config
     from kvcached.driver import default_driver
     from kvcached.ledger import open_pool_budget
     from kvcached.memory.cache import KVCache
 
+    config = get_config() if config is None else config
     instance = get_instance(engine, engine_version)
-    driver = kwargs.pop("driver", None) or default_driver()
-    budget = open_pool_budget(driver, instance.name)
+    driver = kwargs.pop("driver", None) or default_driver(config=config)
+    budget = open_pool_budget(driver, instance.name, config=config)
     try:
-        cache = KVCache(spec, driver=driver, budget=budget, **kwargs)
+        cache = KVCache(spec, driver=driver, budget=budget, config=config, **kwargs)
     except BaseException:
         budget.close()
         raise

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 from kvcached.config import get_config
 from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerPermissionError
 from kvcached.ledger.file import list_ledgers
-from kvcached.ledger.ledger import LOCK_WAIT_S, Ledger, check_instance_name
+from kvcached.ledger.ledger import Ledger
+from kvcached.ledger.limits import check_instance_name
+from kvcached.ledger.locks import LOCK_WAIT_S
 from kvcached.ledger.snapshot import LedgerSnapshot, LimitStatus
 
 if TYPE_CHECKING:

@@ -1,15 +1,22 @@
 """The driver layer: the only code in kvcached that talks to a device.
 
-:func:`get_driver` returns the process-wide driver of one device, chosen by
-``KVCACHED_DRIVER`` (``auto``: CUDA when a CUDA device is present, HIP on a
-ROCm build of torch, else the ``host`` backend).
+:func:`get_driver` returns the process-wide driver of one device, on the
+backend its caller names or the one ``config.driver`` names (``auto``: CUDA
+when a CUDA device is present, HIP on a ROCm build of torch, else the ``host``
+backend). This layer reads no environment: the entry point that parsed
+``KVCACHED_*`` (:func:`kvcached.config.get_config`) passes its
+:class:`~kvcached.config.Config` in; without one, the documented defaults apply.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from kvcached.driver.base import DeviceInfo, Driver, Handle
+
+if TYPE_CHECKING:
+    from kvcached.config import Config
 
 __all__ = [
     "DeviceInfo",
@@ -25,11 +32,15 @@ _lock = threading.Lock()
 _drivers: dict[tuple[str, int], Driver] = {}
 
 
-def resolve_backend(name: str | None = None) -> str:
-    """``cuda``, ``hip`` or ``host`` for ``name`` (default ``KVCACHED_DRIVER``)."""
-    from kvcached.config import get_config
+def _settings(config: Config | None) -> Config:
+    from kvcached.config import defaults
 
-    name = (name or get_config().driver).lower()
+    return defaults() if config is None else config
+
+
+def resolve_backend(name: str | None = None, *, config: Config | None = None) -> str:
+    """``cuda``, ``hip`` or ``host`` for ``name`` (default ``config.driver``)."""
+    name = (name or _settings(config).driver).lower()
     if name != "auto":
         return name
     import torch
@@ -41,24 +52,22 @@ def resolve_backend(name: str | None = None) -> str:
     return "host"
 
 
-def default_driver(backend: str | None = None) -> Driver:
-    """The process' default device on ``backend`` (default ``KVCACHED_DRIVER``):
-    ``host-N`` with N = ``KVCACHED_HOST_DEVICE`` on the host backend, device 0
+def default_driver(backend: str | None = None, *, config: Config | None = None) -> Driver:
+    """The process' default device on ``backend`` (default ``config.driver``):
+    ``host-N`` with N = ``config.host_device`` on the host backend, device 0
     on a GPU (an engine passes its own device)."""
-    from kvcached.config import get_config
+    settings = _settings(config)
+    backend = resolve_backend(backend, config=settings)
+    return get_driver(settings.host_device if backend == "host" else 0, backend, config=settings)
 
-    backend = resolve_backend(backend)
-    return get_driver(get_config().host_device if backend == "host" else 0, backend)
 
-
-def make_driver(backend: str, index: int = 0) -> Driver:
-    """A new driver object (tests; everything else shares :func:`get_driver`)."""
-    from kvcached.config import get_config
-
+def make_driver(backend: str, index: int = 0, *, config: Config | None = None) -> Driver:
+    """A new driver object (tests; everything else shares :func:`get_driver`).
+    The host backend's capacity is ``config.host_capacity``."""
     if backend == "host":
         from kvcached.driver.host import HostDriver
 
-        return HostDriver(index, capacity=get_config().host_capacity)
+        return HostDriver(index, capacity=_settings(config).host_capacity)
     if backend == "cuda":
         from kvcached.driver.cuda import CudaDriver
 
@@ -70,13 +79,16 @@ def make_driver(backend: str, index: int = 0) -> Driver:
     raise ValueError(f"backend={backend!r}: must be one of cuda, hip, host")
 
 
-def get_driver(index: int = 0, backend: str | None = None) -> Driver:
+def get_driver(
+    index: int = 0, backend: str | None = None, *, config: Config | None = None
+) -> Driver:
     """The shared driver of device ``index`` on ``backend`` (default: resolved
-    from ``KVCACHED_DRIVER``)."""
-    backend = resolve_backend(backend)
+    from ``config.driver``). The first call for a device makes its driver, with
+    that call's ``config`` (the host backend's capacity)."""
+    backend = resolve_backend(backend, config=config)
     key = (backend, index)
     with _lock:
         driver = _drivers.get(key)
         if driver is None:
-            driver = _drivers[key] = make_driver(backend, index)
+            driver = _drivers[key] = make_driver(backend, index, config=config)
         return driver

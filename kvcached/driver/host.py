@@ -13,8 +13,8 @@
 * ``release`` closes the memfd; its pages go back to the kernel once no mapping
   holds them.
 
-The device has a configurable capacity (``KVCACHED_HOST_CAPACITY``, default
-half of RAM). Its free memory is counted across every process on the machine,
+The device has a configurable capacity (the ``capacity`` argument, which the
+entry points take from ``KVCACHED_HOST_CAPACITY``; default half of RAM). Its free memory is counted across every process on the machine,
 as a GPU's is: each handle is a memfd named after the device, so the sum of the
 sizes of such memfds held open by any process is what the device has in use.
 ``mem_info`` computes that sum exactly (a scan of ``/proc/*/fd``, a few ms, used

@@ -8,7 +8,8 @@ lock: the sample is taken before it is acquired.
 What a calibration returns (:class:`Calibration`) and what it samples
 (:class:`MemInfo`) are defined here, and the ledger is known only by what the
 thread calls (:class:`Calibrated`), so this module does not import
-:mod:`kvcached.ledger.ledger`, which starts the thread.
+:mod:`kvcached.ledger.calibration`, which starts the thread and holds what
+one calibration does.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class Calibrated(Protocol):
 
 
 class Calibrator:
-    """Calls ``ledger.calibrate()`` every ``interval_s`` seconds (default
-    ``KVCACHED_CALIBRATION_INTERVAL_S``) in a daemon thread.
+    """Calls ``ledger.calibrate()`` every ``interval_s`` seconds (the caller's
+    ``KVCACHED_CALIBRATION_INTERVAL_S``; unset: its documented default) in a
+    daemon thread.
 
     :meth:`start` and :meth:`stop` may be called from any thread; :meth:`stop`
     is idempotent and waits for the thread to end. A failing sample (a driver
@@ -71,9 +73,9 @@ class Calibrator:
         self, ledger: Calibrated, sampler: MemInfo, interval_s: float | None = None
     ) -> None:
         if interval_s is None:
-            from kvcached.config import get_config
+            from kvcached.config import defaults
 
-            interval_s = get_config().calibration_interval_s
+            interval_s = defaults().calibration_interval_s
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s!r}: must be a number of seconds above 0")
         self.ledger = ledger

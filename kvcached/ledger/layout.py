@@ -49,7 +49,7 @@ class Header(ctypes.Structure):
       been used, so sums may stop there;
     * two journals that make a multi-word change atomic against a crash: the
       retirement of a record (``retire_*``, see
-      :meth:`kvcached.ledger.ledger.Ledger._retire_locked`) and the
+      :class:`kvcached.ledger.journal.HeaderJournal`) and the
       publication of a calibration (``publish_*``: budget, free, time and
       sequence land together or not at all). ``retire_slot`` and
       ``publish_pending`` share one 8-byte word, so one test tells a lock

@@ -1,8 +1,9 @@
 """The ledger's two lock primitives, every errno sorted.
 
-* The **data lock** is a whole-file ``flock(2)`` lock (:func:`wait_flock` is
-  its bounded slow path; the fast path, one non-blocking ``flock``, is written
-  out in :meth:`kvcached.ledger.ledger.Ledger.lock_fd` and, inline, in a
+* The **data lock** is a whole-file ``flock(2)`` lock, owned by
+  :class:`kvcached.ledger.datalock.DataLock` (:func:`wait_flock` is its
+  bounded slow path; the fast path, one non-blocking ``flock``, is
+  :meth:`~kvcached.ledger.datalock.DataLock.acquire_fd` and, inline, a
   pool's grant). ``flock`` costs
   about half of an OFD ``fcntl`` lock per lock+unlock pair here (see
   ``benchmarks/ledger.py``), and Linux keeps flock and fcntl locks apart, so it

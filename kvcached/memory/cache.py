@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvcached.driver.base import Driver
 from kvcached.log import get_logger
@@ -14,6 +15,9 @@ from kvcached.memory.mapper import DEFAULT_MAX_HANDLE_BYTES, PageMapper
 from kvcached.memory.pages import PageAllocator
 from kvcached.memory.spec import KVCacheSpec, KVLayout, PageGeometry, plan_pages, resolve_layout
 from kvcached.memory.tensors import VirtualKVTensors
+
+if TYPE_CHECKING:
+    from kvcached.config import Config
 
 log = get_logger("kvcached.memory")
 
@@ -79,14 +83,18 @@ class KVCache:
     * :attr:`blocks` (:class:`BlockManager`): ``alloc`` / ``free`` /
       ``available_size`` / ``usage`` for the scheduler, bound here as methods.
 
-    Arguments: ``driver`` (default: the process' driver for
-    ``KVCACHED_DRIVER``), ``budget`` (default: :class:`DriverFreeBudget`; pass
+    Arguments: ``config`` (the settings every argument left unset defaults
+    from: a :class:`~kvcached.config.Config` that the caller parsed, e.g.
+    :func:`kvcached.config.get_config`; ``None``: the documented defaults, as
+    this layer reads no environment), ``driver`` (default: the process' driver
+    for ``config.driver``), ``budget`` (default: :class:`DriverFreeBudget` at
+    ``config.gpu_utilization``; pass
     the ledger's pool account, and pass one budget to every group of a model so
     they share memory), ``layout`` (``KVLayout``, a bool for contiguous, or
-    ``None`` for ``KVCACHED_CONTIGUOUS_LAYOUT``), capacity as ``num_blocks`` or
+    ``None`` for ``config.contiguous_layout``), capacity as ``num_blocks`` or
     ``capacity_bytes`` (default: the device's total memory), ``page_size``
-    (default ``KVCACHED_PAGE_SIZE_MB``), ``min_reserved`` / ``max_reserved``
-    (default ``KVCACHED_MIN/MAX_RESERVED_PAGES``), ``background`` (refill on a
+    (default ``config.page_size``), ``min_reserved`` / ``max_reserved``
+    (default ``config.min/max_reserved_pages``), ``background`` (refill on a
     thread), ``max_handle_bytes`` (coalescing; 0 = one page per handle;
     default 64 MiB). Defaults left unset are capped for the device (see
     :func:`sized_for_device`): on a device under 4 GiB a cache coalesces
@@ -116,13 +124,14 @@ class KVCache:
         reserve_null_block: bool = True,
         thread_safe: bool = True,
         before_unmap: Callable[[], None] | None = None,
+        config: Config | None = None,
     ) -> None:
-        from kvcached.config import get_config
+        from kvcached.config import defaults
         from kvcached.driver import get_driver
 
-        config = get_config()
+        config = defaults() if config is None else config
         self.spec = spec
-        self.driver = driver = driver if driver is not None else get_driver()
+        self.driver = driver = driver if driver is not None else get_driver(config=config)
         if not isinstance(layout, KVLayout):
             layout = resolve_layout(config.contiguous_layout if layout is None else layout)
         if num_blocks is None and capacity_bytes is None:
@@ -154,7 +163,11 @@ class KVCache:
         tensors = pages = blocks = None
         try:
             if budget is None:
-                budget = owned_budget = DriverFreeBudget(driver)
+                budget = owned_budget = DriverFreeBudget(
+                    driver,
+                    utilization=config.gpu_utilization,
+                    sample_interval_s=config.calibration_interval_s,
+                )
             tensors = VirtualKVTensors(driver, spec, self.geometry)
             mapper = PageMapper(
                 tensors, budget, max_handle_bytes=max_handle_bytes, before_unmap=before_unmap

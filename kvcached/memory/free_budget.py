@@ -22,6 +22,10 @@ class DriverFreeBudget:
     other processes' allocations show up only at the next sample, and a grant
     whose memory is not yet created when a sample is taken is counted twice
     until the next one. The per-GPU ledger is the exact, shared alternative.
+
+    ``utilization`` and ``sample_interval_s`` left unset take the documented
+    defaults of ``KVCACHED_GPU_UTILIZATION`` and
+    ``KVCACHED_CALIBRATION_INTERVAL_S`` (the caller passes its configured ones).
     """
 
     def __init__(
@@ -31,15 +35,14 @@ class DriverFreeBudget:
         utilization: float | None = None,
         sample_interval_s: float | None = None,
     ) -> None:
-        from kvcached.config import get_config
+        from kvcached.config import defaults
 
-        config = get_config()
         if utilization is None:
-            utilization = config.gpu_utilization
+            utilization = defaults().gpu_utilization
         if not 0.0 < utilization <= 1.0:
             raise ConfigError("utilization", utilization, "a number in (0, 1], e.g. 0.95")
         if sample_interval_s is None:
-            sample_interval_s = config.calibration_interval_s
+            sample_interval_s = defaults().calibration_interval_s
         self._driver = driver
         self._utilization = utilization
         self._interval = sample_interval_s

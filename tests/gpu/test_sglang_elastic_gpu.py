@@ -117,9 +117,10 @@ def test_ledger_bounds_what_the_allocator_reports(env):
     try:
         room = slots.available_tokens()
         assert 0 < room <= 64 * 1024
+        from kvcached.config import get_config
         from kvcached.ledger import open_pool_budget
 
-        other = open_pool_budget(kv.driver, "other-engine", calibrate=False)
+        other = open_pool_budget(kv.driver, "other-engine", calibrate=False, config=get_config())
         grab = kv.budget.headroom() // (64 << 20) * (64 << 20)
         assert grab > 0 and other.grant(grab)
         kv.budget.headroom()  # refreshed by our next grant; the ledger decides anyway

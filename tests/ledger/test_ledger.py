@@ -19,7 +19,7 @@ from kvcached.ledger import (
     _hooks,
     layout,
 )
-from kvcached.ledger import ledger as ledger_module
+from kvcached.ledger import datalock as ledger_module
 from kvcached.ledger import pool as pool_module
 from kvcached.ledger.locks import ByteLock
 from kvcached.memory.budget import PhysicalBudget

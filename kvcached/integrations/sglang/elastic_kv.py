@@ -110,7 +110,9 @@ class ElasticKV:
     instance (snapshots for ``kvctl``, limits): it is called once the pool is
     built, and what it returns is :attr:`source` (in production a
     :class:`~kvcached.integrations.sglang.control.SGLangPoolSource`, passed in
-    by :func:`kvcached.integrations.sglang.pools.build_joined`).
+    by :func:`kvcached.integrations.sglang.pools.build_joined`). ``config`` is the
+    settings the driver, the ledger and the cache are given (default: the
+    process' ``KVCACHED_*`` variables, :func:`kvcached.config.get_config`).
 
     :attr:`rows` is every slot row the virtual tensors hold: at least
     ``size + page_size``, rounded up to whole kvcached pages; SGLang's pool
@@ -131,24 +133,28 @@ class ElasticKV:
         budget: PhysicalBudget | None = None,
         engine_version: str = "",
         register: Register | None = None,
+        config: Any = None,
         **cache_kwargs: Any,
     ) -> None:
+        from kvcached.config import get_config
         from kvcached.driver import get_driver
 
+        config = get_config() if config is None else config
         self.shape = shape
         self.name = name
-        self.driver = driver if driver is not None else get_driver()
+        self.driver = driver if driver is not None else get_driver(config=config)
         owned_budget = None
         if budget is None:
             from kvcached.control.instance import get_instance
             from kvcached.ledger import open_pool_budget
 
             instance = get_instance("sglang", engine_version)
-            budget = owned_budget = open_pool_budget(self.driver, instance.name)
+            budget = owned_budget = open_pool_budget(self.driver, instance.name, config=config)
         try:
             cache_kwargs.setdefault("layout", KVLayout.PER_LAYER)
             self.cache = KVCache(
                 shape.spec(),
+                config=config,
                 driver=self.driver,
                 budget=budget,
                 num_blocks=shape.pages,
@@ -244,13 +250,14 @@ def build_elastic_kv(
     """An :class:`ElasticKV` for a pool on ``device`` (joined to the instance
     by ``register``), or ``None`` (logged) when kvcached's driver does not
     serve that device, so the pool stays native."""
+    from kvcached.config import get_config
     from kvcached.driver import get_driver
 
     dev = torch.device(device)
     index = dev.index
     if dev.type == "cuda" and index is None:
         index = torch.cuda.current_device()
-    driver = get_driver(index or 0)
+    driver = get_driver(index or 0, config=get_config())
     if driver.torch_device.type != dev.type:
         log.warning(
             "SGLang pool %s is on %s but kvcached's %s driver serves %s; the pool stays native",

@@ -203,11 +203,12 @@ def _virtual_budget(conf: Any, module: ModuleType, native: Any, pre_model_load_m
     virtual reservation; physical use is bounded by the ledger at run time."""
     import torch
 
+    from kvcached.config import get_config
     from kvcached.driver import get_driver
 
     dev = torch.device(conf.device)
     index = dev.index if dev.index is not None else int(getattr(conf, "gpu_id", 0) or 0)
-    total = get_driver(index).info().total_bytes
+    total = get_driver(index, config=get_config()).info().total_bytes
     resident = torch.cuda.memory_reserved(index) if dev.type == "cuda" else 0
     fraction = module.get_schedule().mem_fraction_static
     budget = int(total * fraction) - int(resident)

@@ -267,7 +267,12 @@ def build_context(
         for d in descs:
             device = d["device_id"]
             if device not in ledgers:
-                ledgers[device] = Ledger.open(device, _ReportedMemInfo(d["free"], d["total"]))
+                ledgers[device] = Ledger.open(
+                    device,
+                    _ReportedMemInfo(d["free"], d["total"]),
+                    directory=config.ledger_dir,
+                    gpu_utilization=config.gpu_utilization,
+                )
             pools.append(ledgers[device].register_pool(instance.name))
         budget = CompositeBudget(pools, devices=[d["device_id"] for d in descs])
         geometry = planner_geometry(

@@ -109,9 +109,10 @@ class PageExecutor:
                     f"({lanes.page_bytes / MIB:.1f} MiB, the null block's) on {driver!r}"
                 )
             if calibrate:
+                from kvcached.config import get_config
                 from kvcached.ledger import open_ledger
 
-                ledger = open_ledger(driver)
+                ledger = open_ledger(driver, config=get_config())
                 self.calibrator = ledger.calibrator(driver).start()
         except BaseException:
             self.close()

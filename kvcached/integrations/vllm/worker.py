@@ -94,7 +94,7 @@ def _driver_for(device: Any) -> Any:
 
     device = torch.device(device)
     if device.type == "cpu":
-        return get_driver(get_config().host_device, "host")
+        return get_driver(get_config().host_device, "host", config=get_config())
     if device.type == "cuda":
         backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -432,7 +432,7 @@ def _cpu_worker_init(
         from kvcached.driver import get_driver
 
         cache.kv_cache_memory_bytes = (
-            get_driver(get_config().host_device, "host").info().total_bytes
+            get_driver(get_config().host_device, "host", config=get_config()).info().total_bytes
         )
     original(_cpu_worker_init)(
         self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker
@@ -451,7 +451,7 @@ def _cpu_determine_available_memory(self: Any) -> int:
         from kvcached.config import get_config
         from kvcached.driver import get_driver
 
-        size = get_driver(get_config().host_device, "host").info().total_bytes
+        size = get_driver(get_config().host_device, "host", config=get_config()).info().total_bytes
     log.debug("vLLM CPU worker: virtual KV cache of %s", format_bytes(size))
     return size
 

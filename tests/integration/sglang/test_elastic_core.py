@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from kvcached.config import get_config
 from kvcached.driver.host import HostDriver
 from kvcached.errors import BlockError, ConfigError
 from kvcached.integrations.sglang.control import register_pool
@@ -46,7 +47,7 @@ def make(
     from kvcached.ledger import open_pool_budget
 
     driver = HostDriver(index=index, capacity=capacity_mib * MIB)
-    budget = open_pool_budget(driver, "sglang-core", calibrate=False)
+    budget = open_pool_budget(driver, "sglang-core", calibrate=False, config=get_config())
     kw.setdefault("min_reserved", 0)
     kw.setdefault("max_reserved", 0)
     kv = ElasticKV(
@@ -173,7 +174,7 @@ def test_reservation_is_held_through_a_shrink_and_released_at_round_end(env):
         # Another engine takes everything the ledger has left.
         from kvcached.ledger import open_pool_budget
 
-        other = open_pool_budget(kv.driver, "other-engine", calibrate=False)
+        other = open_pool_budget(kv.driver, "other-engine", calibrate=False, config=get_config())
         taken = kv.budget.headroom() // (2 * MIB) * (2 * MIB)
         assert other.grant(taken)
         got = slots.alloc_pages(70)  # served from the reservation

@@ -605,15 +605,16 @@ def test_profiling_ignores_memory_other_engines_hold(monkeypatch, pools_group, t
     """``_profile_available_bytes`` (patched) sizes the pool as if the device
     were this engine's alone: another engine charging most of the device on
     its ledger neither shrinks the cache nor makes SGLang refuse to start."""
+    from kvcached.config import get_config
     from kvcached.driver import get_driver
     from kvcached.ledger import open_pool_budget
 
     conf = _configurator(monkeypatch, 1)
-    driver = get_driver(0)
+    driver = get_driver(0, config=get_config())
     total = driver.info().total_bytes
     alone = conf._profile_available_bytes(pre_model_load_memory=total)
     assert alone == int(total * 0.5)
-    other = open_pool_budget(driver, "other-engine", calibrate=False)
+    other = open_pool_budget(driver, "other-engine", calibrate=False, config=get_config())
     try:
         grab = other.headroom() // (2 * MIB) * (2 * MIB)
         assert other.grant(grab)
