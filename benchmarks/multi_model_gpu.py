@@ -58,8 +58,8 @@ SHAPE = "llama-3.1-8b"
 #: The GPU sweep's trace (``multi_model.py --device gpu``'s defaults): upstream's
 #: ramp (0 -> peak -> 1 req/s at 1 req/s per second, no hold, its stagger) with
 #: longer requests, so that KV memory binds before compute (the docstring).
+#: The peaks are not here: ``gpu_plan.multi_model_plan`` sizes them to the card.
 GPU_TRACE: dict[str, Any] = {
-    "peaks": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
     "low": 1.0,
     "slope": 1.0,
     "hold_s": 0.0,
