@@ -16,7 +16,7 @@ upstream's ramp with no hold: a model climbs 0 -> P at 1 req/s per second and
 falls back to ``low`` (1 req/s) at once, so its requests in flight at the
 busiest moment are the arrivals of the busiest window of one end-to-end time
 (Little's law over the trace's own rate, not the steady state at the peak):
-``(P - 1)^2 + W - 0.5`` for W = 15 s (measured 13-17 s on the H100). A static
+``(P - 1)^2 + W`` for W = 15 s (measured 13-17 s on the H100). A static
 share queues once a burst of that many, two standard deviations of a Poisson
 count above its mean, holds more KV than the share: each request ~352 MiB
 (2,560 prompt tokens and half its 512 output tokens at 128 KiB each). On the

@@ -45,19 +45,28 @@ plots (``multi_model_plot.py``).
     python benchmarks/multi_model.py            # the full run (about 25 minutes)
     python benchmarks/multi_model.py --short    # one small peak, one round (CI)
 
+**Sized to the card** (``--device gpu``, issue #33): the peaks come from
+:mod:`gpu_plan` (the card's memory from nvidia-smi: the KV budget of three 8B
+engines, the knee where a static third runs short, six peaks around it; on an
+H100 0.5 .. 3 req/s, on an H200 ~1.75 .. 10.5), and the result's ``plan`` holds
+that arithmetic with the ledger's measured budget. ``--peaks`` overrides. The
+result goes to ``benchmarks/results/<card>/multi-model-gpu.json`` (``h100`` or
+``h200``, from the card's name) unless ``--out`` says otherwise.
+
 **In parts** (a device call lasts at most 10 minutes): ``--deadline-s`` (the
 GPU's default 540) begins no configuration or peak that would end past it and
 the result is written after every peak, ``"complete": false`` until every
 (configuration, round, peak) ran; ``--resume RESULT`` keeps an earlier part's
 runs (its ``-requests.json`` and ``-trace.json`` beside it), replays its trace
-and runs only what it lacks. On the H200, with the gpu-vllm bundle::
+and runs only what it lacks. With the gpu-vllm bundle (the H100 commands are in
+``benchmarks/results/h100/README.md``)::
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
       KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/multi_model.py --device gpu \\
-      --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h200/multi-model-gpu.json]
+      --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h100/multi-model-gpu.json]
 
 then commit what comes back (the JSON, its ``-requests.json``, ``-trace.json`` and
-``-logs-<first block>.tar.gz``) under ``benchmarks/results/h200/``
+``-logs-<first block>.tar.gz``) under ``benchmarks/results/<card>/``
 and resume from them in the next call. Requests still running ``--drain-s``
 after a trace's last arrival are cut (the GPU's default 60 s: an overloaded
 static split would otherwise hold a call for minutes); a cut request's TTFT,
