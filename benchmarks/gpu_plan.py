@@ -393,6 +393,14 @@ def sweep_calls(
 
 
 # -- long tail --------------------------------------------------------------------------------------
+#: a bring-up wave of lazy 8B engines (start, two warm-up requests, a sleep), estimated
+#: from three 8B engines co-started in 45-82 s on the H100
+WAVE_S = 75.0
+CALL_SETUP_S = 60.0
+#: the most a step begun first in a call may be estimated at (the device's limit is 600 s)
+CALL_LIMIT_S = 575.0
+
+
 def static_fit(total_bytes: int, weights: int, kv_bytes: int, overhead: int) -> int:
     """Models a static split holds: each its weights, KV share and overhead."""
     return max(0, total_bytes // (weights + kv_bytes + overhead))
@@ -426,26 +434,44 @@ def lanes_fit(
     return max(1, min(most, room // (2 * footprint)))
 
 
+def long_tail_step_s(n: int, lanes: int, wave: int) -> dict[str, Any]:
+    """A kvcached step of ``n`` models begun first in a call (a resumed call starts
+    every engine again): install and model, its bring-up waves, the trace (2 bursts
+    a model of 6 s and a 1 s gap, on ``lanes``), 30 s of drain and 50 of shutdown."""
+    trace_s = 2 * n * 7.0 / lanes
+    waves = math.ceil(n / wave)
+    return {"trace_s": trace_s, "waves": waves,
+            "first_of_call_s": round(CALL_SETUP_S + waves * WAVE_S + trace_s + 30 + 50)}  # fmt: skip
+
+
 def long_tail_plan(
     total_bytes: int,
     host_bytes: int = HOST_BYTES,
     weights: int = WEIGHTS_8B_BYTES,
     kv_bytes: int = 2 * GIB,
     overhead: int = ENGINE_OVERHEAD_BYTES,
+    call_s: float = CALL_LIMIT_S,
 ) -> dict[str, Any]:
-    """Models per GPU on a card of ``total_bytes`` (module docstring)."""
+    """Models per GPU on a card of ``total_bytes`` (module docstring): kvcached at
+    twice the static fit and at the most up to three times that one call holds."""
     footprint = weights + kv_bytes + overhead
     fit = static_fit(total_bytes, weights, kv_bytes, overhead)
     if fit < 1:
         raise ValueError(f"no 8B engine fits {total_bytes / GIB:.1f} GiB")
-    kv_ns = [2 * fit, 3 * fit]
-    lanes = min(lanes_fit(total_bytes, n, footprint) for n in kv_ns)
-    wave = max(1, min(5, (int(total_bytes * UTILIZATION) - max(kv_ns) * SLEEP_RESIDUE_BYTES)
-                      // footprint))  # fmt: skip
+    lanes = lanes_fit(total_bytes, 3 * fit, footprint)
+    room = int(total_bytes * UTILIZATION) - 3 * fit * SLEEP_RESIDUE_BYTES
+    wave = max(1, min(5, room // footprint))
+    fits_call = [
+        n
+        for n in range(2 * fit + 1, 3 * fit + 1)
+        if long_tail_step_s(n, lanes, wave)["first_of_call_s"] <= call_s
+    ]
+    kv_ns = [2 * fit] + fits_call[-1:]
     per_n = {}
-    for n in kv_ns:
+    for n in sorted({*kv_ns, 3 * fit}):
         k1 = l1_models(n, host_bytes, weights)
         per_n[str(n)] = {
+            **long_tail_step_s(n, lanes, wave),
             "l1_models": k1,
             "l2_models": n - k1,
             "awake_most": 2 * lanes,
@@ -459,8 +485,11 @@ def long_tail_plan(
         "static_fit": fit,
         "static_ns": [fit],
         "kvcached_ns": kv_ns,
+        "aim_n": 3 * fit,
+        "call_limit_s": call_s,
         "lanes": lanes,
         "wave": wave,
+        "wave_s_assumed": WAVE_S,
         "per_n": per_n,
         "level_2_note": "models past the level-1 count sleep at level 2 (weights "
         "reloaded from the files, seconds): their bursts' first requests may pass a 2 s SLO",

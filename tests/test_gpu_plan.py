@@ -118,18 +118,24 @@ def test_the_sweep_takes_calls_of_at_most_the_deadline():
 
 def test_models_per_gpu_on_an_h100_and_an_h200():
     h100 = gp.long_tail_plan(gp.H100.total_bytes)
-    # static: floor(79.65 / (14.96 + 2 + 2)) = 4; kvcached at 2x and 3x
-    assert h100["static_fit"] == 4 and h100["kvcached_ns"] == [8, 12]
+    # static: floor(79.65 / (14.96 + 2 + 2)) = 4; kvcached at 2x and the most up to 3x
+    # that a call holds: 12 (four waves and a 168 s trace) is estimated past a call
+    assert h100["static_fit"] == 4 and h100["kvcached_ns"] == [8, 9] and h100["aim_n"] == 12
+    assert h100["per_n"]["12"]["first_of_call_s"] > h100["call_limit_s"]
+    assert all(h100["per_n"][str(n)]["first_of_call_s"] <= 575 for n in h100["kvcached_ns"])
     # two lanes would have 4 awake (75.8 GiB) beside the sleepers' residue: one lane
     assert h100["lanes"] == 1 and h100["wave"] == 3
     n8 = h100["per_n"]["8"]
+    assert n8["trace_s"] == 112.0 and n8["waves"] == 3
     # level 1 fits floor((128 - 16 - 4 x 8) / 14.96) = 5 of 8 in host memory
     assert (n8["l1_models"], n8["l2_models"]) == (5, 3)
     assert n8["awake_gib"] < 0.95 * 79.65 and n8["host_l1_gib"] <= 128 - 16
     h200 = gp.long_tail_plan(gp.H200.total_bytes)
     assert h200["static_fit"] == 7 and h200["lanes"] == 2 and h200["wave"] == 5
-    assert h200["per_n"]["14"]["l1_models"] == 3  # the docstring's N = 14 gives 3
+    assert h200["kvcached_ns"][0] == 14 and h200["per_n"]["14"]["l1_models"] == 3
     assert gp.lanes_fit(gp.H100.total_bytes, 0, 10 * GIB) == 2  # small engines: the default
+    # a longer call holds the 3x step
+    assert gp.long_tail_plan(gp.H100.total_bytes, call_s=650)["kvcached_ns"] == [8, 12]
 
 
 SERVE_PHASES = [

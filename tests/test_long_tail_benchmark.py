@@ -251,3 +251,13 @@ def test_models_are_also_counted_at_looser_slo_bounds_from_the_same_requests():
     head = lt.headline({"steps": steps})["models_per_gpu_by_slo_s"]
     assert head["2"] == {"static": 7, "kvcached": None}
     assert head["5"] == {"static": 7, "kvcached": 8}
+
+
+def test_the_gpu_result_goes_under_its_cards_folder_and_the_cpu_one_beside():
+    import gpu_plan
+
+    results = lt.ROOT / "benchmarks" / "results"
+    assert lt.default_out(False, gpu_plan.H100) == results / "h100" / "long-tail-gpu.json"
+    assert lt.default_out(False, gpu_plan.H200) == results / "h200" / "long-tail-gpu.json"
+    assert lt.default_out(True, None) == results / "long-tail-cpu.json"
+    assert lt.card_plan(True, 128 << 30, 2 << 30) == (None, {})  # the CPU run sizes nothing
