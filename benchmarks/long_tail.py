@@ -732,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
             else static_fit(gpu["total_mib"] << 20, weights, kv_bytes, ENGINE_OVERHEAD_BYTES)
         )
         static_ns = parse_ns(args.static_ns) or ([fit, fit + 1] if cpu else [fit])
-        kv_ns = parse_ns(args.kvcached_ns) or ([2, 3, 4] if cpu else [2 * fit, 3 * fit])
+        sized_ns = sizing.get("kvcached_ns") if not args.static_fit else None
+        kv_ns = parse_ns(args.kvcached_ns) or ([2, 3, 4] if cpu else sized_ns or [2 * fit, 3 * fit])
         plan = plan_steps(static_ns, kv_ns)
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if not cpu:  # a Firecracker machine's MemTotal starts small and grows with use

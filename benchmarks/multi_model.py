@@ -986,9 +986,12 @@ def gpu_run_plan(
 
     if card is None:
         return {"card": None, "note": "no GPU found (nvidia-smi): nothing sized"}
-    plan = gpu_plan.multi_model_plan(
-        card.total_bytes, budget_bytes=kv_total, peaks=peaks, **gpu_plan_kwargs(args)
-    )
+    try:
+        plan = gpu_plan.multi_model_plan(
+            card.total_bytes, budget_bytes=kv_total, peaks=peaks, **gpu_plan_kwargs(args)
+        )
+    except ValueError as exc:  # a card the plan does not hold: the run's figures still stand
+        plan = {"error": str(exc)}
     return {"card": {"name": card.name, "memory_mib": card.memory_mib,
                      "folder": card.folder}, **plan}  # fmt: skip
 
