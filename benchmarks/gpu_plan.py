@@ -143,7 +143,7 @@ def require_card(card: Card | None, what: str) -> Card:
 
 
 # -- multi-model ----------------------------------------------------------------------------------
-def busiest_in_flight(spec: TraceSpec, window_s: float, step_s: float = 0.02) -> float:
+def busiest_in_flight(spec: TraceSpec, window_s: float, step_s: float = 0.05) -> float:
     """Expected arrivals of the busiest ``window_s`` of any one model's rate
     (requests in flight there if each takes ``window_s``: Little's law)."""
     if window_s <= 0:
@@ -242,7 +242,7 @@ def peak_point(
     }
 
 
-def expected_requests(spec: TraceSpec, step_s: float = 0.02) -> float:
+def expected_requests(spec: TraceSpec, step_s: float = 0.05) -> float:
     """Requests a trace of ``spec`` holds on average (its rate integrated)."""
     n = int(spec.duration_s / step_s)
     return sum(spec.rate(m, i * step_s) * step_s for m in range(spec.models) for i in range(n))
@@ -258,13 +258,13 @@ def knee(
     budget: int | None = None,
     **trace: Any,
 ) -> float | None:
-    """The lowest peak (to 0.01 req/s) where ``key`` passes 1; None below 64 req/s."""
+    """The lowest peak (to 0.01 req/s) where ``key`` passes 1; None below 40 req/s."""
     budget = budget or share * engines
 
     def over(p: float) -> float:
         return peak_point(p, share, budget, engines, request_kv, e2e_s, low, **trace)[key]
 
-    lo, hi = 0.05, 64.0
+    lo, hi = 0.05, 40.0
     if over(hi) <= 1.0:
         return None
     if over(lo) > 1.0:
@@ -282,6 +282,28 @@ def sweep_peaks(knee_peak: float, n: int = 6) -> list[float]:
         raise ValueError(f"n={n}: a sweep needs at least 2 peaks")
     step = max(0.25, round(knee_peak / (0.75 * n) * 4) / 4)
     return [round(step * i, 2) for i in range(1, n + 1)]
+
+
+def extend_sweep(
+    peaks: list[float],
+    ceiling: float | None,
+    trace_s: Any,  # noqa: ANN401  (peak -> seconds of its trace)
+    most: int = 10,
+) -> list[float]:
+    """``peaks`` and more of its steps past them, up to ``ceiling`` (kvcached's own
+    knee: past it the shared budget runs short too), while one configuration's
+    block of them still fits one call (:func:`sweep_calls`): a call holds one
+    block either way, so the extra peaks cost no call."""
+    step, out = peaks[0], list(peaks)
+    while len(out) < most:
+        nxt = round(step * (len(out) + 1), 2)
+        if ceiling is None or nxt > ceiling:
+            break
+        more = [*out, nxt]
+        if len(sweep_calls([trace_s(p) for p in more], rounds=1)[0]["runs"]) < len(more):
+            break
+        out = more
+    return out
 
 
 def multi_model_plan(
@@ -315,7 +337,13 @@ def multi_model_plan(
     trace = {**trace, "prompt_min": prompt_min, "prompt_max": prompt_max, "max_tokens": max_tokens}
     native_knee = knee(share, request_kv, e2e_s, low, engines, budget=budget, **trace)
     shared_knee = knee(share, request_kv, e2e_s, low, engines, "over_budget_burst", budget, **trace)
-    chosen = list(peaks) if peaks else sweep_peaks(native_knee or 64.0, n_peaks)
+    chosen = list(peaks) if peaks else sweep_peaks(native_knee or 40.0, n_peaks)
+    if not peaks:
+
+        def trace_s(p: float) -> float:
+            return gpu_trace_spec(p, low, engines, **trace).duration_s
+
+        chosen = extend_sweep(chosen, shared_knee, trace_s)
     return {
         "total_gib": round(total_bytes / GIB, 2),
         "engines": engines,
@@ -334,7 +362,10 @@ def multi_model_plan(
         "knee_peak": native_knee,
         "kvcached_knee_peak": shared_knee,
         "peaks": chosen,
-        "peaks_from": "given" if peaks else f"{n_peaks} steps of knee / {0.75 * n_peaks:g}",
+        "peaks_from": "given"
+        if peaks
+        else f"steps of knee / {0.75 * n_peaks:g}, at least {n_peaks}, more up to kvcached's "
+        "own knee while one configuration's block of them fits one call",
         "per_peak": [
             peak_point(p, share, budget, engines, request_kv, e2e_s, low, **trace) for p in chosen
         ],

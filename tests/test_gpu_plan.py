@@ -64,13 +64,15 @@ def test_the_h100_sweep_holds_the_measured_knee():
     assert plan["engines"] == 3 and plan["share_requests"] == pytest.approx(24.0, abs=0.2)
     # measured: nothing short at 2.0, the static share short at 2.5
     assert 1.8 < plan["knee_peak"] < 2.5
-    assert plan["peaks"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    # steps of 0.5 from well below the knee to kvcached's own knee (~4.5): one
+    # configuration's block of eight still fits one call, so eight
+    assert plan["peaks"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
     below = [p for p in plan["peaks"] if p <= plan["knee_peak"]]
     assert len(below) >= 3 and len(plan["peaks"]) - len(below) >= 2
     # kvcached's whole budget holds every peak of the sweep
     assert plan["kvcached_knee_peak"] > max(plan["peaks"])
     over = {p["peak"]: p for p in plan["per_peak"]}
-    assert over[0.5]["over_share_burst"] < 0.6 and over[3.0]["over_share_burst"] > 1.1
+    assert over[0.5]["over_share_burst"] < 0.6 and over[4.0]["over_share_burst"] > 1.4
     assert all(p["over_budget_burst"] < 1 for p in plan["per_peak"])
     # with the ledger's measured budget the knee moves a little, the same way
     measured = gp.multi_model_plan(gp.H100.total_bytes, budget_bytes=H100_LEDGER_BUDGET)
@@ -96,6 +98,12 @@ def test_given_peaks_are_kept_and_a_card_too_small_is_refused():
     with pytest.raises(ValueError, match="do not fit"):
         gp.multi_model_plan(40 * GIB)
     assert gp.sweep_peaks(2.06) == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    six = gp.sweep_peaks(2.06)
+    assert gp.extend_sweep(six, None, lambda p: 20.0) == six  # no ceiling: no more
+    assert gp.extend_sweep(six, 3.9, lambda p: 20.0) == [*six, 3.5]  # up to the ceiling
+    assert gp.extend_sweep(six, 9.0, lambda p: 20.0, most=7) == [*six, 3.5]
+    # traces so long that a call holds one run: the six stay six
+    assert gp.extend_sweep(six, 9.0, lambda p: 200.0) == six
     assert gp.sweep_peaks(0.1) == [0.25, 0.5, 0.75, 1.0, 1.25, 1.5]
     with pytest.raises(ValueError, match="at least 2"):
         gp.sweep_peaks(2.0, 1)
@@ -106,10 +114,11 @@ def test_the_sweep_takes_calls_of_at_most_the_deadline():
     traces = [p["trace_s"] for p in plan["per_peak"]]
     calls = gp.sweep_calls(traces, rounds=2, deadline_s=540)
     runs = [r for c in calls for r in c["runs"]]
-    assert len(runs) == 2 * 2 * 6 and len(set(runs)) == len(runs)  # every run once
+    assert len(runs) == 2 * 2 * 8 and len(set(runs)) == len(runs)  # every run once
     assert all(c["estimate_s"] <= 540 for c in calls)
-    assert runs[:7] == [f"kvcached r0 #{i}" for i in range(6)] + ["native r0 #0"][: len(runs[6:7])]
-    assert runs[-1] == "kvcached r1 #5"  # round 1 runs the other way round
+    # on the H100 a call holds one configuration's block of eight: four calls
+    assert len(calls) == 4 and calls[0]["runs"] == [f"kvcached r0 #{i}" for i in range(8)]
+    assert runs[-1] == "kvcached r1 #7"  # round 1 runs the other way round
     # a longer call holds more; nothing fits a call too short for one start and trace
     assert len(gp.sweep_calls(traces, deadline_s=1200)) < len(calls)
     with pytest.raises(ValueError, match="no run fits"):

@@ -96,7 +96,7 @@ def test_defaults_per_device():
     assert (gpu.prompt_min, gpu.prompt_max, gpu.max_tokens) == (2048, 3072, 512)
     assert gpu.deadline_s == 540.0 and gpu.drain_s == 60.0 and gpu.utilization == 0.95
     mm.size_gpu_run(gpu, gpu_plan.H100)
-    assert gpu.peaks == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    assert gpu.peaks == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
     specs = mm.trace_specs(gpu)
     assert [s.stagger_s for s in specs[:2]] == [1.125, 2.25]  # PEAK/4 + 2*PEAK
     assert specs[0].low == 0.5 and specs[1].low == 1.0  # no low above the peak
@@ -219,7 +219,7 @@ def test_the_gpu_run_is_sized_to_its_card_and_written_under_its_folder(tmp_path)
     assert mm.card_results(gpu_plan.H200) == mm.ROOT / "benchmarks/results/h200"
     h200 = mm.parse_args(["--device", "gpu"])
     mm.size_gpu_run(h200, gpu_plan.H200)
-    assert h200.peaks[0] > 1.0 and len(h200.peaks) == 6
+    assert h200.peaks[0] > 1.0 and len(h200.peaks) >= 6
 
 
 def test_the_result_carries_the_plan_with_the_ledgers_budget():
