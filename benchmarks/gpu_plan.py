@@ -22,10 +22,11 @@ count above its mean, holds more KV than the share: each request ~352 MiB
 (2,560 prompt tokens and half its 512 output tokens at 128 KiB each). On the
 H100 that puts the knee at P ~ 2.2 (measured: no queueing at 2.0, native p99
 TTFT 3.3 s at 2.5); on the H200, whose thirds are ~3.3x larger, at ~8. The
-default peaks are six steps of ``knee / 4.5`` (a multiple of 0.25): four at or
-below the knee, two past it (H100: 0.5 .. 3.0). The whole budget (kvcached)
-runs short only where the peaking model's burst plus the others at ``low``
-exceed it (H100: ~4.7).
+default peaks are steps of ``knee / 4.5`` (a multiple of 0.25): six at least,
+four of them at or below the knee, and more up to kvcached's own knee (where
+the peaking model's burst plus the others at ``low`` exceed the whole budget:
+H100 ~4.5) while one configuration's block of them fits one call (a call holds
+one block either way). H100: 0.5 .. 4.0 in steps of 0.5; H200: 1.75 .. 10.5.
 
 **Models per GPU** (:func:`long_tail_plan`): a static split fits
 ``total / (weights + KV share + overhead)`` models (H100: 4, H200: 7); kvcached
