@@ -818,7 +818,9 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": [engine_cpu(args.engine_cpus, i) for i in range(args.models)],
             }
         else:
-            report["long_tail"] = long_tail_figures(out.with_name("long-tail-gpu.json"))
+            beside = out.with_name("long-tail-gpu.json")  # else the committed one of this card
+            lt_path = beside if beside.is_file() else card_results(card) / "long-tail-gpu.json"
+            report["long_tail"] = long_tail_figures(lt_path)
             report["models_per_gpu"] = report["long_tail"].get("models_per_gpu")
         if gpu:
             report["plan"] = planned(card, kv_total, peaks)
