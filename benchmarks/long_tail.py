@@ -652,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-fit", type=int, default=0, help="0: from the GPU's memory")
     p.add_argument("--static-ns", default="", help="default: fit (GPU), fit,fit+1 (CPU)")
     p.add_argument(
-        "--kvcached-ns", default="", help="default: 2*fit,3*fit (GPU: H100 8,12), 2,3,4 (CPU)"
+        "--kvcached-ns",
+        default="",
+        help="default: GPU the plan's (2x fit, the most up to 3x a call holds: H100 8,9), CPU 2,3,4",
     )
     p.add_argument("--l1-models", type=int, default=-1, help="-1: from host memory")
     p.add_argument(
@@ -688,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or str(default_out(cpu, card))
     lanes = args.lanes or (2 if cpu else sizing.get("lanes", 2))
     spec = (
-        TraceSpec(burst_s=3.0, burst_rate=2.0, prompt_min=64, prompt_max=256, max_tokens=8)
+        TraceSpec(lanes, burst_s=3.0, burst_rate=2.0, prompt_min=64, prompt_max=256, max_tokens=8)
         if cpu
         else TraceSpec(lanes=lanes)
     )

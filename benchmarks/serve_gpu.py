@@ -1181,7 +1181,8 @@ def main(argv: list[str] | None = None) -> int:
         run.say(f"plan: eager {sizing.get('eager')}, lazy {list(lazy)}; resumed {resumed['done']}")
         cfg = serve_config(model_dir, free_port(), str(run.work / "state"), cpu=args.cpu,
                            stop_after=args.stop_after, lazy=lazy)  # fmt: skip
-        run.result["startup"] = start_serve(run, model_dir, names, cfg)
+        if todo:  # a resumed run with nothing left starts nothing
+            run.result["startup"] = start_serve(run, model_dir, names, cfg)
         run.save()
         sleep_after = sizing.get("sleep_after_phase", {}) if lazy else {}
         bodies = {
