@@ -575,6 +575,7 @@ def serve_plan(
         "total_gib": round(total_bytes / GIB, 2),
         "room_gib": round(room / GIB, 2),
         "footprint_gib": {m: round(b / GIB, 2) for m, b in footprints.items()},
+        "awake_fit": awake_fit(room, list(footprints.values())),
         "eager": eager,
         "lazy": [m for m in first_use if m not in eager],
         "sleep_after_phase": sleep_after_phase(phases, levels),
@@ -584,6 +585,16 @@ def serve_plan(
         "host_gib": round(host_bytes / GIB, 1),
         "level_1_fits_host": host_need <= host_bytes,
     }
+
+
+def awake_fit(room: int, footprints: list[int]) -> int:
+    """How many of these models fit awake at once in ``room`` (the smallest first)."""
+    held, n = 0, 0
+    for size in sorted(footprints):
+        if held + size > room:
+            break
+        held, n = held + size, n + 1
+    return n
 
 
 def sleep_after_phase(

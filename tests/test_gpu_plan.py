@@ -170,6 +170,7 @@ def test_serve_at_8b_starts_what_fits_and_the_rest_lazily():
     plan = gp.serve_plan(gp.H100.total_bytes, SERVE_PHASES, serve_footprints(8 * GIB), LEVELS)
     # 75.7 GiB of room: kv (19 GiB) and w1, w2 (25 GiB each) from the start
     assert plan["eager"] == ["kv", "w1", "w2"] and plan["lazy"] == ["stop", "grow"]
+    assert plan["awake_fit"] == 3  # of five 8B engines: the point of sleeping them
     assert plan["sleep_after_phase"] == {"weights_l1": ["w1"], "weights_l2": ["w2"]}
     assert plan["fits"] and all(p["gpu_gib"] <= plan["room_gib"] for p in plan["per_phase"])
     pressure = next(p for p in plan["per_phase"] if p["phase"] == "pressure")
@@ -178,6 +179,7 @@ def test_serve_at_8b_starts_what_fits_and_the_rest_lazily():
     # the H200 starts all five at once, as before
     h200 = gp.serve_plan(gp.H200.total_bytes, SERVE_PHASES, serve_footprints(8 * GIB), LEVELS)
     assert h200["eager"] == ["kv", "w1", "w2", "stop", "grow"] and h200["lazy"] == []
+    assert h200["awake_fit"] == 5
     # a card that holds no phase's models says so
     small = gp.serve_plan(40 * GIB, SERVE_PHASES, serve_footprints(8 * GIB), LEVELS)
     assert not small["fits"]
