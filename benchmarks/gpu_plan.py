@@ -20,8 +20,10 @@ busiest moment are the arrivals of the busiest window of one end-to-end time
 share queues once a burst of that many, two standard deviations of a Poisson
 count above its mean, holds more KV than the share: each request ~352 MiB
 (2,560 prompt tokens and half its 512 output tokens at 128 KiB each). On the
-H100 that puts the knee at P ~ 2.2 (measured: no queueing at 2.0, native p99
-TTFT 3.3 s at 2.5); on the H200, whose thirds are ~3.3x larger, at ~8. The
+H100 that puts the knee at P ~ 2 (1.93 with the ledger's budget; measured: no
+queueing at 2.0, native p99 TTFT 3.3 s at 2.5); on the H200, whose thirds are
+~3.3x larger, at ~8. The two standard deviations are a choice, and the one
+this measurement checks: the mean alone would put the H100's knee at ~4.0. The
 default peaks are steps of ``knee / 4.5`` (a multiple of 0.25): six at least,
 four of them at or below the knee, and more up to kvcached's own knee (where
 the peaking model's burst plus the others at ``low`` exceed the whole budget:
@@ -30,7 +32,9 @@ one block either way). H100: 0.5 .. 4.0 in steps of 0.5; H200: 1.75 .. 10.5.
 
 **Models per GPU** (:func:`long_tail_plan`): a static split fits
 ``total / (weights + KV share + overhead)`` models (H100: 4, H200: 7); kvcached
-is tried at 2x and 3x that. At most ``2 x lanes`` models are awake at once (a
+is tried at 2x that and at the most up to 3x whose step, begun first in a call
+(a resumed call starts every engine again), is estimated inside one (H100: 8
+and 9, as 12 would take ~610 s; H200: 14 and 19). At most ``2 x lanes`` models are awake at once (a
 lane's model and the one before it, until ``idle_after``), so the lanes are as
 many as fit beside every sleeping engine's residue (~0.8 GiB each): 1 on the
 H100, 2 on the H200. vLLM's level-1 sleep keeps an 8B's weights (14.96 GiB)
