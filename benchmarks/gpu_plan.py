@@ -22,8 +22,8 @@ count above its mean, holds more KV than the share: each request ~352 MiB
 (2,560 prompt tokens and half its 512 output tokens at 128 KiB each). On the
 H100 that puts the knee at P ~ 2 (1.93 with the ledger's budget; measured: no
 queueing at 2.0, native p99 TTFT 3.3 s at 2.5); on the H200, whose thirds are
-~3.3x larger, at ~8. The two standard deviations are a choice, and the one
-this measurement checks: the mean alone would put the H100's knee at ~4.0. The
+~3.3x larger, at ~8. The two standard deviations are fitted to that one
+measurement, not derived: the mean alone would put the H100's knee at ~4.0. The
 default peaks are steps of ``knee / 4.5`` (a multiple of 0.25): six at least,
 four of them at or below the knee, and more up to kvcached's own knee (where
 the peaking model's burst plus the others at ``low`` exceed the whole budget:
