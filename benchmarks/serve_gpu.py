@@ -511,6 +511,18 @@ def default_out(cpu: bool, card: Any) -> Path:  # noqa: ANN401
     return gpu_plan.results_dir(ROOT, card) / "serve-gpu.json"
 
 
+def parse_lazy(text: str | None, names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``--lazy``: None (the plan decides), ``none`` (every model with serve) or
+    model names, each one of ``names``."""
+    if text is None:
+        return None
+    picked = tuple(m.strip() for m in text.split(",") if m.strip() and m.strip() != "none")
+    unknown = [m for m in picked if m not in names]
+    if unknown:
+        raise SystemExit(f"--lazy {text}: {unknown} are not models of this run ({list(names)})")
+    return picked
+
+
 def _read_card() -> Any:  # noqa: ANN401
     import gpu_plan
 
@@ -1135,7 +1147,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", default="/tmp/e2e-models")
     p.add_argument("--make-model", default=".gpu/vllm/make_model.py")
     p.add_argument("--workdir", default="")
+    p.add_argument(
+        "--lazy",
+        default=None,
+        help="models started only when a phase needs them, comma-separated ('none': every "
+        "model with serve); default: the plan's for the card (H100: stop,grow; H200: none)",
+    )
     args = p.parse_args(argv)
+    given_lazy = parse_lazy(args.lazy, CPU_MODELS if args.cpu else GPU_MODELS)
 
     card = None if args.cpu else _read_card()
     out = Path(args.out or default_out(args.cpu, card))
@@ -1177,7 +1196,9 @@ def main(argv: list[str] | None = None) -> int:
         todo = [(ph, needs) for ph, needs in todo if set(needs) <= set(names)]
         sizing = card_plan(card, run.result["model"].get("weights_bytes") or 0, todo, names)
         run.result["plan"] = sizing
-        lazy = tuple(sizing.get("lazy", ()))
+        lazy = tuple(sizing.get("lazy", ())) if given_lazy is None else given_lazy
+        if given_lazy is not None:
+            sizing["lazy_given"] = list(given_lazy)
         run.say(f"plan: eager {sizing.get('eager')}, lazy {list(lazy)}; resumed {resumed['done']}")
         cfg = serve_config(model_dir, free_port(), str(run.work / "state"), cpu=args.cpu,
                            stop_after=args.stop_after, lazy=lazy)  # fmt: skip

@@ -240,3 +240,11 @@ def test_the_result_goes_under_the_cards_folder():
     assert sg.default_out(False, gpu_plan.H200) == results / "h200" / "serve-gpu.json"
     assert sg.default_out(True, None) == results / "serve-gpu-cpu.json"
     assert [p for p, _ in sg.PHASES] == ["kv", "weights_l1", "weights_l2", "pressure", "stop"]
+
+
+def test_the_lazy_models_can_be_named_by_hand():
+    assert sg.parse_lazy(None, sg.GPU_MODELS) is None  # the plan decides
+    assert sg.parse_lazy("none", sg.GPU_MODELS) == ()
+    assert sg.parse_lazy("stop, grow", sg.GPU_MODELS) == ("stop", "grow")
+    with pytest.raises(SystemExit, match="not models of this run"):
+        sg.parse_lazy("w1", sg.CPU_MODELS)
