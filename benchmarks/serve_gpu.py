@@ -1197,8 +1197,8 @@ def main(argv: list[str] | None = None) -> int:
         sizing = card_plan(card, run.result["model"].get("weights_bytes") or 0, todo, names)
         run.result["plan"] = sizing
         lazy = tuple(sizing.get("lazy", ())) if given_lazy is None else given_lazy
-        if given_lazy is not None:
-            sizing["lazy_given"] = list(given_lazy)
+        if given_lazy is not None:  # by hand: the plan's arithmetic stays, for reference
+            sizing.update(lazy_given=list(given_lazy), eager=[m for m in names if m not in lazy])
         run.say(f"plan: eager {sizing.get('eager')}, lazy {list(lazy)}; resumed {resumed['done']}")
         cfg = serve_config(model_dir, free_port(), str(run.work / "state"), cpu=args.cpu,
                            stop_after=args.stop_after, lazy=lazy)  # fmt: skip
