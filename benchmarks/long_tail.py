@@ -1,12 +1,24 @@
-"""Issue #24's long-tail scenario: how many 8B models one H200 serves within a TTFT SLO,
-``kvcached serve`` with sleep against a static split of the same GPU.
+"""Issues #24 and #33's long-tail scenario: how many 8B models one GPU serves within a
+TTFT SLO, ``kvcached serve`` with sleep against a static split of the same GPU.
 
 **Not run on a GPU yet.** ``--cpu`` runs every code path on vLLM's CPU build with tiny
-Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle carried)::
+Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle carried;
+the H100's commands are in ``benchmarks/results/h100/README.md``)::
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
         KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/long_tail.py \\
-        --out $OUT/long-tail-gpu.json [--resume benchmarks/results/h200/long-tail-gpu.json]
+        --out $OUT/long-tail-gpu.json [--resume benchmarks/results/h100/long-tail-gpu.json]
+
+**Sized to the card** (issue #33, :func:`gpu_plan.long_tail_plan`, written to the
+result as ``plan``): the static fit, the model counts, the lanes and the bring-up
+wave come from the card's memory (nvidia-smi); the result's default place is
+``benchmarks/results/<card>/long-tail-gpu.json`` (``h100``, ``h200``). On an H100
+(79.65 GiB): static fit 4, kvcached N = 8 and 9 (2x, and the most up to 3x whose step,
+begun first in a call, is estimated inside one: N = 12 would take four bring-up
+waves and a 167 s trace, ~610 s), one lane (two would keep four engines, 75.8 GiB,
+awake beside the sleepers' residue), waves of 3; N = 4 is 55 s and 100 requests,
+N = 8 111 s and 196, N = 12 167 s and 323. Flags override
+(``--lanes``, ``--wave``, ``--static-fit``, ``--kvcached-ns``).
 
 Beside ``--out`` it writes ``<out>-trace.json`` (the traces) and, for the K-th call
 of a resumed sweep, ``<out>/call-K/``: ``run.log`` (these progress lines) and
@@ -71,7 +83,7 @@ level; the most models awake at once; host memory available and the GPU's used
 memory after the bring-up; on the GPU vLLM's own wake times from the engine logs.
 kvcached steps go in increasing N on one serve (each adds models); after a step that
 misses the SLO the larger ones are skipped. Default GPU sweep: static M; kvcached
-M + 1 and 2 M (the goal: twice static's models; ``--kvcached-ns`` to go further).
+2 M and 3 M (the goal: twice static's models, the aim three times).
 
 **Time and resume.** The JSON (``--out``) is written after every step, with
 ``complete`` true once every planned step is done or skipped by the rule above. A
@@ -84,11 +96,11 @@ otherwise; the device's 600 s limit is then the backstop, and the steps before i
 are written). ``--resume PATH`` takes the steps
 of an earlier result (its JSON: commit it between calls) and runs only the others;
 each step keeps the commit it measured. Estimated GPU calls (an 8B engine's start
-is a guess of 120 s until measured: a 1B engine took 74-104 s on the H200): each
-call ~60 s of install and model; call 1 static-7 (7 engines at once, a 51.5 s
-trace); call 2 kvcached-8 (two waves, 58.5 s); call 3 kvcached-14 (three waves,
-100.5 s, ~8.5 min: begun as the first step of a call). Three 10-minute calls, a
-session's 30 minutes of device time; starts faster than guessed fit more per call.
+is a guess of 120 s until measured; three 8B engines co-started in 45-82 s on the
+H100): each call ~60 s of install and model. H100: call 1 static-4 (4 engines at
+once, a 55 s trace, ~5 min); call 2 kvcached-8 (three waves of 3, 111 s, ~8 min,
+begun as the first step of a call); call 3 kvcached-9 (three waves, 125 s, ~8 min).
+H200: call 1 static-7; call 2 kvcached-14; call 3 kvcached-19.
 """
 
 from __future__ import annotations
@@ -601,6 +613,31 @@ def run_step(
 
 
 # -- main ---------------------------------------------------------------------------------------
+def card_plan(cpu: bool, host_bytes: int, kv_bytes: int) -> tuple[Any, dict[str, Any]]:  # noqa: ANN401
+    """The card (nvidia-smi) and :func:`gpu_plan.long_tail_plan` of it, with the
+    host's memory at least ``host_bytes``; on the CPU, or where no card is found,
+    none (the H200's defaults then hold)."""
+    if cpu:
+        return None, {}
+    import gpu_plan
+
+    card = gpu_plan.read_card()
+    if card is None:
+        return None, {"note": "no GPU found (nvidia-smi): nothing sized"}
+    host = gpu_plan.host_bytes_at_least(host_bytes)
+    return card, gpu_plan.long_tail_plan(card.total_bytes, host, kv_bytes=kv_bytes)
+
+
+def default_out(cpu: bool, card: Any) -> Path:  # noqa: ANN401
+    """``benchmarks/results/long-tail-cpu.json``, or on a GPU
+    ``benchmarks/results/<card>/long-tail-gpu.json`` (``h100``, ``h200``)."""
+    if cpu:
+        return ROOT / "benchmarks" / "results" / "long-tail-cpu.json"
+    import gpu_plan
+
+    return gpu_plan.results_dir(ROOT, card) / "long-tail-gpu.json"
+
+
 def parse_ns(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -614,7 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-s", type=float, default=2.0, help="P99 TTFT bound")
     p.add_argument("--static-fit", type=int, default=0, help="0: from the GPU's memory")
     p.add_argument("--static-ns", default="", help="default: fit (GPU), fit,fit+1 (CPU)")
-    p.add_argument("--kvcached-ns", default="", help="default: fit+1,2*fit (GPU), 2,3,4 (CPU)")
+    p.add_argument(
+        "--kvcached-ns",
+        default="",
+        help="default: GPU the plan's (2x fit, the most up to 3x a call holds: H100 8,9), CPU 2,3,4",
+    )
     p.add_argument("--l1-models", type=int, default=-1, help="-1: from host memory")
     p.add_argument(
         "--host-gib",
@@ -624,7 +665,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--kv-gib", type=float, default=2.0, help="each model's KV (GPU)")
     p.add_argument("--idle-after", type=float, default=0.0, help="0: 3 s (GPU), 1 s (CPU)")
-    p.add_argument("--wave", type=int, default=0, help="engines started at once (0: 5/2)")
+    p.add_argument(
+        "--wave", type=int, default=0, help="engines started at once (0: GPU from the card, CPU 2)"
+    )
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=0,
+        help="bursts at once (0: GPU from the card, gpu_plan: 1 on an H100, 2 on an H200; CPU 2)",
+    )
     p.add_argument(
         "--start-s", type=float, default=0.0, help="a wave's start (0: measured, else 120/90 s)"
     )
@@ -634,17 +683,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="")
     args = p.parse_args(argv)
     cpu = args.cpu
-    args.wave = args.wave or (2 if cpu else 5)
+    card, sizing = card_plan(cpu, args.host_gib << 30, int(args.kv_gib * GIB))
+    args.wave = args.wave or (2 if cpu else sizing.get("wave", 5))
     start_s_given = args.start_s > 0
     args.idle_after = args.idle_after or (1.0 if cpu else 3.0)
-    results = ROOT / "benchmarks" / "results"
-    args.out = args.out or str(
-        results / ("long-tail-cpu.json" if cpu else "h200/long-tail-gpu.json")
-    )
+    args.out = args.out or str(default_out(cpu, card))
+    lanes = args.lanes or (2 if cpu else sizing.get("lanes", 2))
     spec = (
-        TraceSpec(burst_s=3.0, burst_rate=2.0, prompt_min=64, prompt_max=256, max_tokens=8)
+        TraceSpec(lanes, burst_s=3.0, burst_rate=2.0, prompt_min=64, prompt_max=256, max_tokens=8)
         if cpu
-        else TraceSpec()
+        else TraceSpec(lanes=lanes)
     )
     args.warm_len = spec.prompt_max
 
@@ -662,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     res["slo"] = {"ttft_percentile": 99, "bound_s": args.slo_s, "failed_requests": 0,
                   "over": "every request of the step's trace"}  # fmt: skip
     res["trace_spec"] = asdict(spec)
+    if not cpu:  # the sizing arithmetic (gpu_plan), as the result's plan
+        res["plan"] = {"card": asdict(card) if card else None, **sizing}
     if cpu:
         res["harness_check_only"] = "vLLM's CPU build and tiny Llamas: no GPU figure"
     res["call"] = call
@@ -684,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
             else static_fit(gpu["total_mib"] << 20, weights, kv_bytes, ENGINE_OVERHEAD_BYTES)
         )
         static_ns = parse_ns(args.static_ns) or ([fit, fit + 1] if cpu else [fit])
-        kv_ns = parse_ns(args.kvcached_ns) or ([2, 3, 4] if cpu else [fit + 1, 2 * fit])
+        sized_ns = sizing.get("kvcached_ns") if not args.static_fit else None
+        kv_ns = parse_ns(args.kvcached_ns) or ([2, 3, 4] if cpu else sized_ns or [2 * fit, 3 * fit])
         plan = plan_steps(static_ns, kv_ns)
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if not cpu:  # a Firecracker machine's MemTotal starts small and grows with use

@@ -45,19 +45,29 @@ plots (``multi_model_plot.py``).
     python benchmarks/multi_model.py            # the full run (about 25 minutes)
     python benchmarks/multi_model.py --short    # one small peak, one round (CI)
 
+**Sized to the card** (``--device gpu``, issue #33): the peaks come from
+:mod:`gpu_plan` (the card's memory from nvidia-smi: the KV budget of three 8B
+engines, the knee where a static third runs short, at least six peaks from well
+below it to past it; on an H100 0.5 .. 4 req/s, on an H200 1.75 .. 10.5), and
+the result's ``plan`` holds
+that arithmetic with the ledger's measured budget. ``--peaks`` overrides. The
+result goes to ``benchmarks/results/<card>/multi-model-gpu.json`` (``h100`` or
+``h200``, from the card's name) unless ``--out`` says otherwise.
+
 **In parts** (a device call lasts at most 10 minutes): ``--deadline-s`` (the
 GPU's default 540) begins no configuration or peak that would end past it and
 the result is written after every peak, ``"complete": false`` until every
 (configuration, round, peak) ran; ``--resume RESULT`` keeps an earlier part's
 runs (its ``-requests.json`` and ``-trace.json`` beside it), replays its trace
-and runs only what it lacks. On the H200, with the gpu-vllm bundle::
+and runs only what it lacks. With the gpu-vllm bundle (the H100 commands are in
+``benchmarks/results/h100/README.md``)::
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
       KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/multi_model.py --device gpu \\
-      --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h200/multi-model-gpu.json]
+      --out $OUT/multi-model-gpu.json [--resume benchmarks/results/h100/multi-model-gpu.json]
 
 then commit what comes back (the JSON, its ``-requests.json``, ``-trace.json`` and
-``-logs-<first block>.tar.gz``) under ``benchmarks/results/h200/``
+``-logs-<first block>.tar.gz``) under ``benchmarks/results/<card>/``
 and resume from them in the next call. Requests still running ``--drain-s``
 after a trace's last arrival are cut (the GPU's default 60 s: an overloaded
 static split would otherwise hold a call for minutes); a cut request's TTFT,
@@ -341,15 +351,16 @@ SHORT = {
     "plot": False,
 }
 #: seconds a configuration takes to start and warm up, and to stop (deadline estimates)
-START_S = {"cpu": 120.0, "gpu": 200.0}
-STOP_S = {"cpu": 30.0, "gpu": 60.0}
+#: (GPU: three 8B engines were ready in 45-82 s on the H100, and stopped in under 1 s)
+START_S = {"cpu": 120.0, "gpu": 120.0}
+STOP_S = {"cpu": 30.0, "gpu": 20.0}
 
 
 def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
     return [
         TraceSpec(
             peak=p,
-            low=args.low,
+            low=min(args.low, p),  # a peak below the low rate: flat at the peak
             slope=args.slope,
             hold_s=args.hold_s,
             tail_s=args.tail_s,
@@ -380,7 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         nargs="+",
         default=None,
-        help="peak rates in req/s per model (cpu: 1 2 3 4; gpu: 1..6; --short: 1)",
+        help="peak rates in req/s per model (cpu: 1 2 3 4; gpu: sized to the card by "
+        "gpu_plan, from well below the knee to past it, H100: 0.5..4; --short: 1)",
     )
     ap.add_argument(
         "--rounds",
@@ -484,15 +496,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--assume-e2e-s",
         type=float,
-        default=18.0,
-        help="gpu: the end-to-end time the KV plan assumes per request",
+        default=15.0,
+        help="gpu: the end-to-end time the KV plan assumes per request (H100: 13-17 s)",
     )
     ap.add_argument(
         "--out",
         type=Path,
         default=None,
         help="result JSON (cpu: benchmarks/results/multi-model-cpu.json; gpu: "
-        "benchmarks/results/h200/multi-model-gpu.json; --short: in the work directory)",
+        "benchmarks/results/<card>/multi-model-gpu.json, h100 or h200 from the card's name; "
+        "--short: in the work directory)",
     )
     ap.add_argument(
         "--workdir",
@@ -660,10 +673,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
     gpu = args.device == "gpu"
+    card = None
+    if gpu:
+        import gpu_plan
+
+        card = gpu_plan.read_card()
+        size_gpu_run(args, card)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvcached-multi-model-"))
     workdir.mkdir(parents=True, exist_ok=True)
     default_out = (
-        ROOT / "benchmarks" / "results" / "h200" / "multi-model-gpu.json"
+        card_results(card) / "multi-model-gpu.json"
         if gpu
         else ROOT / "benchmarks" / "results" / "multi-model-cpu.json"
     )
@@ -731,6 +750,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    plans: dict[int | None, dict[str, Any]] = {}
+
+    def planned(card: Any, kv_total: int | None, peaks: list[float]) -> dict[str, Any]:  # noqa: ANN401
+        """The sizing arithmetic for the result, once per KV budget (the ledger's, once known)."""
+        if kv_total not in plans:
+            plans[kv_total] = gpu_run_plan(args, card, kv_total, peaks)
+        return dict(plans[kv_total])
+
     def write(complete: bool) -> dict[str, Any]:
         configs_ran = tuple(c for c in CONFIGS if any(r.config == c for r in runs))
         summary = summarize(runs, peaks, configs_ran) if runs else {}
@@ -791,14 +818,22 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": [engine_cpu(args.engine_cpus, i) for i in range(args.models)],
             }
         else:
-            report["long_tail"] = long_tail_figures(out.with_name("long-tail-gpu.json"))
+            beside = out.with_name("long-tail-gpu.json")  # else the committed one of this card
+            lt_path = beside if beside.is_file() else card_results(card) / "long-tail-gpu.json"
+            report["long_tail"] = long_tail_figures(lt_path)
             report["models_per_gpu"] = report["long_tail"].get("models_per_gpu")
+        if gpu:
+            report["plan"] = planned(card, kv_total, peaks)
         if gpu and share:
             prompt_mean = (args.prompt_min + args.prompt_max) / 2
-            report["plan"] = [
-                kv_plan(p, prompt_mean, args.max_tokens, per_token, share, args.assume_e2e_s)
-                for p in peaks
-            ]
+            report["plan"]["steady_state"] = {
+                "note": "the arithmetic before issue #33: each peak held for a whole end to "
+                "end; the no-hold trace never holds it, so this overstates what is in flight",
+                "per_peak": [
+                    kv_plan(p, prompt_mean, args.max_tokens, per_token, share, args.assume_e2e_s)
+                    for p in peaks
+                ],
+            }
         prov["command"] = report["command"]  # as given, also when main() is called in-process
         _provenance.write_result(out, report, prov, indent=1)
         out.with_name(out.stem + "-requests.json").write_text(
@@ -906,6 +941,62 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:  # the GPU machine's bundle has no matplotlib
             print(f"no plots ({exc}): python benchmarks/multi_model_plot.py {out} where it is")
     return 0 if runs else 1
+
+
+def card_results(card: Any) -> Path:  # noqa: ANN401
+    """``benchmarks/results/<card>/`` (``h100``, ``h200``; ``gpu`` where none was found)."""
+    import gpu_plan
+
+    return gpu_plan.results_dir(ROOT, card)
+
+
+def gpu_plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace and run settings :func:`gpu_plan.multi_model_plan` sizes with."""
+    return {
+        "engines": args.models,
+        "utilization": args.utilization,
+        "prompt_min": args.prompt_min,
+        "prompt_max": args.prompt_max,
+        "max_tokens": args.max_tokens,
+        "low": args.low,
+        "e2e_s": args.assume_e2e_s,
+        "slope": args.slope,
+        "hold_s": args.hold_s,
+        "tail_s": args.tail_s,
+    }
+
+
+def size_gpu_run(args: argparse.Namespace, card: Any) -> None:  # noqa: ANN401
+    """``--peaks`` from the card (:mod:`gpu_plan`) unless given, resumed or replayed.
+    Exits with a clear message where there is neither a card nor ``--peaks``."""
+    import gpu_plan
+
+    if args.peaks is not None or args.resume is not None or args.trace is not None:
+        return
+    card = gpu_plan.require_card(card, "multi_model.py --device gpu without --peaks")
+    args.peaks = gpu_plan.multi_model_plan(card.total_bytes, **gpu_plan_kwargs(args))["peaks"]
+
+
+def gpu_run_plan(
+    args: argparse.Namespace,
+    card: Any,  # noqa: ANN401
+    kv_total: int | None,
+    peaks: list[float],
+) -> dict[str, Any]:
+    """The result's ``plan``: the card and :func:`gpu_plan.multi_model_plan` at
+    the run's peaks, with the ledger's budget once it is known."""
+    import gpu_plan
+
+    if card is None:
+        return {"card": None, "note": "no GPU found (nvidia-smi): nothing sized"}
+    try:
+        plan = gpu_plan.multi_model_plan(
+            card.total_bytes, budget_bytes=kv_total, peaks=peaks, **gpu_plan_kwargs(args)
+        )
+    except ValueError as exc:  # a card the plan does not hold: the run's figures still stand
+        plan = {"error": str(exc)}
+    return {"card": {"name": card.name, "memory_mib": card.memory_mib,
+                     "folder": card.folder}, **plan}  # fmt: skip
 
 
 def kv_bytes_per_token(c: dict[str, Any] = MODEL_CONFIG) -> int:

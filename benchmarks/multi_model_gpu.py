@@ -33,9 +33,15 @@ in flight (Little's law), so a static third fills at P ~ 4.4 (0.92 of it at 4,
 compute does not: prefill is ~2.5k x P tokens/s for the model
 at its peak (under 20k tok/s for P <= 6, which an H200 prefills for an 8B at
 bf16), and upstream's stagger (``MODEL_DELAY = PEAK/4 + 2*PEAK``) keeps one
-model at its peak at a time while the others run at 1 req/s. Peaks 1..6 go
-from a load no split notices to past the knee. :func:`kv_plan` writes this
-arithmetic per peak into the result, beside the measured KV use.
+model at its peak at a time while the others run at 1 req/s. :func:`kv_plan`
+writes this arithmetic per peak into the result (``plan.steady_state``).
+
+That steady state is not what the trace does: with no hold a model passes its
+peak in a moment, and what it holds in flight is the busiest end-to-end window
+of its arrivals, ``(P - 1)^2 + W`` for W ~ 15 s, mostly the low rate's. The
+peaks are therefore sized by ``gpu_plan.multi_model_plan`` from the card (H100:
+the knee at ~2.1 req/s, measured between 2.0 and 2.5; H200: ~8), and the
+result's ``plan`` is that arithmetic.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ SHAPE = "llama-3.1-8b"
 #: The GPU sweep's trace (``multi_model.py --device gpu``'s defaults): upstream's
 #: ramp (0 -> peak -> 1 req/s at 1 req/s per second, no hold, its stagger) with
 #: longer requests, so that KV memory binds before compute (the docstring).
+#: The peaks are not here: ``gpu_plan.multi_model_plan`` sizes them to the card.
 GPU_TRACE: dict[str, Any] = {
-    "peaks": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
     "low": 1.0,
     "slope": 1.0,
     "hold_s": 0.0,

@@ -34,8 +34,22 @@ def plot_all(report: dict[str, Any], directory: Path, tag: str = "") -> list[Pat
 
 
 def tag_of(result: Path) -> str:
-    """The plots' tag of a result file: ``multi-model-cpu-X.json`` gives ``X``."""
-    return result.stem.removeprefix("multi-model-cpu").strip("-")
+    """The plots' tag of a result file: ``multi-model-cpu-X.json`` gives ``X``
+    (the CPU's plain result none), ``multi-model-gpu-X.json`` ``gpu-X``."""
+    stem = result.stem
+    if stem.startswith("multi-model-cpu"):
+        return stem.removeprefix("multi-model-cpu").strip("-")
+    return stem.removeprefix("multi-model").strip("-")
+
+
+def title_of(report: dict[str, Any]) -> str:
+    """What ran where: the GPU's card and how many rounds (no control with one)."""
+    if report.get("device") != "gpu":
+        return "Three tiny Llamas on vLLM CPU: shared budget vs static thirds"
+    card = (report.get("gpu") or {}).get("name") or "a GPU"
+    rounds = report.get("rounds") or 1
+    note = f"{rounds} rounds" if rounds > 1 else "one round, no control"
+    return f"Three Llama-3.1-8B shapes on one {card}:\nshared KV budget vs static thirds ({note})"
 
 
 def plot_speedup(report: dict[str, Any], path: Path) -> Path:
@@ -68,7 +82,7 @@ def plot_speedup(report: dict[str, Any], path: Path) -> Path:
     ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set_xticks(xs)
-    ax.set_title("Three tiny Llamas on vLLM CPU: shared budget vs static thirds", fontsize=10)
+    ax.set_title(title_of(report), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,15 +1,29 @@
 """``kvcached serve``'s sleep levels on a GPU: vLLM 0.26 servers of Llama-3.1-8B's shape.
 
 One command, made to finish inside one device call (600 s) on the H200 with the
-gpu-vllm bundle installed::
+gpu-vllm bundle installed, and in one or two on an 80 GB H100 (``--resume``; the
+H100's commands are in ``benchmarks/results/h100/README.md``)::
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
         KVCACHED_BENCH_COMMIT=<sha> && python benchmarks/serve_gpu.py --out $OUT/serve-gpu.json
 
-It writes ``--out`` (default ``benchmarks/results/h200/serve-gpu.json``) after every
-phase, so a run cut short still returns what it measured, and beside it a folder
-of the same name holding ``run.log`` (these progress lines) and ``logs.tar.gz``
-(serve's log, every engine's log, the config).
+It writes ``--out`` (default ``benchmarks/results/<card>/serve-gpu.json``: ``h100``
+or ``h200`` from the card's name) after every phase, so a run cut short still
+returns what it measured, and beside it a folder of the same name holding
+``run.log`` (these progress lines) and ``logs.tar.gz`` (serve's log, every
+engine's log, the config); a resumed call's go into ``call-K/`` there.
+
+**Sized to the card** (issue #33, :func:`gpu_plan.serve_plan`, the result's
+``plan``): the five engines' footprints (weights, ~2 GiB of context and
+buffers, and 8 GiB of vLLM's KV for ``w1``/``w2`` or 2 GiB of kvcached pages)
+against ``total x 0.95``. On an H100 (75.7 GiB of it) ``kv``, ``w1`` and ``w2``
+start with serve (68.9 GiB); ``stop`` and ``grow`` are ``start: lazy`` and are
+started (``/admin/.../wake``) before the pressure phase, by which time ``w1`` and
+``w2`` were put to sleep after their own phases (a weights sleep leaves ~0.8 GiB
+each; level 1 keeps ``w1``'s 15 GiB in pinned host memory, which 128 GiB holds).
+On an H200 all five start together, as before. ``--resume RESULT`` keeps an
+earlier call's done phases (their figures, failures and H2D bandwidth) and runs
+the others; a model no remaining phase needs is never started.
 
 **What runs.** The bundle's ``make_model.py`` writes one Llama-3.1-8B-shaped folder
 with seeded random bf16 weights (16.06 GB of safetensors; reused when present),
@@ -84,6 +98,9 @@ H2D bandwidth of pinned memory measured here first (4 GiB, 5 copies):
 make_model 8B 16-41 s, H2D ~8 s, five eager engines ready in ~90-150 s,
 ``kv`` 5 rounds ~15 s, ``w1`` 2 rounds ~25 s, ``w2`` 1 round ~30 s, pressure
 ~40 s, ``stop`` (a cold start) ~90-120 s, serve's stop ~30 s: ~7.5 minutes.
+On an H100: three engines at start (45-82 s measured for three 8B), the lazy
+start of two before the pressure phase (another ~60-90 s, ``LAZY_START_S``):
+~8.5 minutes, so the ``stop`` phase may fall to a second, resumed call.
 A phase is begun only when ``--deadline-s`` (from this script's start) leaves
 it its time and the shutdown's; the ``stop`` level, the longest, comes last.
 
@@ -142,6 +159,21 @@ TARGETS: dict[str, tuple[str, float]] = {
 PHASE_NEED_S = {"kv": 40, "weights_l1": 60, "weights_l2": 90, "pressure": 110, "stop": 150}
 #: seconds kept for stopping serve, its engines and packing the logs
 SHUTDOWN_RESERVE_S = 50
+#: seconds a phase is given more when it starts a lazy model first (an 8B engine:
+#: three co-started in 45-82 s on the H100)
+LAZY_START_S = 90
+#: the phases in order and the models each needs awake
+PHASES: list[tuple[str, tuple[str, ...]]] = [
+    ("kv", ("kv",)),
+    ("weights_l1", ("w1",)),
+    ("weights_l2", ("w2",)),
+    ("pressure", ("kv", "stop", "grow")),
+    ("stop", ("stop",)),
+]
+#: vLLM weights level per model (None: a kvcached model, whose sleep frees its KV only)
+WEIGHTS_LEVELS: dict[str, int | None] = {"kv": None, "w1": 1, "w2": 2, "stop": None, "grow": None}
+#: a kvcached engine's KV at the start and in the phases (its reserve, a few requests)
+KVCACHED_START_BYTES = 2 * GIB
 STOP_AFTER_S = 1.0
 NATIVE_KV_BYTES = 8 * GIB
 
@@ -155,10 +187,12 @@ def serve_config(
     cpu: bool = False,
     native_kv_bytes: int = NATIVE_KV_BYTES,
     stop_after: float = STOP_AFTER_S,
+    lazy: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The ``kvcached serve`` config of the run (see the module docstring); idle
     sleeps are off (``idle_after`` a day): the benchmark sleeps models through
-    ``/admin``, and only the pressure policy sleeps on its own."""
+    ``/admin``, and only the pressure policy sleeps on its own. The models in
+    ``lazy`` start on the first phase that needs them (where not all fit the card)."""
     if cpu:
         common = ["--load-format", "safetensors", "--skip-tokenizer-init", "--block-size", "32"]
         common += ["--max-num-seqs", "32"]
@@ -201,6 +235,9 @@ def serve_config(
     models.append(entry("stop", {"level": "stop", "stop_after": stop_after}))
     if not cpu:
         models.append(entry("grow", {"level": "kv"}))
+    for m in models:
+        if m["name"] in lazy:
+            m["start"] = "lazy"
     return {
         "port": port,
         "state_dir": state_dir,
@@ -408,6 +445,90 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def footprints(
+    weights: int, names: tuple[str, ...], native_kv: int = NATIVE_KV_BYTES
+) -> dict[str, int]:
+    """Each model's GPU memory awake: weights, ~2 GiB of context and buffers, and
+    its KV (vLLM's fixed ``native_kv`` for ``w1``/``w2``, kvcached's first pages else)."""
+    import gpu_plan
+
+    engine = weights + gpu_plan.ENGINE_OVERHEAD_BYTES
+    return {
+        m: engine + (native_kv if WEIGHTS_LEVELS.get(m) else KVCACHED_START_BYTES) for m in names
+    }
+
+
+def card_plan(
+    card: Any,  # noqa: ANN401
+    weights: int,
+    todo: list[tuple[str, tuple[str, ...]]],
+    names: tuple[str, ...],
+) -> dict[str, Any]:
+    """The result's ``plan`` (:func:`gpu_plan.serve_plan`): which models start
+    eagerly and which lazily so that every phase still to run fits the card; no
+    card (the CPU run): every model eager. Models no phase to run needs stay lazy."""
+    if card is None or not todo:
+        return {"card": None, "eager": list(names), "lazy": []}
+    import gpu_plan
+
+    needed = {m for _, needs in todo for m in needs}
+    levels = {m: WEIGHTS_LEVELS.get(m) for m in names}
+    plan = gpu_plan.serve_plan(
+        card.total_bytes, todo, footprints(weights or gpu_plan.WEIGHTS_8B_BYTES, names), levels
+    )
+    plan["lazy"] = [m for m in names if m not in plan["eager"]]
+    plan["not_needed"] = sorted(set(names) - needed)
+    return {"card": {"name": card.name, "memory_mib": card.memory_mib}, **plan}
+
+
+def resumed_phases(old: dict[str, Any] | None) -> dict[str, Any]:
+    """What an earlier result (``--resume``) keeps: its done phases' figures, their
+    failures, the H2D bandwidth it measured, and its provenance among ``calls``."""
+    keep: dict[str, Any] = {"done": [], "levels": {}, "phases": {}, "failures": [],
+                            "calls": [], "pressure": None, "h2d": None}  # fmt: skip
+    if not old:
+        return keep
+    if old.get("benchmark") != "serve-gpu":
+        raise SystemExit(f"--resume: not a serve_gpu result (benchmark {old.get('benchmark')!r})")
+    done = [p for p, v in (old.get("phases") or {}).items() if str(v).startswith("done")]
+    keep["done"] = done
+    keep["phases"] = {p: old["phases"][p] for p in done}
+    keep["levels"] = {p: v for p, v in (old.get("levels") or {}).items() if p in done}
+    keep["pressure"] = old.get("pressure") if "pressure" in done else None
+    keep["failures"] = [f for f in old.get("failures", []) if f.get("phase") in done]
+    keep["calls"] = [*old.get("calls", []), old.get("provenance")]
+    keep["h2d"] = old.get("h2d")
+    return keep
+
+
+def default_out(cpu: bool, card: Any) -> Path:  # noqa: ANN401
+    """``benchmarks/results/<card>/serve-gpu.json`` (``h100``, ``h200``; the CPU
+    check's ``serve-gpu-cpu.json`` beside the other CPU results)."""
+    if cpu:
+        return ROOT / "benchmarks" / "results" / "serve-gpu-cpu.json"
+    import gpu_plan
+
+    return gpu_plan.results_dir(ROOT, card) / "serve-gpu.json"
+
+
+def parse_lazy(text: str | None, names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``--lazy``: None (the plan decides), ``none`` (every model with serve) or
+    model names, each one of ``names``."""
+    if text is None:
+        return None
+    picked = tuple(m.strip() for m in text.split(",") if m.strip() and m.strip() != "none")
+    unknown = [m for m in picked if m not in names]
+    if unknown:
+        raise SystemExit(f"--lazy {text}: {unknown} are not models of this run ({list(names)})")
+    return picked
+
+
+def _read_card() -> Any:  # noqa: ANN401
+    import gpu_plan
+
+    return gpu_plan.read_card()
+
+
 # -- the run --------------------------------------------------------------------------------------
 class Run:
     """The serve under test, the figures so far, and the clock."""
@@ -436,6 +557,7 @@ class Run:
             "phases": {},
         }
         self.linked: set[str] = set()
+        self.lazy_started: set[str] = set()
         self.nvsmi = shutil.which("nvidia-smi") is not None
         self._run_log = open(logs / "run.log", "w", buffering=1)  # noqa: SIM115
 
@@ -935,6 +1057,26 @@ def start_serve(
     return {"ready_s": ready_s, "port": run.port}
 
 
+def start_lazy(run: Run, names: list[str]) -> dict[str, Any]:
+    """Start the lazy models a phase needs (``/admin/.../wake`` starts one), together;
+    each one's start time, or why it did not start."""
+
+    def one(name: str) -> tuple[str, dict[str, Any]]:
+        began = time.monotonic()
+        status, doc = cpu_bench.http_json(run.port, "POST", f"/admin/models/{name}/wake", 600)
+        run.lazy_started.add(name)
+        took = round(time.monotonic() - began, 1)
+        if status != 200:
+            return name, {"start_s": took, "error": f"{status} {doc}"[:300]}
+        return name, {"start_s": took}
+
+    with ThreadPoolExecutor(max(1, len(names))) as pool:
+        done = dict(pool.map(one, names))
+    run.link_logs(tuple(names))
+    run.say(f"lazy start of {names}: {done}")
+    return done
+
+
 def stop_serve(run: Run, names: tuple[str, ...]) -> dict[str, Any]:
     if run.serve is None:
         return {}
@@ -977,7 +1119,14 @@ def pack_logs(run: Run, names: tuple[str, ...], native: tuple[str, ...] = ("w1",
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--out", default=str(ROOT / "benchmarks" / "results" / "h200" / "serve-gpu.json")
+        "--out",
+        default="",
+        help="default: benchmarks/results/<card>/serve-gpu.json (h100, h200 from the card)",
+    )
+    p.add_argument(
+        "--resume",
+        default="",
+        help="an earlier result of this benchmark: its done phases are kept, not run again",
     )
     p.add_argument(
         "--cpu", action="store_true", help="vLLM's CPU build, the tiny Llama, kv and stop"
@@ -998,10 +1147,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", default="/tmp/e2e-models")
     p.add_argument("--make-model", default=".gpu/vllm/make_model.py")
     p.add_argument("--workdir", default="")
+    p.add_argument(
+        "--lazy",
+        default=None,
+        help="models started only when a phase needs them, comma-separated ('none': every "
+        "model with serve); default: the plan's for the card (H100: stop,grow; H200: none)",
+    )
     args = p.parse_args(argv)
+    given_lazy = parse_lazy(args.lazy, CPU_MODELS if args.cpu else GPU_MODELS)
 
-    out = Path(args.out)
-    logs = out.with_suffix("")  # serve-gpu.json -> serve-gpu/
+    card = None if args.cpu else _read_card()
+    out = Path(args.out or default_out(args.cpu, card))
+    old = json.loads(Path(args.resume).read_text()) if args.resume else None
+    resumed = resumed_phases(old)
+    logs = out.with_suffix("")  # serve-gpu.json -> serve-gpu/ (call-K/ for a resumed call)
+    if old is not None:
+        logs = logs / f"call-{len(resumed['calls']) + 1}"
     logs.mkdir(parents=True, exist_ok=True)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvcached-serve-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -1010,7 +1171,11 @@ def main(argv: list[str] | None = None) -> int:
     names = CPU_MODELS if args.cpu else GPU_MODELS
     run = Run(args, out, logs, work)
     signal.signal(signal.SIGTERM, _interrupt)
+    for key in ("levels", "phases", "failures", "calls"):
+        run.result[key] = resumed[key]
     phases = run.result["phases"]
+    if resumed["pressure"] is not None:
+        run.result["pressure"] = resumed["pressure"]
     try:
         run.result["vllm_version"] = _vllm_version()
         gpu = run.smi("--query-gpu=name,driver_version,memory.total")
@@ -1020,27 +1185,51 @@ def main(argv: list[str] | None = None) -> int:
         run.say(f"model {run.result['model']}")
         run.save()
         h2d = None
-        if not args.cpu:
+        if not args.cpu and resumed["h2d"]:
+            run.result["h2d"] = resumed["h2d"]
+            h2d = run.result["h2d"]["h2d_gbps"]
+        elif not args.cpu:
             run.result["h2d"] = measure_h2d(args.h2d_gib, 5)
             h2d = run.result["h2d"]["h2d_gbps"]
             run.say(f"H2D pinned {h2d:.1f} GB/s (D2H {run.result['h2d']['d2h_gbps']:.1f})")
-        run.result["startup"] = start_serve(run, model_dir, names)
+        todo = [(ph, needs) for ph, needs in PHASES if ph not in resumed["done"]]
+        todo = [(ph, needs) for ph, needs in todo if set(needs) <= set(names)]
+        sizing = card_plan(card, run.result["model"].get("weights_bytes") or 0, todo, names)
+        run.result["plan"] = sizing
+        lazy = tuple(sizing.get("lazy", ())) if given_lazy is None else given_lazy
+        if given_lazy is not None:  # by hand: the plan's arithmetic stays, for reference
+            sizing.update(lazy_given=list(given_lazy), eager=[m for m in names if m not in lazy])
+        run.say(f"plan: eager {sizing.get('eager')}, lazy {list(lazy)}; resumed {resumed['done']}")
+        cfg = serve_config(model_dir, free_port(), str(run.work / "state"), cpu=args.cpu,
+                           stop_after=args.stop_after, lazy=lazy)  # fmt: skip
+        if todo:  # a resumed run with nothing left starts nothing
+            run.result["startup"] = start_serve(run, model_dir, names, cfg)
         run.save()
-        plan = [
-            ("kv", ("kv",), lambda: phase_kv(run)),
-            ("weights_l1", ("w1",), lambda: phase_weights(run, "w1", 1, args.l1_rounds, h2d)),
-            ("weights_l2", ("w2",), lambda: phase_weights(run, "w2", 2, args.l2_rounds, h2d)),
-            ("pressure", ("kv", "stop", "grow"), lambda: phase_pressure(run)),
-            ("stop", ("stop",), lambda: phase_stop(run)),
-        ]
+        sleep_after = sizing.get("sleep_after_phase", {}) if lazy else {}
+        bodies = {
+            "kv": lambda: phase_kv(run),
+            "weights_l1": lambda: phase_weights(run, "w1", 1, args.l1_rounds, h2d),
+            "weights_l2": lambda: phase_weights(run, "w2", 2, args.l2_rounds, h2d),
+            "pressure": lambda: phase_pressure(run),
+            "stop": lambda: phase_stop(run),
+        }
+        plan = [(phase, needs, bodies[phase]) for phase, needs in PHASES]
         for phase, needs, body in plan:
             if not set(needs) <= set(names):
                 continue
-            if run.left() < PHASE_NEED_S[phase] + SHUTDOWN_RESERVE_S:
+            if phase in resumed["done"]:
+                run.say(f"{phase}: {phases[phase]} (resumed)")
+                continue
+            # the stop level measures a cold start from sleeping or stopped too
+            starts = [m for m in needs if m in lazy and m not in run.lazy_started]
+            starts = starts if phase != "stop" else []
+            need = PHASE_NEED_S[phase] + (LAZY_START_S if starts else 0)
+            if run.left() < need + SHUTDOWN_RESERVE_S:
                 phases[phase] = f"skipped: {run.left():.0f} s left"
                 run.say(f"{phase}: {phases[phase]}")
                 continue
-            # the stop level measures a cold start from sleeping or stopped too
+            if starts:
+                run.result.setdefault("lazy_starts", {}).update(start_lazy(run, starts))
             down = run.ready(needs) if phase != "stop" else []
             if down:
                 phases[phase] = f"skipped: {down} not ready"
@@ -1058,6 +1247,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # recorded; the next phase may still measure
                 phases[phase] = f"error after {time.monotonic() - began:.1f} s: {exc!r}"[:600]
             run.say(f"{phase}: {phases[phase]}")
+            for name in sleep_after.get(phase, []):  # its memory for the phases to come
+                with contextlib.suppress(Exception):
+                    if run.state(name).get("state") == "ready":
+                        took, _ = run.sleep(name)
+                        run.result.setdefault("slept_after_phase", {})[name] = round(took, 2)
+                        run.say(f"{name}: put to sleep after {phase} in {took:.1f} s")
             run.save()
     except KeyboardInterrupt:
         run.result["interrupted"] = True

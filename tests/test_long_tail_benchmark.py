@@ -251,3 +251,33 @@ def test_models_are_also_counted_at_looser_slo_bounds_from_the_same_requests():
     head = lt.headline({"steps": steps})["models_per_gpu_by_slo_s"]
     assert head["2"] == {"static": 7, "kvcached": None}
     assert head["5"] == {"static": 7, "kvcached": 8}
+
+
+def test_the_gpu_result_goes_under_its_cards_folder_and_the_cpu_one_beside():
+    import gpu_plan
+
+    results = lt.ROOT / "benchmarks" / "results"
+    assert lt.default_out(False, gpu_plan.H100) == results / "h100" / "long-tail-gpu.json"
+    assert lt.default_out(False, gpu_plan.H200) == results / "h200" / "long-tail-gpu.json"
+    assert lt.default_out(True, None) == results / "long-tail-cpu.json"
+    assert lt.card_plan(True, 128 << 30, 2 << 30) == (None, {})  # the CPU run sizes nothing
+
+
+def test_the_h100_plan_runs_each_kvcached_step_in_a_call_of_its_own():
+    """With gpu_plan's H100 counts (static 4, kvcached 8 and 9, waves of 3), the
+    harness's own rules: kvcached-8 (no start measured yet: 120 s a wave) is begun
+    as the first step of its call; kvcached-9, with the waves measured at ~75 s,
+    fits a call of its own; the 3x step (12) would not, which is why it is not planned."""
+    import gpu_plan
+
+    plan = gpu_plan.long_tail_plan(gpu_plan.H100.total_bytes)
+    lanes, wave = plan["lanes"], plan["wave"]
+    spec = lt.TraceSpec(lanes=lanes)
+    trace = {n: lt.make_trace(spec, n, 24)["duration_s"] for n in (8, 9, 12)}
+    assert trace[8] == pytest.approx(plan["per_n"]["8"]["trace_s"], abs=2)
+    left = 540 - 60  # a call's deadline less its set-up
+    guessed = lt.step_estimate_s(8, wave, 120.0, trace[8])
+    assert left < guessed + lt.SHUTDOWN_RESERVE_S and lt.first_of_call_anyway(guessed, 540)
+    measured = lt.step_estimate_s(9, wave, 75.0, trace[9])
+    assert measured + lt.SHUTDOWN_RESERVE_S <= left
+    assert lt.step_estimate_s(12, wave, 75.0, trace[12]) + 60 + lt.SHUTDOWN_RESERVE_S > 575

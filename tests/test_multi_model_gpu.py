@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import gpu_plan  # noqa: E402
 import multi_model as mm  # noqa: E402
 import multi_model_gpu as mg  # noqa: E402
 from multi_model_trace import TraceSpec, write_traces  # noqa: E402
@@ -71,21 +72,17 @@ def test_kv_plan_is_littles_law_against_the_share():
 
 
 def test_the_gpu_trace_binds_a_static_third_where_upstreams_never_does():
-    """The arithmetic of multi_model_gpu's docstring: a third of an H200's KV
-    budget (~27 GiB) holds upstream's requests at its highest peak, and not the
-    GPU trace's from peak 5 on (at 18 s end to end)."""
+    """A third of an H200's KV budget (~27 GiB) holds upstream's requests at its
+    highest peak; the GPU trace's requests (352 MiB each) fill a third of the
+    H100's (8.15 GiB) at the knee that gpu_plan finds inside the default sweep."""
     per_token, share = 128 * 1024, 27 * GIB
     upstream = mg.kv_plan(20.0, 256, 256, per_token, share, 7.0)
     assert upstream["over_share"] < 0.5
-    prompt_mean = (mg.GPU_TRACE["prompt_min"] + mg.GPU_TRACE["prompt_max"]) / 2
-    over = {
-        p: mg.kv_plan(p, prompt_mean, mg.GPU_TRACE["max_tokens"], per_token, share, 18.0)[
-            "over_share"
-        ]
-        for p in mg.GPU_TRACE["peaks"]
-    }
-    assert over[1.0] < 0.5 and over[2.0] < 1.0  # low load: no split notices
-    assert over[4.0] > 0.9 and over[5.0] > 1.1 and over[6.0] > 1.3  # the knee, and past it
+    plan = gpu_plan.multi_model_plan(gpu_plan.H100.total_bytes, **gpu_plan.GPU_TRACE_SHAPE)
+    assert plan["peaks"][0] < plan["knee_peak"] < plan["peaks"][-1]
+    # gpu_plan's trace is this harness's
+    for key, value in gpu_plan.GPU_TRACE_SHAPE.items():
+        assert mg.GPU_TRACE[key] == value
     # and a request fits the GPU servers' context
     assert mg.GPU_TRACE["prompt_max"] + mg.GPU_TRACE["max_tokens"] <= setup().max_model_len
 
@@ -95,11 +92,14 @@ def test_defaults_per_device():
     assert cpu.peaks == [1.0, 2.0, 3.0, 4.0] and not cpu.upstream_delay
     assert cpu.deadline_s is None and cpu.drain_s is None and cpu.prompt_max == 320
     gpu = mm.parse_args(["--device", "gpu"])
-    assert gpu.peaks == mg.GPU_TRACE["peaks"] and gpu.upstream_delay
+    assert gpu.peaks is None and gpu.upstream_delay  # sized to the card in main()
     assert (gpu.prompt_min, gpu.prompt_max, gpu.max_tokens) == (2048, 3072, 512)
     assert gpu.deadline_s == 540.0 and gpu.drain_s == 60.0 and gpu.utilization == 0.95
+    mm.size_gpu_run(gpu, gpu_plan.H100)
+    assert gpu.peaks == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
     specs = mm.trace_specs(gpu)
-    assert [s.stagger_s for s in specs[:2]] == [2.25, 4.5]  # PEAK/4 + 2*PEAK
+    assert [s.stagger_s for s in specs[:2]] == [1.125, 2.25]  # PEAK/4 + 2*PEAK
+    assert specs[0].low == 0.5 and specs[1].low == 1.0  # no low above the peak
     assert mm.parse_args(["--device", "gpu", "--peaks", "8"]).peaks == [8.0]
     with pytest.raises(SystemExit):
         mm.parse_args(["--device", "gpu", "--short"])
@@ -203,3 +203,30 @@ def test_server_logs_travel_in_one_tarball_and_a_failed_start_quotes_them(tmp_pa
     tail = mg.log_tail(tmp_path / "native-r0-mm-a.log", 3)
     assert tail == "line 97\nline 98\nline 99"
     assert "FileNotFoundError" in mg.log_tail(tmp_path / "missing.log")
+
+
+def test_the_gpu_run_is_sized_to_its_card_and_written_under_its_folder(tmp_path):
+    args = mm.parse_args(["--device", "gpu"])
+    with pytest.raises(SystemExit, match="no GPU found"):
+        mm.size_gpu_run(args, None)  # neither a card nor --peaks
+    given = mm.parse_args(["--device", "gpu", "--peaks", "4"])
+    mm.size_gpu_run(given, None)
+    assert given.peaks == [4.0]
+    resumed = mm.parse_args(["--device", "gpu", "--resume", str(_part(tmp_path))])
+    mm.size_gpu_run(resumed, gpu_plan.H100)
+    assert resumed.peaks is None  # the resumed trace's peaks
+    assert mm.card_results(gpu_plan.H100) == mm.ROOT / "benchmarks/results/h100"
+    assert mm.card_results(gpu_plan.H200) == mm.ROOT / "benchmarks/results/h200"
+    h200 = mm.parse_args(["--device", "gpu"])
+    mm.size_gpu_run(h200, gpu_plan.H200)
+    assert h200.peaks[0] > 1.0 and len(h200.peaks) >= 6
+
+
+def test_the_result_carries_the_plan_with_the_ledgers_budget():
+    args = mm.parse_args(["--device", "gpu"])
+    plan = mm.gpu_run_plan(args, gpu_plan.H100, 26_255_346_893, [1.0, 2.5])
+    assert plan["card"] == {"name": gpu_plan.H100.name, "memory_mib": 81559, "folder": "h100"}
+    assert plan["kv_budget_source"] == "ledger" and plan["share_gib"] == 8.15
+    assert [p["peak"] for p in plan["per_peak"]] == [1.0, 2.5]
+    assert plan["per_peak"][1]["over_share_burst"] > 1 > plan["per_peak"][0]["over_share_burst"]
+    assert mm.gpu_run_plan(args, None, None, [1.0])["card"] is None

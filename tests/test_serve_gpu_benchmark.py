@@ -179,3 +179,72 @@ def test_without_a_process_listing_a_weights_sleep_is_the_devices_drop_over_what
     assert got["fraction"] == pytest.approx(23_000 / 24_000)
     assert "upper bound" in got["method"] and got["released_mib"] == 23_000
     assert sg.device_drop_memory(None, {"used_mib": 1}, 24_000)["fraction"] is None
+
+
+def test_on_an_h100_the_models_that_do_not_fit_start_lazily():
+    import gpu_plan
+
+    weights = gpu_plan.WEIGHTS_8B_BYTES
+    names = sg.GPU_MODELS
+    plan = sg.card_plan(gpu_plan.H100, weights, sg.PHASES, names)
+    # kv (19 GiB) and w1, w2 (25 GiB each) fit 0.95 of 79.65 GiB; stop and grow wait
+    assert plan["eager"] == ["kv", "w1", "w2"] and plan["lazy"] == ["stop", "grow"]
+    assert plan["sleep_after_phase"] == {"weights_l1": ["w1"], "weights_l2": ["w2"]}
+    assert plan["fits"] and plan["level_1_fits_host"]
+    assert plan["card"] == {"name": gpu_plan.H100.name, "memory_mib": 81559}
+    # the H200 starts all five together, as before
+    assert sg.card_plan(gpu_plan.H200, weights, sg.PHASES, names)["lazy"] == []
+    # the CPU run (no card) starts its two eagerly
+    assert sg.card_plan(None, 0, sg.PHASES, sg.CPU_MODELS)["eager"] == list(sg.CPU_MODELS)
+    # and serve takes the config: lazy models start on their first request or wake
+    doc = sg.serve_config("/m", 9000, "/tmp/s", lazy=tuple(plan["lazy"]))
+    by = {m.name: m for m in parse_config(doc).models}
+    assert {n for n, m in by.items() if m.start == "lazy"} == {"stop", "grow"}
+    assert sg.serve_config("/m", 9000, "/tmp/s")["models"][3].get("start") is None
+
+
+def test_a_resumed_run_keeps_its_done_phases_and_starts_only_what_is_left():
+    old = {
+        "benchmark": "serve-gpu",
+        "phases": {"kv": "done in 14.2 s", "weights_l1": "done in 30.1 s",
+                   "weights_l2": "error after 3.0 s: x", "pressure": "skipped: 40 s left"},
+        "levels": {"kv": {"rounds": [1]}, "weights_l1": {"rounds": [2]},
+                   "weights_l2": {"rounds": []}},
+        "failures": [{"phase": "kv", "model": "kv", "error": "e"},
+                     {"phase": "weights_l2", "model": "w2", "error": "e"}],
+        "h2d": {"h2d_gbps": 54.9},
+        "provenance": {"commit": "abc"},
+    }  # fmt: skip
+    kept = sg.resumed_phases(old)
+    assert kept["done"] == ["kv", "weights_l1"]
+    assert set(kept["levels"]) == {"kv", "weights_l1"} and kept["pressure"] is None
+    assert kept["failures"] == [{"phase": "kv", "model": "kv", "error": "e"}]
+    assert kept["calls"] == [{"commit": "abc"}] and kept["h2d"] == {"h2d_gbps": 54.9}
+    # what is left starts without w1 (no phase to run needs it)
+    import gpu_plan
+
+    todo = [(p, n) for p, n in sg.PHASES if p not in kept["done"]]
+    plan = sg.card_plan(gpu_plan.H100, gpu_plan.WEIGHTS_8B_BYTES, todo, sg.GPU_MODELS)
+    assert "w1" in plan["lazy"] and plan["not_needed"] == ["w1"]
+    assert plan["eager"][0] == "w2" and plan["fits"]
+    assert sg.resumed_phases(None)["done"] == []
+    with pytest.raises(SystemExit, match="not a serve_gpu result"):
+        sg.resumed_phases({"benchmark": "long-tail"})
+
+
+def test_the_result_goes_under_the_cards_folder():
+    import gpu_plan
+
+    results = sg.ROOT / "benchmarks" / "results"
+    assert sg.default_out(False, gpu_plan.H100) == results / "h100" / "serve-gpu.json"
+    assert sg.default_out(False, gpu_plan.H200) == results / "h200" / "serve-gpu.json"
+    assert sg.default_out(True, None) == results / "serve-gpu-cpu.json"
+    assert [p for p, _ in sg.PHASES] == ["kv", "weights_l1", "weights_l2", "pressure", "stop"]
+
+
+def test_the_lazy_models_can_be_named_by_hand():
+    assert sg.parse_lazy(None, sg.GPU_MODELS) is None  # the plan decides
+    assert sg.parse_lazy("none", sg.GPU_MODELS) == ()
+    assert sg.parse_lazy("stop, grow", sg.GPU_MODELS) == ("stop", "grow")
+    with pytest.raises(SystemExit, match="not models of this run"):
+        sg.parse_lazy("w1", sg.CPU_MODELS)
