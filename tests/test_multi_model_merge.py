@@ -20,7 +20,7 @@ GIB = 1 << 30
 
 
 def part(directory: Path, name: str, peak: float, ttft: dict[str, float], seed: int = 5,
-         kv_total: int = 3 * GIB) -> Path:  # fmt: skip
+         kv_total: int = 3 * GIB, measured: str = "c0ffee") -> Path:  # fmt: skip
     """A result of one peak, both configurations, one round: every request's TTFT ``ttft[config]``."""
     out = directory / f"{name}.json"
     trace = out.with_name(f"{name}-trace.json")
@@ -43,6 +43,14 @@ def part(directory: Path, name: str, peak: float, ttft: dict[str, float], seed: 
         "setup": {"kv_total_bytes": kv_total, "models": ["mm-a", "mm-b", "mm-c"]},
         "blocks": [{"config": "kvcached", "tag": "kvcached-r0"}],
         "runs": runs,
+        "provenance": {
+            "commit": measured,
+            "tree_dirty": False,
+            "command": f"python benchmarks/multi_model.py --peaks {peak:g}",
+            "machine": {"host": "vm"},
+            "load_average_start": [1.0, 1.0, 1.0],
+            "load_average_end": [2.0, 2.0, 2.0],
+        },
     }
     out.write_text(json.dumps(doc))
     out.with_name(f"{name}-requests.json").write_text(json.dumps(requests))
@@ -58,6 +66,9 @@ def test_two_sweeps_merge_into_one_result_that_sums_up_as_each_did(tmp_path):
     assert report["mean_ttft_speedup"] == pytest.approx({"1": 1.0, "2.5": 4.0})
     assert [s["file"] for s in report["merged_from"]] == ["low.json", "knee.json"]
     assert report["commit"] == ["knee", "low"] and report["complete"]
+    prov = report["provenance"]
+    assert prov["commit"] == "c0ffee" and prov["merged_from"] == ["low.json", "knee.json"]
+    assert "--peaks 1 ; " in prov["command"] and prov["command"].endswith("--peaks 2.5")
     # the merged result reads back as a part of its own (it can be resumed)
     back = mm.read_previous(out)
     assert sorted((r.config, r.peak) for r in back.runs) == [
@@ -80,6 +91,9 @@ def test_parts_that_do_not_agree_are_refused(tmp_path):
     reseeded = part(tmp_path, "reseeded", 1.0, {"kvcached": 0.3, "native": 0.3}, seed=9)
     with pytest.raises(ValueError, match="another trace"):
         mmm.merge([low, reseeded], tmp_path / "m.json")
+    later = part(tmp_path, "later", 3.0, {"kvcached": 0.2, "native": 0.2}, measured="beef")
+    with pytest.raises(ValueError, match="different commits"):
+        mmm.merge([low, later], tmp_path / "m.json")
     with pytest.raises(ValueError, match="two results or more"):
         mmm.merge([low], tmp_path / "m.json")
 
