@@ -150,55 +150,7 @@ class BlockManager:
             if n == 0:
                 return []
             raise ConfigError("n", n, "a number of blocks >= 0")
-        if n <= self._free_in_held:
-            # Fast path: the fullest page has more than n free blocks, so
-            # one page serves the request (most decode and short prefill
-            # calls). The same placement as _take, written out (pinned to it
-            # by tests/memory/test_inlined_copies.py).
-            buckets = self._buckets
-            k = self._lo
-            bucket = buckets[k]
-            while not bucket:
-                k += 1
-                bucket = buckets[k]
-            # popitem, not next(iter()): a dict's first live entry can sit
-            # behind many deleted ones, its last cannot.
-            p = bucket.popitem()[0]
-            lst = self._free[p]
-            m = len(lst) - n
-            if m > 0:
-                c = self._class[m]
-                buckets[c][p] = None
-                if c != k:
-                    self._class_of[p] = c
-                    k = c
-                self._lo = k
-                self._free_in_held -= n
-                state = self._state
-                if n == 1:
-                    b = lst.pop()
-                    state[b] = 1  # _LIVE
-                    return [b]
-                out = lst[-n:]
-                del lst[-n:]
-                for b in out:
-                    state[b] = 1
-                return out
-            # The fullest page has no more than n: it goes whole (its list
-            # becomes the result, the page gets a new one), the rest comes
-            # from the next fullest pages.
-            self._class_of[p] = 0
-            self._lo = k
-            self._free[p] = []
-            got = len(lst)
-            self._free_in_held -= got
-            state = self._state
-            for b in lst:
-                state[b] = 1
-            if m:
-                lst += self._take(-m)
-            return lst
-        else:
+        if n > self._free_in_held:
             if self.null_parked:
                 return None  # no block before block 0 is back (unpark_null_block)
             bpp = self.blocks_per_page
@@ -233,68 +185,52 @@ class BlockManager:
                 raise self._free_error(ids, 0)
             state[b] = 0
             p = b // bpp
-            lst = self._free[p]
-            lst.append(b)
-        elif n:
-            # Check and clear every id first, noting where the page changes
-            # (an alloc's ids come as one run per page); the page lists are
-            # touched only once every id is good, a run at a time. The current
-            # page's bounds check the range too, so an id costs four tests; a
-            # page change (or a bad id) takes the full check.
-            runs = None
-            start = 0
-            p = ids[0]
-            if p.__class__ is int and 0 <= p < nb:  # the first id's page: the loop's bounds
-                p //= bpp
+            self._free[p].append(b)
+            self._refile((p,), 1)
+            return
+        if not n:
+            return
+        # Check and clear every id first, noting where the page changes (an
+        # alloc's ids come as one run per page); the page lists are touched
+        # only once every id is good, a run at a time. The current page's
+        # bounds check the range too, so an id costs four tests; a page change
+        # (or a bad id) takes the full check.
+        runs = None
+        start = 0
+        p = ids[0]
+        if p.__class__ is int and 0 <= p < nb:  # the first id's page: the loop's bounds
+            p //= bpp
+            lo = p * bpp
+            hi = lo + bpp
+        else:  # the first id takes the full check (and fails it)
+            lo = hi = 0
+        it = iter(ids)
+        for b in it:
+            if b.__class__ is not int or b >= hi or b < lo or state[b] != 1:
+                at = n - it.__length_hint__() - 1
+                if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
+                    for q in ids[:at]:
+                        state[q] = 1  # undo: nothing else was changed yet
+                    raise self._free_error(ids, at)
+                if at:  # a new page: the ids before it were one run
+                    if runs is None:
+                        runs = []
+                    runs.append((p, start, at))
+                p = b // bpp
                 lo = p * bpp
                 hi = lo + bpp
-            else:  # the first id takes the full check (and fails it)
-                lo = hi = 0
-            it = iter(ids)
-            for b in it:
-                if b.__class__ is not int or b >= hi or b < lo or state[b] != 1:
-                    at = n - it.__length_hint__() - 1
-                    if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
-                        for q in ids[:at]:
-                            state[q] = 1  # undo: nothing else was changed yet
-                        raise self._free_error(ids, at)
-                    if at:  # a new page: the ids before it were one run
-                        if runs is None:
-                            runs = []
-                        runs.append((p, start, at))
-                    p = b // bpp
-                    lo = p * bpp
-                    hi = lo + bpp
-                    start = at
-                state[b] = 0
-            if runs is not None:
-                runs.append((p, start, n))
-                touched: dict[int, None] = {}  # a dict store is cheaper than set.add
-                for p, lo, hi in runs:
-                    self._free[p].extend(ids[lo:hi])
-                    touched[p] = None
-                self._refile(touched, n)
-                return
-            lst = self._free[p]
-            lst.extend(ids)
-        else:
-            return
-        # One page got n blocks back: refile it (_refile, written out; pinned to
-        # it by tests/memory/test_inlined_copies.py).
-        k = len(lst)
-        if k == bpp:
+                start = at
+            state[b] = 0
+        if runs is None:  # one page
+            self._free[p].extend(ids)
             self._refile((p,), n)
             return
-        c = self._class[k]
-        old = self._class_of[p]
-        if c != old:
-            if old:
-                del self._buckets[old][p]
-            self._buckets[c][p] = None
-            self._class_of[p] = c
-            if c < self._lo:
-                self._lo = c
-        self._free_in_held += n
+        runs.append((p, start, n))
+        touched: dict[int, None] = {}  # a dict store is cheaper than set.add
+        for p, lo, hi in runs:
+            self._free[p].extend(ids[lo:hi])
+            touched[p] = None
+        self._refile(touched, n)
 
     def _refile(self, touched: Iterable[int], done: int) -> None:
         """File each touched page by its new free count after ``done`` blocks
@@ -420,7 +356,9 @@ class BlockManager:
             if not bucket:
                 k += 1
                 continue
-            p = bucket.popitem()[0]  # any page of the fullest class (see alloc)
+            # popitem, not next(iter()): a dict's first live entry can sit
+            # behind many deleted ones, its last cannot.
+            p = bucket.popitem()[0]  # any page of the fullest class
             lst = lists[p]
             m = len(lst)
             if m <= left:
