@@ -57,7 +57,8 @@ def check_image(buf, path: str, *, locked: bool) -> None:
         mv.release()
 
 
-def _check(mv: memoryview, path: str, locked: bool) -> None:
+def _check_header(mv: memoryview, path: str) -> Header:
+    """The header, every word of it in range (else the corruption error)."""
     head = Header.from_buffer_copy(mv[: layout.HEADER_SIZE])
     total = head.total_bytes
     if not 0 < total <= MAX_TOTAL_BYTES:
@@ -82,7 +83,12 @@ def _check(mv: memoryview, path: str, locked: bool) -> None:
         in_range("publish_free", head.publish_free, 0, total)
     if head.calibration_seq == 0:
         raise corrupt(path, "header calibration_seq is 0 (a ledger starts at 1)")
+    return head
 
+
+def _check(mv: memoryview, path: str, locked: bool) -> None:
+    head = _check_header(mv, path)
+    total = head.total_bytes
     pools = mv[layout.POOLS_OFFSET : layout.INSTANCES_OFFSET]
     p64, p32 = pools.cast("q"), pools.cast("i")
     insts = mv[layout.INSTANCES_OFFSET : layout.FILE_SIZE]

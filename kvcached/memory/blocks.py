@@ -16,7 +16,6 @@ an ``assert``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -186,7 +185,8 @@ class BlockManager:
             state[b] = 0
             p = b // bpp
             self._free[p].append(b)
-            self._refile((p,), 1)
+            if self._refile(p, 1):
+                self._pages.give_back([p])
             return
         if not n:
             return
@@ -223,42 +223,38 @@ class BlockManager:
             state[b] = 0
         if runs is None:  # one page
             self._free[p].extend(ids)
-            self._refile((p,), n)
+            if self._refile(p, n):
+                self._pages.give_back([p])
             return
         runs.append((p, start, n))
-        touched: dict[int, None] = {}  # a dict store is cheaper than set.add
+        touched: dict[int, int] = {}
         for p, lo, hi in runs:
             self._free[p].extend(ids[lo:hi])
-            touched[p] = None
-        self._refile(touched, n)
-
-    def _refile(self, touched: Iterable[int], done: int) -> None:
-        """File each touched page by its new free count after ``done`` blocks
-        came back; emptied pages go back to the page allocator."""
-        lists, bpp = self._free, self.blocks_per_page
-        buckets, filed, cls = self._buckets, self._class_of, self._class
-        emptied = []
-        lo = self._lo
-        for p in touched:
-            k = len(lists[p])
-            if k == bpp:
-                emptied.append(p)
-                c = 0
-            else:
-                c = cls[k]
-            old = filed[p]
-            if c != old:
-                if old:
-                    del buckets[old][p]
-                if c:
-                    buckets[c][p] = None
-                    if c < lo:
-                        lo = c
-                filed[p] = c
-        self._lo = lo
-        self._free_in_held += done - len(emptied) * bpp
+            touched[p] = touched.get(p, 0) + hi - lo
+        refile = self._refile
+        emptied = [p for p, done in touched.items() if refile(p, done)]
         if emptied:
             self._pages.give_back(emptied)
+
+    def _refile(self, p: int, done: int) -> bool:
+        """File held page ``p`` under the class of its free count after
+        ``done`` of its blocks came back (a negative ``done``: were handed
+        out). ``True`` when every block of it is free: unfiled and no longer
+        counted as held then, for the caller to give back."""
+        k = len(self._free[p])
+        empty = k == self.blocks_per_page
+        c = 0 if empty else self._class[k]
+        old = self._class_of[p]
+        if c != old:
+            if old:
+                del self._buckets[old][p]
+            if c:
+                self._buckets[c][p] = None
+                if c < self._lo:
+                    self._lo = c
+            self._class_of[p] = c
+        self._free_in_held += done - k if empty else done
+        return empty
 
     def claim(self, block: int) -> bool:
         """Hand out the free block ``block`` itself (an engine that picks
@@ -290,18 +286,7 @@ class BlockManager:
                 self._adopt([p])
                 lst = self._free[p]
             lst.remove(block)
-            k = len(lst)
-            c = self._class[k] if k else 0
-            old = self._class_of[p]
-            if c != old:
-                if old:
-                    del self._buckets[old][p]
-                if c:
-                    self._buckets[c][p] = None
-                    if c < self._lo:
-                        self._lo = c
-                self._class_of[p] = c
-            self._free_in_held -= 1
+            self._refile(p, -1)
             self._state[block] = _LIVE
             return True
         finally:
@@ -346,40 +331,56 @@ class BlockManager:
         self._free_in_held += len(pages) * bpp
 
     def _take(self, n: int) -> list[int]:
-        """``n`` free blocks from held pages, fullest class of page first."""
-        out: list[int] = []
-        buckets, lists, filed = self._buckets, self._free, self._class_of
+        """``n`` free blocks from held pages (no more than they hold), fullest
+        class of page first: whole pages while the fullest holds no more than
+        what is left, then part of the next. Most calls (a decode step, a short
+        prefill) end at the first page."""
+        buckets, lists, state = self._buckets, self._free, self._state
         k = self._lo
+        out = None
         left = n
-        while left:
+        while True:
             bucket = buckets[k]
-            if not bucket:
+            while not bucket:
                 k += 1
-                continue
+                bucket = buckets[k]
             # popitem, not next(iter()): a dict's first live entry can sit
             # behind many deleted ones, its last cannot.
             p = bucket.popitem()[0]  # any page of the fullest class
             lst = lists[p]
-            m = len(lst)
-            if m <= left:
-                if out:
-                    out += lst
-                    lst.clear()
-                else:  # the page's list becomes the result; the page gets a new one
-                    out = lst
-                    lists[p] = []
-                filed[p] = 0
-                left -= m
+            m = len(lst) - left  # blocks it keeps free
+            if m > 0:
+                break
+            self._class_of[p] = 0  # the page goes whole
+            if out is None:  # its list becomes the result; the page gets a new one
+                out = lst
+                lists[p] = []
             else:
-                out += lst[-left:]
-                del lst[-left:]
-                k = (m - left).bit_length()
-                buckets[k][p] = None
-                filed[p] = k
-                left = 0
+                out += lst
+                lst.clear()
+            left = -m
+            if not left:
+                self._lo = k
+                self._free_in_held -= n
+                for b in out:
+                    state[b] = _LIVE
+                return out
+        c = self._class[m]  # part of page p: it moves down to the class of m
+        buckets[c][p] = None
+        if c != k:
+            self._class_of[p] = c
+            k = c
         self._lo = k
         self._free_in_held -= n
-        state = self._state
+        if out is None:
+            if left == 1:
+                b = lst.pop()
+                state[b] = _LIVE
+                return [b]
+            out = lst[-left:]
+        else:
+            out += lst[-left:]
+        del lst[-left:]
         for b in out:
             state[b] = _LIVE
         return out

@@ -237,7 +237,6 @@ class PageMapper:
             return 0
         done = 0
         try:
-            build_run = self._build_run
             n = len(exts)
             while done < n:
                 j = done + 1
@@ -245,11 +244,14 @@ class PageMapper:
                 while j < n and exts[j].first == end:
                     end += exts[j].count
                     j += 1
-                try:
-                    build_run(exts[done:j])
-                except DriverError as exc:
-                    done += getattr(exc, "built", 0)  # whole extents before the failure
-                    raise
+                if j == done + 1:
+                    self._build(exts[done])
+                else:
+                    try:
+                        self._build_run(exts[done:j])
+                    except DriverError as exc:
+                        done += getattr(exc, "built", 0)  # whole extents before the failure
+                        raise
                 done = j
         except DriverError as exc:
             level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
@@ -262,9 +264,15 @@ class PageMapper:
             self._abandon(exts, done)
         except BaseException:
             self._abandon(exts, done)
-            self._go_live(exts, done)
             raise
-        self._go_live(exts, done)
+        finally:  # the spans before `done` go live (after an undo of the rest)
+            lock = self._lock
+            lock.acquire()
+            try:
+                for i in range(done):
+                    exts[i].busy = False
+            finally:
+                lock.release()
         return done
 
     def _claim_spans(self, spans: list[tuple[int, int]]) -> tuple[list[Extent], int]:
@@ -354,7 +362,7 @@ class PageMapper:
             set_access(va, size)
 
     def _build_run(self, run: list[Extent]) -> None:
-        """:meth:`_build` for extents of adjacent pages: range ``i`` of every
+        """:meth:`_build` for two extents of adjacent pages or more: range ``i`` of every
         extent is created and mapped, then enabled by one ``set_access`` over
         the run's range ``i`` (a run of 32 one-handle pages grew 1.04x as fast
         as one call per page on an H200, ``benchmarks/driver_runs.py``).
@@ -365,9 +373,6 @@ class PageMapper:
         failed in the last range (with one handle a page, every range is the
         last): they are enabled here and kept, as one call per page would
         have kept them. Every other extent of the run is left to be undone."""
-        if len(run) == 1:
-            self._build(run[0])
-            return
         driver = self.driver
         create, map_, set_access = driver.create, driver.map, driver.set_access
         first = run[0].first
@@ -442,15 +447,6 @@ class PageMapper:
                     quarantine.pop(first, None)
                 pages += count
             self.mapped_pages -= pages
-
-    def _go_live(self, exts: list[Extent], done: int) -> None:
-        lock = self._lock
-        lock.acquire()
-        try:
-            for i in range(done):
-                exts[i].busy = False
-        finally:
-            lock.release()
 
     def _undo(self, ext: Extent, granted: int) -> None:
         """Unwind a half-built extent in reverse; refund what never became or

@@ -237,39 +237,33 @@ class PageAllocator:
         grow_lock.acquire()
         gate.take_waiting = False
         try:
-            return self._take_growing(n)
-        finally:
-            grow_lock.release()
-
-    def _take_growing(self, n: int) -> list[int] | None:
-        """:meth:`take` with the grow lock held: the idle pages there are,
-        and the rest newly mapped. Growth (one page at a time on a decode
-        step, so every step counts) asks the budget once, by the mapper's
-        grant: a denial there undoes the pick and misses, as a short headroom
-        would."""
-        lock = self._lock
-        lock.acquire()
-        try:
-            if self._closed:
-                return None
-            n_idle = self.n_idle
-            grow = n - n_idle
-            if grow <= 0:  # pages came back meanwhile
-                pages = self._pop_idle(n)
-                refill = self._after_take()
-                spans = None
-            else:
-                if self.growable(grow) < grow:  # the budget answers at the grant
+            lock.acquire()
+            try:
+                if self._closed:
                     return None
-                pages = self._pop_idle(n_idle) if n_idle else []
-                spans = self._pick_unmapped(grow)
-        finally:
-            lock.release()
-        if spans is None:
+                n_idle = self.n_idle
+                grow = n - n_idle
+                if grow <= 0:  # pages came back meanwhile
+                    pages = self._pop_idle(n)
+                    refill = self._after_take()
+                    spans = None
+                # Growth (one page at a time on a decode step, so every step
+                # counts) asks the budget once, by the mapper's grant: a denial
+                # there undoes the pick and misses, as a short headroom would.
+                elif self.growable(grow) < grow:
+                    return None
+                else:
+                    pages = self._pop_idle(n_idle) if n_idle else []
+                    spans = self._pick_unmapped(grow)
+            finally:
+                lock.release()
+            if spans is not None:
+                return self._grow_for_take(spans, pages)
             if refill:
                 self._refill(grow_locked=True)
             return pages
-        return self._grow_for_take(spans, pages)
+        finally:
+            grow_lock.release()
 
     def _grow_for_take(self, spans: list[tuple[int, int]], pages: list[int]) -> list[int] | None:
         """Map a take's picked (busy) ``spans`` and hand them out after the
