@@ -14,15 +14,15 @@ Rules this class keeps:
 * growth goes ``grant -> (create -> map -> set_access) per handle``; whatever
   fails is undone in reverse, and bytes never created are refunded at once.
   Extents of adjacent pages grown together (a *run*) share their
-  ``set_access`` calls: every handle of the run's range ``i`` is created and
-  mapped, then one call enables the whole range; a failure undoes the run,
+  ``set_access`` calls: every handle of the run's lane ``i`` is created and
+  mapped, then one call enables the whole lane; a failure undoes the run,
   but for the extents before the failed call when it failed in the last
-  range (with one handle a page, always): those are whole, enabled and kept;
+  lane (with one handle a page, always): those are whole, enabled and kept;
 * release goes ``synchronize -> unmap -> release -> refund``, one
-  ``unmap_range`` per range of a run of adjacent extents of one size released
-  together; a refund follows a confirmed release only. A handle whose unmap or release failed keeps its
-  charge and leaves its extent quarantined (unusable, still counted as
-  mapped) until :meth:`PageMapper.retry_quarantined` finishes the job;
+  ``unmap_range`` per lane of a run of adjacent extents of one size released
+  together; a refund follows a confirmed release only. A handle whose unmap
+  or release failed keeps its charge and leaves its extent quarantined
+  (unusable, still counted as mapped) until :meth:`PageMapper.retry_quarantined` finishes the job;
 * driver calls never run under the lock.
 
 This is the page-level API an integration can use on its own (a vLLM worker
@@ -48,8 +48,8 @@ from kvcached.driver.base import Handle
 from kvcached.errors import DriverError, MappingError, OutOfPhysicalMemoryError
 from kvcached.log import get_logger
 from kvcached.memory.budget import PhysicalBudget
-from kvcached.memory.spec import PageGeometry
-from kvcached.memory.tensors import VirtualKVTensors
+from kvcached.memory.spec import PageShape
+from kvcached.memory.tensors import PagedTensors
 from kvcached.units import MIB
 
 log = get_logger("kvcached.memory")
@@ -72,7 +72,7 @@ class PageBackend(Protocol):
     """
 
     budget: PhysicalBudget
-    geometry: PageGeometry
+    geometry: PageShape
     page_bytes: int
     max_run_pages: int
     mapped_pages: int
@@ -99,7 +99,7 @@ class PageBackend(Protocol):
 class Extent:
     """Pages ``[first, first+count)`` and their handles.
 
-    Handle ``i`` maps range ``i`` of the extent (see
+    Handle ``i`` maps lane ``i`` of the extent (see
     :meth:`~kvcached.memory.tensors.VirtualKVTensors.extent_ranges`). While it
     is built, ``handles[:mapped]`` are mapped and any handle after them is
     created only; a teardown turns that into one state per handle
@@ -123,7 +123,9 @@ class Extent:
 
 
 class PageMapper:
-    """Maps and unmaps pages of one :class:`VirtualKVTensors` against a budget.
+    """Maps and unmaps pages of one :class:`~kvcached.memory.tensors.PagedTensors`
+    (:class:`~kvcached.memory.tensors.VirtualKVTensors` or
+    :class:`~kvcached.memory.ranges.RangeKVTensors`) against a budget.
 
     ``max_handle_bytes`` caps one handle; extents longer than
     :attr:`max_run_pages` are refused (``0`` turns coalescing off: one page per
@@ -134,7 +136,7 @@ class PageMapper:
 
     def __init__(
         self,
-        tensors: VirtualKVTensors,
+        tensors: PagedTensors,
         budget: PhysicalBudget,
         *,
         max_handle_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
@@ -148,8 +150,8 @@ class PageMapper:
         self.max_run_pages = max(1, max_handle_bytes // g.handle_bytes_per_page)
         self.before_unmap = before_unmap or self.driver.synchronize
         self._num_pages = g.num_pages
-        # (va of page 0, bytes per page) of each handle's range: range i of
-        # an extent is (va_i + first * bytes_i, count * bytes_i).
+        # (va of page 0, page stride) of each lane (a handle's address range):
+        # lane i of an extent is (va_i + first * stride_i, count * stride_i).
         self._strides = tensors.handle_strides()
         self._lock = threading.Lock()
         self._owner: list[Extent | None] = [None] * g.num_pages
@@ -191,7 +193,7 @@ class PageMapper:
 
     def _held(self, ext: Extent) -> int:
         """Bytes of ``ext``'s handles created and not yet released."""
-        sizes = [ext.count * span for _, span in self._strides]
+        sizes = [ext.count * stride for _, stride in self._strides]
         if ext.states is None:
             return sum(sizes[: len(ext.handles)])
         return sum(size for size, st in zip(sizes, ext.states, strict=False) if st != _RELEASED)
@@ -345,16 +347,16 @@ class PageMapper:
             owner[p] = ext
 
     def _build(self, ext: Extent) -> None:
-        """Create, map and enable each handle of ``ext`` in turn (each range
+        """Create, map and enable each handle of ``ext`` in turn (each lane
         is its own address range, so its access is set once it is mapped).
         ``ext.handles`` and ``ext.mapped`` say how far it got if one fails."""
         driver = self.driver
         create, map_, set_access = driver.create, driver.map, driver.set_access
         first, count = ext.first, ext.count
         handles = ext.handles
-        for base, span in self._strides:
-            size = count * span
-            va = base + first * span
+        for base, stride in self._strides:
+            size = count * stride
+            va = base + first * stride
             handle = create(size)
             handles.append(handle)
             map_(va, size, handle)
@@ -362,27 +364,27 @@ class PageMapper:
             set_access(va, size)
 
     def _build_run(self, run: list[Extent]) -> None:
-        """:meth:`_build` for two extents of adjacent pages or more: range ``i`` of every
-        extent is created and mapped, then enabled by one ``set_access`` over
-        the run's range ``i`` (a run of 32 one-handle pages grew 1.04x as fast
+        """:meth:`_build` for two extents of adjacent pages or more: lane ``i``
+        of every extent is created and mapped, then enabled by one
+        ``set_access`` over the run's lane ``i`` (a run of 32 one-handle pages grew 1.04x as fast
         as one call per page on an H200, ``benchmarks/driver_runs.py``).
 
         If a call fails, each extent's ``handles`` and ``mapped`` say how far
         it got, and the error carries ``built``: how many leading extents of
         the run are whole. Those are the ones before the failed call when it
-        failed in the last range (with one handle a page, every range is the
+        failed in the last lane (with one handle a page, every lane is the
         last): they are enabled here and kept, as one call per page would
         have kept them. Every other extent of the run is left to be undone."""
         driver = self.driver
         create, map_, set_access = driver.create, driver.map, driver.set_access
         first = run[0].first
         last = len(self._strides) - 1
-        for s, (base, span) in enumerate(self._strides):
-            start_va = va = base + first * span
+        for s, (base, stride) in enumerate(self._strides):
+            start_va = va = base + first * stride
             k = 0
             try:
                 for ext in run:
-                    size = ext.count * span
+                    size = ext.count * stride
                     handle = create(size)
                     ext.handles.append(handle)
                     map_(va, size, handle)
@@ -395,7 +397,7 @@ class PageMapper:
             set_access(start_va, va - start_va)
 
     def _enable_built(self, start_va: int, end_va: int, k: int) -> int:
-        """Enable ``[start_va, end_va)``, the last range of the ``k`` whole
+        """Enable ``[start_va, end_va)``, the last lane of the ``k`` whole
         extents before a failed call in :meth:`_build_run`; returns how many
         are kept (0 when there are none or the call fails: undone then)."""
         if not k:
@@ -451,7 +453,7 @@ class PageMapper:
     def _undo(self, ext: Extent, granted: int) -> None:
         """Unwind a half-built extent in reverse; refund what never became or
         no longer is memory; quarantine whatever could not be undone."""
-        created = sum(ext.count * span for _, span in self._strides[: len(ext.handles)])
+        created = sum(ext.count * stride for _, stride in self._strides[: len(ext.handles)])
         clean = self._teardown(ext)
         held = self._held(ext)
         # `granted - created` was never allocated; released handles were refunded
@@ -554,7 +556,7 @@ class PageMapper:
         """Unmap and release claimed extents (``before_unmap`` has run);
         ``True`` when every one is gone, else the rest are quarantined.
         Adjacent extents of one size, as pages released together are, go
-        by runs: one ``unmap_range`` per range of the run, then a release
+        by runs: one ``unmap_range`` per lane of the run, then a release
         per handle (see :meth:`_release_runs`); any other extent, or one
         whose run failed, by :meth:`_teardown`."""
         gone: list[Extent] = []
@@ -588,7 +590,7 @@ class PageMapper:
     def _release_runs(self, exts: list[Extent], gone: list[Extent]) -> list[Extent]:
         """Unmap runs of adjacent, fully mapped extents of one size among
         ``exts`` (a run is extents in ascending order in ``exts``, each
-        starting where the one before it ends), one ``unmap_range`` per range
+        starting where the one before it ends), one ``unmap_range`` per lane
         of a run, and release their handles; released extents go to ``gone``
         and their bytes are refunded. Returns the extents left for
         :meth:`_teardown` (not in a run, or their run failed: their
@@ -630,7 +632,7 @@ class PageMapper:
         return j
 
     def _unmap_run(self, run: list[Extent]) -> bool:
-        """One ``unmap_range`` per range of ``run``, the last range first.
+        """One ``unmap_range`` per lane of ``run``, the last lane first.
         ``False`` when one fails: every extent of the run then has its
         per-handle ``states`` (what the failed call unmapped counted as
         unmapped), for :meth:`_teardown` to finish."""
@@ -639,15 +641,15 @@ class PageMapper:
         nh = len(strides)
         first, count, k = run[0].first, run[0].count, len(run)
         for s in range(nh - 1, -1, -1):
-            base, span = strides[s]
+            base, stride = strides[s]
             try:
-                unmap_range(base + first * span, count * span, k)
+                unmap_range(base + first * stride, count * stride, k)
             except DriverError as exc:
                 log.warning(
                     "unmap of %d mappings of %d bytes at %#x failed, retried one by one: %s",
                     k,
-                    count * span,
-                    base + first * span,
+                    count * stride,
+                    base + first * stride,
                     exc,
                 )
                 went = getattr(exc, "unmapped", 0)
@@ -661,10 +663,10 @@ class PageMapper:
 
     def _release_handles(self, run: list[Extent], gone: list[Extent], rest: list[Extent]) -> int:
         """Release every handle of the unmapped extents of ``run``, the last
-        range first; an extent whose release failed keeps its ``states`` and
+        lane first; an extent whose release failed keeps its ``states`` and
         goes to ``rest``, the others to ``gone``. Returns the bytes released."""
         release = self.driver.release
-        sizes = [run[0].count * span for _, span in self._strides]
+        sizes = [run[0].count * stride for _, stride in self._strides]
         nh = len(sizes)
         ext_bytes = sum(sizes)
         freed = 0
@@ -699,8 +701,8 @@ class PageMapper:
         first, count = ext.first, ext.count
         freed = 0
         for i in range(len(states) - 1, -1, -1):
-            base, span = self._strides[i]
-            va, size = base + first * span, count * span
+            base, stride = self._strides[i]
+            va, size = base + first * stride, count * stride
             if states[i] == _MAPPED:
                 try:
                     driver.unmap(va, size)
