@@ -126,7 +126,7 @@ class BlockManager:
                 )
             assert got == [0], f"the first page of a fresh allocator must be page 0, got {got}"
             self._adopt(got)
-            taken = self._take(1)
+            taken = self._alloc_nolock(1)  # the adopted page's first block
             assert taken == [0], f"the null block must be block 0, got {taken}"
             self._state[0] = _NULL
             self.null_block = 0
@@ -143,6 +143,11 @@ class BlockManager:
             lock.release()
 
     def _alloc_nolock(self, n: int) -> list[int] | None:
+        """:meth:`alloc` with the lock held (or none needed). Maps pages when
+        held pages lack free blocks, then places: fullest class of page
+        first, whole pages while the fullest holds no more than what is left,
+        then part of the next. Most calls (a decode step, a short prefill)
+        end at the first page."""
         if n.__class__ is not int:
             n = self._count_arg(n)
         if n <= 0:
@@ -157,7 +162,55 @@ class BlockManager:
             if pages is None:
                 return None
             self._adopt(pages)
-        return self._take(n)
+        buckets, lists, state = self._buckets, self._free, self._state
+        k = self._lo
+        out = None
+        left = n
+        while True:
+            bucket = buckets[k]
+            while not bucket:
+                k += 1
+                bucket = buckets[k]
+            # popitem, not next(iter()): a dict's first live entry can sit
+            # behind many deleted ones, its last cannot.
+            p = bucket.popitem()[0]  # any page of the fullest class
+            lst = lists[p]
+            m = len(lst) - left  # blocks it keeps free
+            if m > 0:
+                break
+            self._class_of[p] = 0  # the page goes whole
+            if out is None:  # its list becomes the result; the page gets a new one
+                out = lst
+                lists[p] = []
+            else:
+                out += lst
+                lst.clear()
+            left = -m
+            if not left:
+                self._lo = k
+                self._free_in_held -= n
+                for b in out:
+                    state[b] = _LIVE
+                return out
+        c = self._class[m]  # part of page p: it moves down to the class of m
+        buckets[c][p] = None
+        if c != k:
+            self._class_of[p] = c
+            k = c
+        self._lo = k
+        self._free_in_held -= n
+        if out is None:
+            if left == 1:
+                b = lst.pop()
+                state[b] = _LIVE
+                return [b]
+            out = lst[-left:]
+        else:
+            out += lst[-left:]
+        del lst[-left:]
+        for b in out:
+            state[b] = _LIVE
+        return out
 
     def free(self, block_ids: list[int]) -> None:
         """Give blocks back. Raises :class:`BlockError`, changing nothing, if
@@ -330,61 +383,6 @@ class BlockManager:
             self._lo = c
         self._free_in_held += len(pages) * bpp
 
-    def _take(self, n: int) -> list[int]:
-        """``n`` free blocks from held pages (no more than they hold), fullest
-        class of page first: whole pages while the fullest holds no more than
-        what is left, then part of the next. Most calls (a decode step, a short
-        prefill) end at the first page."""
-        buckets, lists, state = self._buckets, self._free, self._state
-        k = self._lo
-        out = None
-        left = n
-        while True:
-            bucket = buckets[k]
-            while not bucket:
-                k += 1
-                bucket = buckets[k]
-            # popitem, not next(iter()): a dict's first live entry can sit
-            # behind many deleted ones, its last cannot.
-            p = bucket.popitem()[0]  # any page of the fullest class
-            lst = lists[p]
-            m = len(lst) - left  # blocks it keeps free
-            if m > 0:
-                break
-            self._class_of[p] = 0  # the page goes whole
-            if out is None:  # its list becomes the result; the page gets a new one
-                out = lst
-                lists[p] = []
-            else:
-                out += lst
-                lst.clear()
-            left = -m
-            if not left:
-                self._lo = k
-                self._free_in_held -= n
-                for b in out:
-                    state[b] = _LIVE
-                return out
-        c = self._class[m]  # part of page p: it moves down to the class of m
-        buckets[c][p] = None
-        if c != k:
-            self._class_of[p] = c
-            k = c
-        self._lo = k
-        self._free_in_held -= n
-        if out is None:
-            if left == 1:
-                b = lst.pop()
-                state[b] = _LIVE
-                return [b]
-            out = lst[-left:]
-        else:
-            out += lst[-left:]
-        del lst[-left:]
-        for b in out:
-            state[b] = _LIVE
-        return out
-
     # -- errors ----------------------------------------------------------------------------------
     @staticmethod
     def _count_arg(n: object) -> int:
@@ -458,7 +456,7 @@ class BlockManager:
                 del self._buckets[c][0]
                 self._class_of[0] = 0
             self._free_in_held -= bpp - 1
-            lst.append(0)  # last: _take hands it out first when the page comes back
+            lst.append(0)  # last: alloc hands it out first when the page comes back
             self._state[0] = 0
             self.null_parked = True
         self._pages.give_back([0])
@@ -478,7 +476,7 @@ class BlockManager:
                 self._pages.give_back(got)
                 return False
             self._adopt(got)
-            taken = self._take(1)
+            taken = self._alloc_nolock(1)  # the adopted page's first block
             assert taken == [0], f"the null block must be block 0 again, got {taken}"
             self._state[0] = _NULL
             self.null_parked = False
