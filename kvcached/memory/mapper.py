@@ -392,7 +392,8 @@ class PageMapper:
                     va += size
                     k += 1
             except DriverError as exc:
-                exc.built = self._enable_built(start_va, va, k if s == last else 0)
+                built = self._enable_built(start_va, va, k if s == last else 0)
+                exc.built = built  # type: ignore[attr-defined]
                 raise
             set_access(start_va, va - start_va)
 
