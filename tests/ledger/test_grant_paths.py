@@ -1,10 +1,14 @@
-"""The grant's two paths decide by one rule, on the same inputs.
+"""The grant's written-out paths against the code they copy, on the same inputs.
 
-:meth:`PoolBudget.grant` re-uses refunds batched in the pool without the data
-lock, or decides under it; both ask :meth:`Ledger.room`. Here the rule is
-computed from the test's own figures, and the answer, the path taken and its
-side effects (the pool's figures, the ledger's words, the test hooks passed)
-are checked against it.
+:meth:`PoolBudget.grant` keeps two copies for speed (see its comments):
+
+* the lock-free re-use of batched refunds writes out :meth:`Ledger.room`, the
+  admission test that the locked grant and :meth:`PoolBudget.refresh` call;
+* the locked grant takes the data lock with a bare ``flock`` (and releases
+  it) instead of calling :meth:`Ledger.lock_fd` / :meth:`Ledger.unlock_fd`.
+
+Each is run here beside its reference, and results and side effects (the
+pool's figures, the ledger's words, the test hooks passed) must agree.
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ from hypothesis import strategies as st
 from kvcached.ledger import Ledger, _hooks
 from kvcached.ledger.layout import (
     H_BUDGET,
+    H_PUB_BUDGET,
+    H_PUB_FREE,
+    H_PUB_PENDING,
+    H_PUB_SEQ,
+    H_PUB_TIME,
+    H_SEQ,
     H_WINDOW,
     H_WINDOW_GRANTED,
 )
@@ -120,3 +130,89 @@ def test_the_lock_free_re_use_decides_as_ledger_room(
                 assert pool.headroom() == max(0, room + pending - (nbytes if want else 0))
         finally:
             led.close()
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("grant"), st.integers(min_value=0, max_value=96)),
+        st.tuples(st.just("refund"), st.integers(min_value=0, max_value=96)),
+        st.tuples(st.just("flush"), st.just(0)),
+        st.tuples(st.just("limit"), st.integers(min_value=0, max_value=512)),
+        st.tuples(st.just("budget"), st.integers(min_value=0, max_value=512)),
+        st.tuples(st.just("journal"), st.integers(min_value=0, max_value=512)),
+        st.tuples(st.just("hooks"), st.booleans()),
+    ),
+    max_size=30,
+)
+
+
+@SETTINGS
+@given(ops=OPS)
+def test_the_inline_data_lock_acts_as_the_called_one(ops):
+    """Two ledgers, one pool each, the same operations: one pool takes the data
+    lock inline (as shipped), the other calls :meth:`Ledger.lock_fd` and
+    :meth:`Ledger.unlock_fd`. Every answer, figure, word and hook must agree,
+    including a publication journal left pending (a calibrator killed
+    halfway), which only the code after the lock applies."""
+    with (
+        tempfile.TemporaryDirectory(prefix="kvcached-inline-") as da,
+        tempfile.TemporaryDirectory(prefix="kvcached-called-") as db,
+    ):
+        leds = [_open(da), _open(db)]
+        try:
+            pools = [led.register_pool("a") for led in leds]
+            assert pools[0]._inline_lock
+            pools[1]._inline_lock = False
+            for led in leds:
+                led.register_pool("b").grant(64 * MIB)  # another instance's charge
+                _set_budget(led, 256 * MIB)
+            revision = 0
+            hooks = False
+            for op, arg in ops:
+                if op == "limit":
+                    revision += 1
+                out = []
+                for led, pool in zip(leds, pools, strict=True):
+                    seen: list[str] = []
+                    _hooks.point = seen.append if hooks else None
+                    try:
+                        if op == "grant":
+                            result: object = pool.grant(arg * MIB)
+                        elif op == "refund":
+                            result = pool.refund(arg * MIB)
+                        elif op == "flush":
+                            result = pool.flush()
+                        elif op == "limit":
+                            result = led.set_limit("a", arg * MIB, revision)
+                        elif op == "budget":
+                            result = _set_budget(led, arg * MIB)
+                        elif op == "journal":  # published, not applied: the next holder applies it
+                            i64, u64 = led.i64, led.u64
+                            i64[H_PUB_BUDGET], i64[H_PUB_FREE] = arg * MIB, 0
+                            u64[H_PUB_TIME], u64[H_PUB_SEQ] = 1, u64[H_SEQ] + 1
+                            led.u32[H_PUB_PENDING] = 1
+                            result = None
+                        else:
+                            result = None
+                    except ValueError as exc:  # a refund of more than the pool holds
+                        result = type(exc)
+                    finally:
+                        _hooks.point = None
+                    out.append(
+                        (
+                            result,
+                            pool.charged,
+                            pool.pending_refund,
+                            pool.headroom(),
+                            _words(led, pool),
+                            led.u32[H_PUB_PENDING],
+                            seen,
+                        )
+                    )
+                if op == "hooks":
+                    hooks = arg
+                assert out[0] == out[1], (op, arg)
+        finally:
+            _hooks.point = None
+            for led in leds:
+                led.close()

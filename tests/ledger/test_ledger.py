@@ -20,6 +20,7 @@ from kvcached.ledger import (
     layout,
 )
 from kvcached.ledger import ledger as ledger_module
+from kvcached.ledger import pool as pool_module
 from kvcached.ledger.locks import ByteLock
 from kvcached.memory.budget import PhysicalBudget
 from kvcached.units import GIB, MIB
@@ -109,8 +110,9 @@ def test_a_big_handle_refunds_at_once(ledger):
 
 
 def _break_data_lock(m: pytest.MonkeyPatch) -> None:
-    """Every flock of the data lock raises."""
+    """Every flock of the data lock raises, the pool's inline grant path included."""
     m.setattr(ledger_module, "_flock", _broken_flock)
+    m.setattr(pool_module, "_flock", _broken_flock)
 
 
 def test_a_grant_within_the_batch_re_uses_it_without_the_lock(ledger, monkeypatch):
@@ -161,8 +163,8 @@ def _broken_flock(fd, op):
 
 
 def test_a_ledger_that_replaces_the_data_lock_is_called_through(ledger_dir, device):
-    """The pool's grant takes the data lock through the ledger's own calls: a
-    subclass's lock (the benchmark's baseline) is never bypassed."""
+    """The pool's grant takes the data lock inline only where it is the ledger's
+    own flock: a subclass's lock (the benchmark's baseline) is never bypassed."""
     calls = []
 
     class Counted(Ledger):
@@ -182,8 +184,8 @@ def test_a_ledger_that_replaces_the_data_lock_is_called_through(ledger_dir, devi
         pool.close()
 
 
-def test_a_grant_runs_what_follows_the_lock(ledger, monkeypatch):
-    """A grant runs the lock's hooks (and journal check)."""
+def test_the_inline_grant_runs_what_follows_the_lock(ledger, monkeypatch):
+    """A grant that takes the lock inline still runs the lock's hooks (and journal check)."""
     pool = ledger.register_pool("a")
     seen = []
     monkeypatch.setattr(ledger_module._hooks, "point", seen.append)

@@ -99,7 +99,7 @@ def test_a_retirement_killed_halfway_is_finished_once(ledger, ledger_dir, point)
 
 
 def test_a_grant_finishes_a_retirement_killed_halfway(ledger, ledger_dir):
-    """A pool's grant, the first to take the data lock, finishes the journal."""
+    """A pool's grant takes the data lock inline; it still finishes the journal."""
     pool = ledger.register_pool("survivor")
     run_child(ledger_dir, "hold", "-")
     run_child(ledger_dir, "retire", "retire-applying")
