@@ -50,8 +50,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvcached.integrations.patching import PatchGroup  # noqa: E402
-from kvcached.integrations.vllm import engine  # noqa: E402
+from kvcached.integrations.vllm import engine, groups  # noqa: E402
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry  # noqa: E402
 from kvcached.integrations.vllm.state import STATE  # noqa: E402
 from kvcached.units import MIB  # noqa: E402
@@ -189,21 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("kvcached").setLevel(logging.WARNING)  # one engine line per manager
     STATE.active, STATE.version = True, VLLM_VERSION
-    for name, module, check, install in (
-        (
-            "kv_cache_coordinator",
-            kv_cache_coordinator,
-            engine.check_coordinator,
-            engine.install_coordinator,
-        ),
-        (
-            "kv_cache_manager",
-            kv_cache_manager,
-            engine.check_kv_cache_manager,
-            engine.install_kv_cache_manager,
-        ),
+    bound = {group.name: group for group in groups(VLLM_VERSION)}  # bound to the release
+    for name, module in (
+        ("kv_cache_coordinator", kv_cache_coordinator),
+        ("kv_cache_manager", kv_cache_manager),
     ):
-        assert STATE.install(PatchGroup(name, module.__name__, install, check), module)
+        assert STATE.install(bound[name], module)
     rounds = []
     for r in range(args.rounds):
         prompts = workload(r, args.requests, args.min_prompt, args.max_prompt)

@@ -292,18 +292,7 @@ def run_demo(
         assert geometry is not None
         page_bytes, bpp = geometry["page_bytes"], geometry["blocks_per_page"]
         budget_blocks = budget // page_bytes * bpp
-        t0 = time.time() + 0.3
-        for i, w in enumerate(workers):
-            w.trace = bursty_trace(seed * 1000 + i, ticks, TICK_S, w.window, budget_blocks)
-            plan = {
-                "t0": t0,
-                "tick_s": TICK_S,
-                "ticks": ticks,
-                "trace": [[r.arrival, r.prompt, r.steps, r.grow_every] for r in w.trace],
-            }
-            assert w.proc.stdin is not None
-            w.proc.stdin.write(json.dumps(plan) + "\n")
-            w.proc.stdin.flush()
+        t0 = _send_plans(workers, seed, ticks, budget_blocks)
         peak_total, usable, stopped = _watch(
             workers, inbox, sampler, screen, t0, duration_s, budget, index, as_json
         )
@@ -331,6 +320,23 @@ def run_demo(
         for w in workers:
             _stop(w)
         shutil.rmtree(ledger_dir, ignore_errors=True)
+
+
+def _send_plans(workers: list[Worker], seed: int, ticks: int, budget_blocks: int) -> float:
+    """Give each worker its trace, all starting at one moment; returns it."""
+    t0 = time.time() + 0.3
+    for i, w in enumerate(workers):
+        w.trace = bursty_trace(seed * 1000 + i, ticks, TICK_S, w.window, budget_blocks)
+        plan = {
+            "t0": t0,
+            "tick_s": TICK_S,
+            "ticks": ticks,
+            "trace": [[r.arrival, r.prompt, r.steps, r.grow_every] for r in w.trace],
+        }
+        assert w.proc.stdin is not None
+        w.proc.stdin.write(json.dumps(plan) + "\n")
+        w.proc.stdin.flush()
+    return t0
 
 
 def _stop(w: Worker) -> None:
@@ -389,9 +395,6 @@ def _watch(
     """Sample the ledger and draw the view until every worker is done.
     Returns ``(peak of the total charge, the device's memory less the
     ledger's safety margin, stopped by the user)``."""
-    from kvcached.control.snapshot import read_snapshots
-    from kvcached.control.view import gpu_rows, instance_rows, render_top
-
     by_name = {w.name: w for w in workers}
     pids = {w.proc.pid for w in workers}
     peak_total = usable = 0
@@ -422,33 +425,7 @@ def _watch(
                 next_draw = now + refresh_s
                 t = max(0.0, time.time() - t0)
                 if screen.full:
-                    order = {w.name: i for i, w in enumerate(workers)}
-                    rows = sorted(
-                        (
-                            r
-                            for r in instance_rows(
-                                [s for s in read_snapshots() if s.pid in pids],
-                                [snap] if snap else [],
-                            )
-                            if r.name in order
-                        ),
-                        key=lambda r: order[r.name],
-                    )
-                    cols, lines = screen.size()
-                    screen.draw(
-                        render_top(
-                            rows,
-                            gpu_rows([snap] if snap else []),
-                            width=cols,
-                            height=lines,
-                            title=(
-                                f"kvcached demo   {len(workers)} instances share "
-                                f"{format_bytes(budget)} on host-{index}   "
-                                f"{min(t, duration_s):4.1f} s of {duration_s:g} s   q stops"
-                            ),
-                            footer=_footer(workers, t),
-                        )
-                    )
+                    _draw_top(screen, workers, snap, pids, t, duration_s, budget, index)
                 else:
                     screen.draw(_progress_line(workers, snap, t, budget))
             if now > deadline:
@@ -456,6 +433,49 @@ def _watch(
             if screen.wait(SAMPLE_S):
                 return peak_total, usable, True
     return peak_total, usable, False
+
+
+def _draw_top(
+    screen,
+    workers: list[Worker],
+    snap,
+    pids: set[int],
+    t: float,
+    duration_s: float,
+    budget: int,
+    index: int,
+) -> None:
+    """One frame of the full-screen view: the demo's instances and the device."""
+    from kvcached.control.snapshot import read_snapshots
+    from kvcached.control.view import gpu_rows, instance_rows, render_top
+
+    order = {w.name: i for i, w in enumerate(workers)}
+    rows = sorted(
+        (
+            r
+            for r in instance_rows(
+                [s for s in read_snapshots() if s.pid in pids],
+                [snap] if snap else [],
+            )
+            if r.name in order
+        ),
+        key=lambda r: order[r.name],
+    )
+    cols, lines = screen.size()
+    screen.draw(
+        render_top(
+            rows,
+            gpu_rows([snap] if snap else []),
+            width=cols,
+            height=lines,
+            title=(
+                f"kvcached demo   {len(workers)} instances share "
+                f"{format_bytes(budget)} on host-{index}   "
+                f"{min(t, duration_s):4.1f} s of {duration_s:g} s   q stops"
+            ),
+            footer=_footer(workers, t),
+        )
+    )
 
 
 def _load_now(w: Worker, t: float) -> str:

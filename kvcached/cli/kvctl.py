@@ -100,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("percent", type=float, metavar="P")
     _limit_options(p)
 
+    _view_commands(sub, common)
+
+    sub.add_parser(
+        "gpus",
+        parents=[common],
+        help="each GPU's ledger: budget, margin, charges, last calibration",
+    )
+    sub.add_parser(
+        "metrics", parents=[common], help="instances and GPUs in the Prometheus text format"
+    )
+    return parser
+
+
+def _view_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """The commands that refresh a view: watch, top and kvtop."""
     p = sub.add_parser("watch", parents=[common], help="the list table, refreshed")
     p.add_argument(
         "-n",
@@ -133,16 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
         p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
-
-    sub.add_parser(
-        "gpus",
-        parents=[common],
-        help="each GPU's ledger: budget, margin, charges, last calibration",
-    )
-    sub.add_parser(
-        "metrics", parents=[common], help="instances and GPUs in the Prometheus text format"
-    )
-    return parser
 
 
 def _limit_options(p: argparse.ArgumentParser) -> None:

@@ -184,30 +184,7 @@ def set_limit(
     written by this user, :class:`~kvcached.errors.LedgerBusyError` when a
     ledger's data lock stays held by another process for ``timeout`` seconds.
     """
-    check_instance_name(name)
-    if percent is not None:
-        if limit_bytes is not None:
-            raise ValueError("give limit_bytes or percent, not both")
-        if (
-            isinstance(percent, bool)
-            or not isinstance(percent, (int, float))
-            or not 0 < percent <= 100
-        ):
-            raise ValueError(f"percent={percent!r}: must be a number in (0, 100]")
-    elif limit_bytes is not None and (
-        isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0
-    ):
-        raise ValueError(
-            f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None to remove the limit"
-        )
-    elif limit_bytes is not None and limit_bytes > MAX_LIMIT_BYTES:
-        raise ValueError(
-            f"limit_bytes={limit_bytes}: must be at most {MAX_LIMIT_BYTES} "
-            "(2**63 - 1, what a ledger's limit field holds), or None to remove "
-            "the limit"
-        )
-    if wait_s < 0:
-        raise ValueError(f"wait_s={wait_s!r}: must be >= 0 seconds")
+    _check_limit_args(name, limit_bytes, percent, wait_s)
     dirs = ledger_dirs(directory)
     results: list[DeviceLimit] = []
     unreadable: list[Exception] = []
@@ -249,6 +226,36 @@ def set_limit(
     results = _settle(name, results, dirs, wait_s, timeout)
     worst = max((d.status for d in results), key=_ORDER.index)
     return LimitResult(name, worst, results)
+
+
+def _check_limit_args(
+    name: str, limit_bytes: int | None, percent: float | None, wait_s: float
+) -> None:
+    """:func:`set_limit`'s arguments, or ``ValueError`` naming the bad one."""
+    check_instance_name(name)
+    if percent is not None:
+        if limit_bytes is not None:
+            raise ValueError("give limit_bytes or percent, not both")
+        if (
+            isinstance(percent, bool)
+            or not isinstance(percent, (int, float))
+            or not 0 < percent <= 100
+        ):
+            raise ValueError(f"percent={percent!r}: must be a number in (0, 100]")
+    elif limit_bytes is not None and (
+        isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0
+    ):
+        raise ValueError(
+            f"limit_bytes={limit_bytes!r}: must be a byte count > 0, or None to remove the limit"
+        )
+    elif limit_bytes is not None and limit_bytes > MAX_LIMIT_BYTES:
+        raise ValueError(
+            f"limit_bytes={limit_bytes}: must be at most {MAX_LIMIT_BYTES} "
+            "(2**63 - 1, what a ledger's limit field holds), or None to remove "
+            "the limit"
+        )
+    if wait_s < 0:
+        raise ValueError(f"wait_s={wait_s!r}: must be >= 0 seconds")
 
 
 def _charges(name: str, dirs: list[str], timeout: float) -> dict[str, int]:

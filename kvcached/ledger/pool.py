@@ -128,6 +128,15 @@ class PoolBudget:
     always decides on the ledger as it is.
 
     Thread-safe: one lock per pool, taken before the ledger's data lock.
+
+    The grant keeps three hand-written copies for speed (the inline data lock
+    and :meth:`Ledger.room` twice), each pinned to its original by
+    ``tests/ledger/test_grant_paths.py``. Issue #36 folded them into calls and
+    measured that against these copies (``benchmarks/ledger.py``, five
+    interleaved runs each, ``benchmarks/results/hot-path-fold-host/``): a
+    locked grant+refund pair took 1829 ns of CPU folded against 1567 kept, and
+    the grow/shrink pattern fell from 1.070 to 0.977 of the flock design
+    (median ratios; its target is 1.0), so they stay.
     """
 
     def __init__(
@@ -157,8 +166,9 @@ class PoolBudget:
         self._finalizer = weakref.finalize(self, _finalize, fd)
         # A grant takes the data lock inline where it is the ledger's own flock:
         # the two call frames it saves are ~3% of a locked grant's CPU (2508 ->
-        # 2582 ns a grant+refund pair); tests/ledger/test_grant_paths.py pins the
-        # inline path to the called one.
+        # 2582 ns a grant+refund pair; with the two Ledger.room copies, the fold
+        # measured in the class docstring); tests/ledger/test_grant_paths.py pins
+        # the inline path to the called one.
         self._inline_lock = ledger.plain_lock
 
     # -- the PhysicalBudget protocol ----------------------------------------------------
@@ -180,7 +190,8 @@ class PoolBudget:
                     # Re-use refunds batched here: the record already charges these
                     # bytes, so no charge changes and nothing is written. The ledger's
                     # test (Ledger.room) on words read without the lock, written out:
-                    # the call cost ~4% of a grant+refund pair (1063 -> 1109 ns).
+                    # the call cost ~4% of a grant+refund pair (1063 -> 1109 ns; the
+                    # fold of all three copies: see the class docstring).
                     # tests/ledger/test_grant_paths.py pins this copy to Ledger.room.
                     i64 = led.i64
                     room = i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]])

@@ -7,6 +7,8 @@ group; each part is usable on its own:
 :class:`KVCacheSpec`      layers, K/V buffers, block size, cell shape, dtype
 :func:`plan_pages`        blocks per page and number of pages (pure math)
 :class:`VirtualKVTensors` address space and attention views of it
+:class:`PageShape`        what the page layer reads of a geometry
+:class:`PagedTensors`     what the mapper needs of the tensors it maps under
 :class:`PageMapper`       map / unmap pages: budget, driver, undo, quarantine
 :class:`PageBackend`      what the page pool needs of a mapper (TP proxies)
 :class:`PageAllocator`    page pool: idle reserve, refill thread, cap, trim
@@ -22,8 +24,15 @@ from kvcached.memory.cache import KVCache
 from kvcached.memory.free_budget import DriverFreeBudget
 from kvcached.memory.mapper import PageBackend, PageMapper
 from kvcached.memory.pages import PageAllocator
-from kvcached.memory.spec import KVCacheSpec, KVLayout, PageGeometry, plan_pages, resolve_layout
-from kvcached.memory.tensors import VirtualKVTensors
+from kvcached.memory.spec import (
+    KVCacheSpec,
+    KVLayout,
+    PageGeometry,
+    PageShape,
+    plan_pages,
+    resolve_layout,
+)
+from kvcached.memory.tensors import PagedTensors, VirtualKVTensors
 
 __all__ = [
     "BlockManager",
@@ -37,6 +46,8 @@ __all__ = [
     "PageBackend",
     "PageGeometry",
     "PageMapper",
+    "PageShape",
+    "PagedTensors",
     "PhysicalBudget",
     "VirtualKVTensors",
     "plan_pages",

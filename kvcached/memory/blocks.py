@@ -16,7 +16,6 @@ an ``assert``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -127,7 +126,7 @@ class BlockManager:
                 )
             assert got == [0], f"the first page of a fresh allocator must be page 0, got {got}"
             self._adopt(got)
-            taken = self._take(1)
+            taken = self._alloc_nolock(1)  # the adopted page's first block
             assert taken == [0], f"the null block must be block 0, got {taken}"
             self._state[0] = _NULL
             self.null_block = 0
@@ -144,61 +143,18 @@ class BlockManager:
             lock.release()
 
     def _alloc_nolock(self, n: int) -> list[int] | None:
+        """:meth:`alloc` with the lock held (or none needed). Maps pages when
+        held pages lack free blocks, then places: fullest class of page
+        first, whole pages while the fullest holds no more than what is left,
+        then part of the next. Most calls (a decode step, a short prefill)
+        end at the first page."""
         if n.__class__ is not int:
             n = self._count_arg(n)
         if n <= 0:
             if n == 0:
                 return []
             raise ConfigError("n", n, "a number of blocks >= 0")
-        if n <= self._free_in_held:
-            # Fast path: the fullest page has more than n free blocks, so
-            # one page serves the request (most decode and short prefill
-            # calls). The same placement as _take, written out (pinned to it
-            # by tests/memory/test_inlined_copies.py).
-            buckets = self._buckets
-            k = self._lo
-            bucket = buckets[k]
-            while not bucket:
-                k += 1
-                bucket = buckets[k]
-            # popitem, not next(iter()): a dict's first live entry can sit
-            # behind many deleted ones, its last cannot.
-            p = bucket.popitem()[0]
-            lst = self._free[p]
-            m = len(lst) - n
-            if m > 0:
-                c = self._class[m]
-                buckets[c][p] = None
-                if c != k:
-                    self._class_of[p] = c
-                    k = c
-                self._lo = k
-                self._free_in_held -= n
-                state = self._state
-                if n == 1:
-                    b = lst.pop()
-                    state[b] = 1  # _LIVE
-                    return [b]
-                out = lst[-n:]
-                del lst[-n:]
-                for b in out:
-                    state[b] = 1
-                return out
-            # The fullest page has no more than n: it goes whole (its list
-            # becomes the result, the page gets a new one), the rest comes
-            # from the next fullest pages.
-            self._class_of[p] = 0
-            self._lo = k
-            self._free[p] = []
-            got = len(lst)
-            self._free_in_held -= got
-            state = self._state
-            for b in lst:
-                state[b] = 1
-            if m:
-                lst += self._take(-m)
-            return lst
-        else:
+        if n > self._free_in_held:
             if self.null_parked:
                 return None  # no block before block 0 is back (unpark_null_block)
             bpp = self.blocks_per_page
@@ -206,7 +162,55 @@ class BlockManager:
             if pages is None:
                 return None
             self._adopt(pages)
-        return self._take(n)
+        buckets, lists, state = self._buckets, self._free, self._state
+        k = self._lo
+        out = None
+        left = n
+        while True:
+            bucket = buckets[k]
+            while not bucket:
+                k += 1
+                bucket = buckets[k]
+            # popitem, not next(iter()): a dict's first live entry can sit
+            # behind many deleted ones, its last cannot.
+            p = bucket.popitem()[0]  # any page of the fullest class
+            lst = lists[p]
+            m = len(lst) - left  # blocks it keeps free
+            if m > 0:
+                break
+            self._class_of[p] = 0  # the page goes whole
+            if out is None:  # its list becomes the result; the page gets a new one
+                out = lst
+                lists[p] = []
+            else:
+                out += lst
+                lst.clear()
+            left = -m
+            if not left:
+                self._lo = k
+                self._free_in_held -= n
+                for b in out:
+                    state[b] = _LIVE
+                return out
+        c = self._class[m]  # part of page p: it moves down to the class of m
+        buckets[c][p] = None
+        if c != k:
+            self._class_of[p] = c
+            k = c
+        self._lo = k
+        self._free_in_held -= n
+        if out is None:
+            if left == 1:
+                b = lst.pop()
+                state[b] = _LIVE
+                return [b]
+            out = lst[-left:]
+        else:
+            out += lst[-left:]
+        del lst[-left:]
+        for b in out:
+            state[b] = _LIVE
+        return out
 
     def free(self, block_ids: list[int]) -> None:
         """Give blocks back. Raises :class:`BlockError`, changing nothing, if
@@ -233,96 +237,77 @@ class BlockManager:
                 raise self._free_error(ids, 0)
             state[b] = 0
             p = b // bpp
-            lst = self._free[p]
-            lst.append(b)
-        elif n:
-            # Check and clear every id first, noting where the page changes
-            # (an alloc's ids come as one run per page); the page lists are
-            # touched only once every id is good, a run at a time. The current
-            # page's bounds check the range too, so an id costs four tests; a
-            # page change (or a bad id) takes the full check.
-            runs = None
-            start = 0
-            p = ids[0]
-            if p.__class__ is int and 0 <= p < nb:  # the first id's page: the loop's bounds
-                p //= bpp
+            self._free[p].append(b)
+            if self._refile(p, 1):
+                self._pages.give_back([p])
+            return
+        if not n:
+            return
+        # Check and clear every id first, noting where the page changes (an
+        # alloc's ids come as one run per page); the page lists are touched
+        # only once every id is good, a run at a time. The current page's
+        # bounds check the range too, so an id costs four tests; a page change
+        # (or a bad id) takes the full check.
+        runs = None
+        start = 0
+        p = ids[0]
+        if p.__class__ is int and 0 <= p < nb:  # the first id's page: the loop's bounds
+            p //= bpp
+            lo = p * bpp
+            hi = lo + bpp
+        else:  # the first id takes the full check (and fails it)
+            lo = hi = 0
+        it = iter(ids)
+        for b in it:
+            if b.__class__ is not int or b >= hi or b < lo or state[b] != 1:
+                at = n - it.__length_hint__() - 1
+                if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
+                    for q in ids[:at]:
+                        state[q] = 1  # undo: nothing else was changed yet
+                    raise self._free_error(ids, at)
+                if at:  # a new page: the ids before it were one run
+                    if runs is None:
+                        runs = []
+                    runs.append((p, start, at))
+                p = b // bpp
                 lo = p * bpp
                 hi = lo + bpp
-            else:  # the first id takes the full check (and fails it)
-                lo = hi = 0
-            it = iter(ids)
-            for b in it:
-                if b.__class__ is not int or b >= hi or b < lo or state[b] != 1:
-                    at = n - it.__length_hint__() - 1
-                    if b.__class__ is not int or not 0 <= b < nb or state[b] != 1:
-                        for q in ids[:at]:
-                            state[q] = 1  # undo: nothing else was changed yet
-                        raise self._free_error(ids, at)
-                    if at:  # a new page: the ids before it were one run
-                        if runs is None:
-                            runs = []
-                        runs.append((p, start, at))
-                    p = b // bpp
-                    lo = p * bpp
-                    hi = lo + bpp
-                    start = at
-                state[b] = 0
-            if runs is not None:
-                runs.append((p, start, n))
-                touched: dict[int, None] = {}  # a dict store is cheaper than set.add
-                for p, lo, hi in runs:
-                    self._free[p].extend(ids[lo:hi])
-                    touched[p] = None
-                self._refile(touched, n)
-                return
-            lst = self._free[p]
-            lst.extend(ids)
-        else:
+                start = at
+            state[b] = 0
+        if runs is None:  # one page
+            self._free[p].extend(ids)
+            if self._refile(p, n):
+                self._pages.give_back([p])
             return
-        # One page got n blocks back: refile it (_refile, written out; pinned to
-        # it by tests/memory/test_inlined_copies.py).
-        k = len(lst)
-        if k == bpp:
-            self._refile((p,), n)
-            return
-        c = self._class[k]
+        runs.append((p, start, n))
+        touched: dict[int, int] = {}
+        for p, lo, hi in runs:
+            self._free[p].extend(ids[lo:hi])
+            touched[p] = touched.get(p, 0) + hi - lo
+        refile = self._refile
+        emptied = [p for p, done in touched.items() if refile(p, done)]
+        if emptied:
+            self._pages.give_back(emptied)
+
+    def _refile(self, p: int, done: int) -> bool:
+        """File held page ``p`` under the class of its free count after
+        ``done`` of its blocks came back (a negative ``done``: were handed
+        out). ``True`` when every block of it is free: unfiled and no longer
+        counted as held then, for the caller to give back."""
+        k = len(self._free[p])
+        empty = k == self.blocks_per_page
+        c = 0 if empty else self._class[k]
         old = self._class_of[p]
         if c != old:
             if old:
                 del self._buckets[old][p]
-            self._buckets[c][p] = None
+            if c:
+                self._buckets[c][p] = None
+                if c < self._lo:
+                    self._lo = c
             self._class_of[p] = c
-            if c < self._lo:
-                self._lo = c
-        self._free_in_held += n
-
-    def _refile(self, touched: Iterable[int], done: int) -> None:
-        """File each touched page by its new free count after ``done`` blocks
-        came back; emptied pages go back to the page allocator."""
-        lists, bpp = self._free, self.blocks_per_page
-        buckets, filed, cls = self._buckets, self._class_of, self._class
-        emptied = []
-        lo = self._lo
-        for p in touched:
-            k = len(lists[p])
-            if k == bpp:
-                emptied.append(p)
-                c = 0
-            else:
-                c = cls[k]
-            old = filed[p]
-            if c != old:
-                if old:
-                    del buckets[old][p]
-                if c:
-                    buckets[c][p] = None
-                    if c < lo:
-                        lo = c
-                filed[p] = c
-        self._lo = lo
-        self._free_in_held += done - len(emptied) * bpp
-        if emptied:
-            self._pages.give_back(emptied)
+        self._free_in_held += done - k if empty else done
+        return empty
 
     def claim(self, block: int) -> bool:
         """Hand out the free block ``block`` itself (an engine that picks
@@ -354,18 +339,7 @@ class BlockManager:
                 self._adopt([p])
                 lst = self._free[p]
             lst.remove(block)
-            k = len(lst)
-            c = self._class[k] if k else 0
-            old = self._class_of[p]
-            if c != old:
-                if old:
-                    del self._buckets[old][p]
-                if c:
-                    self._buckets[c][p] = None
-                    if c < self._lo:
-                        self._lo = c
-                self._class_of[p] = c
-            self._free_in_held -= 1
+            self._refile(p, -1)
             self._state[block] = _LIVE
             return True
         finally:
@@ -408,43 +382,6 @@ class BlockManager:
         if pages and c < self._lo:
             self._lo = c
         self._free_in_held += len(pages) * bpp
-
-    def _take(self, n: int) -> list[int]:
-        """``n`` free blocks from held pages, fullest class of page first."""
-        out: list[int] = []
-        buckets, lists, filed = self._buckets, self._free, self._class_of
-        k = self._lo
-        left = n
-        while left:
-            bucket = buckets[k]
-            if not bucket:
-                k += 1
-                continue
-            p = bucket.popitem()[0]  # any page of the fullest class (see alloc)
-            lst = lists[p]
-            m = len(lst)
-            if m <= left:
-                if out:
-                    out += lst
-                    lst.clear()
-                else:  # the page's list becomes the result; the page gets a new one
-                    out = lst
-                    lists[p] = []
-                filed[p] = 0
-                left -= m
-            else:
-                out += lst[-left:]
-                del lst[-left:]
-                k = (m - left).bit_length()
-                buckets[k][p] = None
-                filed[p] = k
-                left = 0
-        self._lo = k
-        self._free_in_held -= n
-        state = self._state
-        for b in out:
-            state[b] = _LIVE
-        return out
 
     # -- errors ----------------------------------------------------------------------------------
     @staticmethod
@@ -519,7 +456,7 @@ class BlockManager:
                 del self._buckets[c][0]
                 self._class_of[0] = 0
             self._free_in_held -= bpp - 1
-            lst.append(0)  # last: _take hands it out first when the page comes back
+            lst.append(0)  # last: alloc hands it out first when the page comes back
             self._state[0] = 0
             self.null_parked = True
         self._pages.give_back([0])
@@ -539,7 +476,7 @@ class BlockManager:
                 self._pages.give_back(got)
                 return False
             self._adopt(got)
-            taken = self._take(1)
+            taken = self._alloc_nolock(1)  # the adopted page's first block
             assert taken == [0], f"the null block must be block 0 again, got {taken}"
             self._state[0] = _NULL
             self.null_parked = False

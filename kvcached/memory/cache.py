@@ -185,8 +185,12 @@ class KVCache:
         self.tensors = tensors
         self.mapper = mapper
         self.pages = pages
+        self._bind(blocks)
+        self._finalizer = weakref.finalize(self, _shutdown, blocks, pages, tensors, owned_budget)
+
+    def _bind(self, blocks: BlockManager) -> None:
+        """The scheduler's calls, bound once (no extra call layer on the hot path)."""
         self.blocks = blocks
-        # The scheduler's calls, bound once (no extra call layer on the hot path).
         self.alloc = blocks.alloc
         self.free = blocks.free
         self.available_size = blocks.available_size
@@ -194,7 +198,6 @@ class KVCache:
         self.trim = blocks.trim
         self.set_limit = blocks.set_limit
         self.resize = blocks.resize
-        self._finalizer = weakref.finalize(self, _shutdown, blocks, pages, tensors, owned_budget)
 
     @property
     def num_blocks(self) -> int:

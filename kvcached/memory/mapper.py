@@ -14,14 +14,15 @@ Rules this class keeps:
 * growth goes ``grant -> (create -> map -> set_access) per handle``; whatever
   fails is undone in reverse, and bytes never created are refunded at once.
   Extents of adjacent pages grown together (a *run*) share their
-  ``set_access`` calls: every handle of the run's range ``i`` is created and
-  mapped, then one call enables the whole range; a failure undoes the run
-  (one-handle pages keep the pages mapped before the failed one);
+  ``set_access`` calls: every handle of the run's lane ``i`` is created and
+  mapped, then one call enables the whole lane; a failure undoes the run,
+  but for the extents before the failed call when it failed in the last
+  lane (with one handle a page, always): those are whole, enabled and kept;
 * release goes ``synchronize -> unmap -> release -> refund``, one
-  ``unmap_range`` per range of a run of adjacent extents of one size released
-  together; a refund follows a confirmed release only. A handle whose unmap or release failed keeps its
-  charge and leaves its extent quarantined (unusable, still counted as
-  mapped) until :meth:`PageMapper.retry_quarantined` finishes the job;
+  ``unmap_range`` per lane of a run of adjacent extents of one size released
+  together; a refund follows a confirmed release only. A handle whose unmap
+  or release failed keeps its charge and leaves its extent quarantined
+  (unusable, still counted as mapped) until :meth:`PageMapper.retry_quarantined` finishes the job;
 * driver calls never run under the lock.
 
 This is the page-level API an integration can use on its own (a vLLM worker
@@ -47,8 +48,8 @@ from kvcached.driver.base import Handle
 from kvcached.errors import DriverError, MappingError, OutOfPhysicalMemoryError
 from kvcached.log import get_logger
 from kvcached.memory.budget import PhysicalBudget
-from kvcached.memory.spec import PageGeometry
-from kvcached.memory.tensors import VirtualKVTensors
+from kvcached.memory.spec import PageShape
+from kvcached.memory.tensors import PagedTensors
 from kvcached.units import MIB
 
 log = get_logger("kvcached.memory")
@@ -71,7 +72,7 @@ class PageBackend(Protocol):
     """
 
     budget: PhysicalBudget
-    geometry: PageGeometry
+    geometry: PageShape
     page_bytes: int
     max_run_pages: int
     mapped_pages: int
@@ -98,7 +99,7 @@ class PageBackend(Protocol):
 class Extent:
     """Pages ``[first, first+count)`` and their handles.
 
-    Handle ``i`` maps range ``i`` of the extent (see
+    Handle ``i`` maps lane ``i`` of the extent (see
     :meth:`~kvcached.memory.tensors.VirtualKVTensors.extent_ranges`). While it
     is built, ``handles[:mapped]`` are mapped and any handle after them is
     created only; a teardown turns that into one state per handle
@@ -122,7 +123,9 @@ class Extent:
 
 
 class PageMapper:
-    """Maps and unmaps pages of one :class:`VirtualKVTensors` against a budget.
+    """Maps and unmaps pages of one :class:`~kvcached.memory.tensors.PagedTensors`
+    (:class:`~kvcached.memory.tensors.VirtualKVTensors` or
+    :class:`~kvcached.memory.ranges.RangeKVTensors`) against a budget.
 
     ``max_handle_bytes`` caps one handle; extents longer than
     :attr:`max_run_pages` are refused (``0`` turns coalescing off: one page per
@@ -133,7 +136,7 @@ class PageMapper:
 
     def __init__(
         self,
-        tensors: VirtualKVTensors,
+        tensors: PagedTensors,
         budget: PhysicalBudget,
         *,
         max_handle_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
@@ -147,10 +150,9 @@ class PageMapper:
         self.max_run_pages = max(1, max_handle_bytes // g.handle_bytes_per_page)
         self.before_unmap = before_unmap or self.driver.synchronize
         self._num_pages = g.num_pages
-        # (va of page 0, bytes per page) of each handle's range: range i of
-        # an extent is (va_i + first * bytes_i, count * bytes_i).
+        # (va of page 0, page stride) of each lane (a handle's address range):
+        # lane i of an extent is (va_i + first * stride_i, count * stride_i).
         self._strides = tensors.handle_strides()
-        self._one_handle = len(self._strides) == 1
         self._lock = threading.Lock()
         self._owner: list[Extent | None] = [None] * g.num_pages
         self._quarantine: dict[int, Extent] = {}
@@ -191,7 +193,7 @@ class PageMapper:
 
     def _held(self, ext: Extent) -> int:
         """Bytes of ``ext``'s handles created and not yet released."""
-        sizes = [ext.count * span for _, span in self._strides]
+        sizes = [ext.count * stride for _, stride in self._strides]
         if ext.states is None:
             return sum(sizes[: len(ext.handles)])
         return sum(size for size, st in zip(sizes, ext.states, strict=False) if st != _RELEASED)
@@ -202,74 +204,14 @@ class PageMapper:
 
     # -- growth -------------------------------------------------------------------------
     def map_run(self, first: int, count: int) -> bool:
-        """Map pages ``[first, first+count)`` as one extent.
+        """Map pages ``[first, first+count)`` as one extent: :meth:`map_runs`
+        of one span.
 
         ``False`` when the budget denies it or the device is out of memory /
         fails (the attempt is undone). Raises :class:`MappingError` for a range
         outside the cache, longer than :attr:`max_run_pages`, or overlapping a
-        page that is already mapped.
-
-        :meth:`map_runs` for one span, written out without its lists: growing
-        by one page at a time (a decode step, a refill of one page) is the
-        common case (about 11% of a grow-and-release cycle of one page on a
-        null driver). ``tests/memory/test_inlined_copies.py`` pins it to
-        ``map_runs``."""
-        if (
-            first.__class__ is not int
-            or count.__class__ is not int
-            or first < 0
-            or count < 1
-            or count > self.max_run_pages
-            or first + count > self._num_pages
-        ):
-            first, count = self._check_span(first, count)
-        ext = Extent(first, count)
-        owner = self._owner
-        lock = self._lock
-        lock.acquire()
-        try:
-            if count == 1 and owner[first] is None:
-                owner[first] = ext
-            else:
-                self._claim_pages(ext, [ext])
-            self.mapped_pages += count
-        finally:
-            lock.release()
-        nbytes = count * self.page_bytes
-        try:
-            granted = self.budget.grant(nbytes)
-        except BaseException:
-            self._forget(ext)
-            raise
-        if not granted:
-            self._forget(ext)
-            return False
-        try:
-            if self._one_handle and count == 1:  # _build written out; a test pins it
-                driver = self.driver
-                base, span = self._strides[0]
-                va = base + first * span
-                handle = driver.create(span)
-                ext.handles.append(handle)
-                driver.map(va, span, handle)
-                ext.mapped = 1
-                driver.set_access(va, span)
-            else:
-                self._build(ext)
-        except DriverError as exc:
-            level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
-            level("mapping pages [%d, %d) failed, undone: %s", first, first + count, exc)
-            self._undo(ext, nbytes)
-            return False
-        except BaseException:
-            self._undo(ext, nbytes)
-            raise
-        lock.acquire()
-        try:
-            ext.busy = False
-        finally:
-            lock.release()
-        return True
+        page that is already mapped."""
+        return self.map_runs([(first, count)]) == 1
 
     def map_runs(self, spans: list[tuple[int, int]]) -> int:
         """Map each ``(first, count)`` span as one extent, in order, and stop
@@ -277,11 +219,68 @@ class PageMapper:
         are now live; the rest are untouched (a failed one is undone, or
         quarantined when it could not be).
 
-        One grant covers every span; what is not mapped is refunded. Raises
-        :class:`MappingError`, changing nothing, when any span is outside the
-        cache, longer than :attr:`max_run_pages`, or overlaps a mapped page or
-        another span. If it raises later (an interrupt), the spans before the
-        one in flight are live and the rest as above."""
+        One grant covers every span; what is not mapped is refunded. Extents
+        of adjacent pages are built as a run (:meth:`_build_run`, which says
+        which extents of a failed run are kept). Raises :class:`MappingError`,
+        changing nothing, when any span is outside the cache, longer than
+        :attr:`max_run_pages`, or overlaps a mapped page or another span. If
+        it raises later (an interrupt), the spans before the run in flight
+        are live and the rest as above."""
+        exts, pages = self._claim_spans(spans)
+        if not exts:
+            return 0
+        try:
+            granted = self.budget.grant(pages * self.page_bytes)
+        except BaseException:
+            self._forget_all(exts)
+            raise
+        if not granted:
+            self._forget_all(exts)
+            return 0
+        done = 0
+        try:
+            n = len(exts)
+            while done < n:
+                j = done + 1
+                end = exts[done].first + exts[done].count
+                while j < n and exts[j].first == end:
+                    end += exts[j].count
+                    j += 1
+                if j == done + 1:
+                    self._build(exts[done])
+                else:
+                    try:
+                        self._build_run(exts[done:j])
+                    except DriverError as exc:
+                        done += getattr(exc, "built", 0)  # whole extents before the failure
+                        raise
+                done = j
+        except DriverError as exc:
+            level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
+            level(
+                "mapping pages [%d, %d) failed, undone: %s",
+                exts[done].first,
+                exts[-1].first + exts[-1].count,
+                exc,
+            )
+            self._abandon(exts, done)
+        except BaseException:
+            self._abandon(exts, done)
+            raise
+        finally:  # the spans before `done` go live (after an undo of the rest)
+            lock = self._lock
+            lock.acquire()
+            try:
+                for i in range(done):
+                    exts[i].busy = False
+            finally:
+                lock.release()
+        return done
+
+    def _claim_spans(self, spans: list[tuple[int, int]]) -> tuple[list[Extent], int]:
+        """Validate every span, then own all their pages under one hold of the
+        lock (or none: :class:`MappingError`). Returns the new extents, in
+        flight, and their pages."""
         num_pages, max_run = self._num_pages, self.max_run_pages
         exts = []
         pages = 0
@@ -298,7 +297,7 @@ class PageMapper:
             exts.append(Extent(first, count))
             pages += count
         if not exts:
-            return 0
+            return exts, 0
         owner = self._owner
         lock = self._lock
         lock.acquire()
@@ -312,82 +311,7 @@ class PageMapper:
             self.mapped_pages += pages
         finally:
             lock.release()
-        try:
-            granted = self.budget.grant(pages * self.page_bytes)
-        except BaseException:
-            self._forget_all(exts)
-            raise
-        if not granted:
-            self._forget_all(exts)
-            return 0
-        done = 0
-        try:
-            if self._one_handle and pages == len(exts):
-                # One handle per page, one page per extent (coalescing off), as
-                # a refill or a prefill burst grows: _build_run written out (pinned
-                # to it by tests/memory/test_inlined_copies.py).
-                # Each run of adjacent pages gets one set_access over all its
-                # mappings: one call instead of one per page (a run of 32 grew
-                # 1.04x the per-page calls on an H200, benchmarks/driver_runs.py).
-                driver = self.driver
-                create, map_, set_access = driver.create, driver.map, driver.set_access
-                base, span = self._strides[0]
-                n = len(exts)
-                i = 0
-                while i < n:
-                    ext = exts[i]
-                    first = ext.first
-                    start_va = va = base + first * span
-                    try:
-                        while True:
-                            handle = create(span)
-                            ext.handles.append(handle)
-                            map_(va, span, handle)
-                            ext.mapped = 1
-                            i += 1
-                            first += 1
-                            va += span
-                            if i == n:
-                                break
-                            ext = exts[i]
-                            if ext.first != first:
-                                break
-                    except DriverError:
-                        # The pages of this run before the failed one are mapped:
-                        # enabled, they are kept (as one call per page kept them).
-                        if va > start_va:
-                            set_access(start_va, va - start_va)
-                            done = i
-                        raise
-                    set_access(start_va, va - start_va)
-                    done = i
-            else:
-                build_run = self._build_run
-                n = len(exts)
-                i = 0
-                while i < n:
-                    j = i + 1
-                    end = exts[i].first + exts[i].count
-                    while j < n and exts[j].first == end:
-                        end += exts[j].count
-                        j += 1
-                    build_run(exts[i:j])
-                    done = i = j
-        except DriverError as exc:
-            level = log.debug if isinstance(exc, OutOfPhysicalMemoryError) else log.warning
-            level(
-                "mapping pages [%d, %d) failed, undone: %s",
-                exts[done].first,
-                exts[-1].first + exts[-1].count,
-                exc,
-            )
-            self._abandon(exts, done)
-        except BaseException:
-            self._abandon(exts, done)
-            self._go_live(exts, done)
-            raise
-        self._go_live(exts, done)
-        return done
+        return exts, pages
 
     def _check_span(self, first: object, count: object) -> tuple[int, int]:
         """The slow check of one span: its ints, or :class:`MappingError`."""
@@ -423,16 +347,16 @@ class PageMapper:
             owner[p] = ext
 
     def _build(self, ext: Extent) -> None:
-        """Create, map and enable each handle of ``ext`` in turn (each range
+        """Create, map and enable each handle of ``ext`` in turn (each lane
         is its own address range, so its access is set once it is mapped).
         ``ext.handles`` and ``ext.mapped`` say how far it got if one fails."""
         driver = self.driver
         create, map_, set_access = driver.create, driver.map, driver.set_access
         first, count = ext.first, ext.count
         handles = ext.handles
-        for base, span in self._strides:
-            size = count * span
-            va = base + first * span
+        for base, stride in self._strides:
+            size = count * stride
+            va = base + first * stride
             handle = create(size)
             handles.append(handle)
             map_(va, size, handle)
@@ -440,27 +364,51 @@ class PageMapper:
             set_access(va, size)
 
     def _build_run(self, run: list[Extent]) -> None:
-        """:meth:`_build` for extents of adjacent pages: range ``i`` of every
-        extent is created and mapped, then enabled by one ``set_access`` over
-        the run's range ``i``. Each extent's ``handles`` and ``mapped`` say
-        how far it got if a call fails (every extent of the run is undone
-        then: none is enabled in every range)."""
-        if len(run) == 1:
-            self._build(run[0])
-            return
+        """:meth:`_build` for two extents of adjacent pages or more: lane ``i``
+        of every extent is created and mapped, then enabled by one
+        ``set_access`` over the run's lane ``i`` (a run of 32 one-handle pages grew 1.04x as fast
+        as one call per page on an H200, ``benchmarks/driver_runs.py``).
+
+        If a call fails, each extent's ``handles`` and ``mapped`` say how far
+        it got, and the error carries ``built``: how many leading extents of
+        the run are whole. Those are the ones before the failed call when it
+        failed in the last lane (with one handle a page, every lane is the
+        last): they are enabled here and kept, as one call per page would
+        have kept them. Every other extent of the run is left to be undone."""
         driver = self.driver
         create, map_, set_access = driver.create, driver.map, driver.set_access
         first = run[0].first
-        for base, span in self._strides:
-            start_va = va = base + first * span
-            for ext in run:
-                size = ext.count * span
-                handle = create(size)
-                ext.handles.append(handle)
-                map_(va, size, handle)
-                ext.mapped += 1
-                va += size
+        last = len(self._strides) - 1
+        for s, (base, stride) in enumerate(self._strides):
+            start_va = va = base + first * stride
+            k = 0
+            try:
+                for ext in run:
+                    size = ext.count * stride
+                    handle = create(size)
+                    ext.handles.append(handle)
+                    map_(va, size, handle)
+                    ext.mapped += 1
+                    va += size
+                    k += 1
+            except DriverError as exc:
+                built = self._enable_built(start_va, va, k if s == last else 0)
+                exc.built = built  # type: ignore[attr-defined]
+                raise
             set_access(start_va, va - start_va)
+
+    def _enable_built(self, start_va: int, end_va: int, k: int) -> int:
+        """Enable ``[start_va, end_va)``, the last lane of the ``k`` whole
+        extents before a failed call in :meth:`_build_run`; returns how many
+        are kept (0 when there are none or the call fails: undone then)."""
+        if not k:
+            return 0
+        try:
+            self.driver.set_access(start_va, end_va - start_va)
+        except DriverError as exc:
+            log.warning("enabling %d mapped pages failed, undone too: %s", k, exc)
+            return 0
+        return k
 
     def _unclaim(self, exts: list[Extent]) -> None:
         owner = self._owner
@@ -503,19 +451,10 @@ class PageMapper:
                 pages += count
             self.mapped_pages -= pages
 
-    def _go_live(self, exts: list[Extent], done: int) -> None:
-        lock = self._lock
-        lock.acquire()
-        try:
-            for i in range(done):
-                exts[i].busy = False
-        finally:
-            lock.release()
-
     def _undo(self, ext: Extent, granted: int) -> None:
         """Unwind a half-built extent in reverse; refund what never became or
         no longer is memory; quarantine whatever could not be undone."""
-        created = sum(ext.count * span for _, span in self._strides[: len(ext.handles)])
+        created = sum(ext.count * stride for _, stride in self._strides[: len(ext.handles)])
         clean = self._teardown(ext)
         held = self._held(ext)
         # `granted - created` was never allocated; released handles were refunded
@@ -618,7 +557,7 @@ class PageMapper:
         """Unmap and release claimed extents (``before_unmap`` has run);
         ``True`` when every one is gone, else the rest are quarantined.
         Adjacent extents of one size, as pages released together are, go
-        by runs: one ``unmap_range`` per range of the run, then a release
+        by runs: one ``unmap_range`` per lane of the run, then a release
         per handle (see :meth:`_release_runs`); any other extent, or one
         whose run failed, by :meth:`_teardown`."""
         gone: list[Extent] = []
@@ -652,95 +591,103 @@ class PageMapper:
     def _release_runs(self, exts: list[Extent], gone: list[Extent]) -> list[Extent]:
         """Unmap runs of adjacent, fully mapped extents of one size among
         ``exts`` (a run is extents in ascending order in ``exts``, each
-        starting where the one before it ends), one ``unmap_range`` per range
-        of a run, and
-        release their handles; released extents go to ``gone`` and their
-        bytes are refunded. Returns the extents left for :meth:`_teardown`
-        (not in a run, or their run failed: their ``states`` say how far)."""
-        strides = self._strides
-        nh = len(strides)
-        driver = self.driver
-        unmap_range, release = driver.unmap_range, driver.release
+        starting where the one before it ends), one ``unmap_range`` per lane
+        of a run, and release their handles; released extents go to ``gone``
+        and their bytes are refunded. Returns the extents left for
+        :meth:`_teardown` (not in a run, or their run failed: their
+        ``states`` say how far)."""
         rest: list[Extent] = []
         freed = 0
         i, n = 0, len(exts)
         while i < n:
-            ext = exts[i]
-            j = i + 1
-            if ext.states is None and ext.mapped == nh:
-                count = ext.count
-                end = ext.first + count
-                while j < n:
-                    nxt = exts[j]
-                    if (
-                        nxt.first != end
-                        or nxt.count != count
-                        or nxt.states is not None
-                        or nxt.mapped != nh
-                    ):
-                        break
-                    end += count
-                    j += 1
+            j = self._run_end(exts, i)
             if j - i == 1:
-                rest.append(ext)
-                i = j
-                continue
-            run = exts[i:j]
-            i = j
-            first, k = run[0].first, len(run)
-            for s in range(nh - 1, -1, -1):  # every range of the run, last first
-                base, span = strides[s]
-                try:
-                    unmap_range(base + first * span, count * span, k)
-                except DriverError as exc:
-                    log.warning(
-                        "unmap of %d mappings of %d bytes at %#x failed, retried one by one: %s",
-                        k,
-                        count * span,
-                        base + first * span,
-                        exc,
-                    )
-                    went = getattr(exc, "unmapped", 0)
-                    for idx, e in enumerate(run):
-                        st = e.states = bytearray([_MAPPED]) * nh
-                        st[s + 1 :] = bytes([_UNMAPPED]) * (nh - s - 1)
-                        if idx < went:
-                            st[s] = _UNMAPPED
-                    rest.extend(run)
-                    break
+                rest.append(exts[i])
             else:
-                sizes = [count * span for _, span in strides]
-                ext_bytes = sum(sizes)
-                if self._one_handle:  # the loop below for one handle written out; pinned
-                    for e in run:
-                        try:
-                            release(e.handles[0])
-                        except DriverError as exc:
-                            log.warning("release of a %d-byte handle failed: %s", ext_bytes, exc)
-                            e.states = bytearray([_UNMAPPED])
-                            rest.append(e)
-                            continue
-                        freed += ext_bytes
-                        gone.append(e)
-                    continue
-                for e in run:
-                    handles = e.handles
-                    for h in range(nh - 1, -1, -1):
-                        try:
-                            release(handles[h])
-                        except DriverError as exc:
-                            log.warning("release of a %d-byte handle failed: %s", sizes[h], exc)
-                            e.states = bytearray([_UNMAPPED]) * (h + 1) + bytearray([_RELEASED]) * (
-                                nh - h - 1
-                            )
-                            freed += sum(sizes[h + 1 :])
-                            rest.append(e)
-                            break
-                    else:
-                        freed += ext_bytes
-                        gone.append(e)
+                run = exts[i:j]
+                if self._unmap_run(run):
+                    freed += self._release_handles(run, gone, rest)
+                else:
+                    rest.extend(run)
+            i = j
         self._refund(freed)
         return rest
+
+    def _run_end(self, exts: list[Extent], i: int) -> int:
+        """The end of the run of ``exts`` that starts at ``i``: fully mapped
+        extents of one size, each starting where the one before it ends
+        (``i + 1`` when ``exts[i]`` starts no run)."""
+        nh = len(self._strides)
+        ext = exts[i]
+        j, n = i + 1, len(exts)
+        if ext.states is not None or ext.mapped != nh:
+            return j
+        count = ext.count
+        end = ext.first + count
+        while j < n:
+            nxt = exts[j]
+            if nxt.first != end or nxt.count != count or nxt.states is not None or nxt.mapped != nh:
+                break
+            end += count
+            j += 1
+        return j
+
+    def _unmap_run(self, run: list[Extent]) -> bool:
+        """One ``unmap_range`` per lane of ``run``, the last lane first.
+        ``False`` when one fails: every extent of the run then has its
+        per-handle ``states`` (what the failed call unmapped counted as
+        unmapped), for :meth:`_teardown` to finish."""
+        unmap_range = self.driver.unmap_range
+        strides = self._strides
+        nh = len(strides)
+        first, count, k = run[0].first, run[0].count, len(run)
+        for s in range(nh - 1, -1, -1):
+            base, stride = strides[s]
+            try:
+                unmap_range(base + first * stride, count * stride, k)
+            except DriverError as exc:
+                log.warning(
+                    "unmap of %d mappings of %d bytes at %#x failed, retried one by one: %s",
+                    k,
+                    count * stride,
+                    base + first * stride,
+                    exc,
+                )
+                went = getattr(exc, "unmapped", 0)
+                for idx, e in enumerate(run):
+                    st = e.states = bytearray([_MAPPED]) * nh
+                    st[s + 1 :] = bytes([_UNMAPPED]) * (nh - s - 1)
+                    if idx < went:
+                        st[s] = _UNMAPPED
+                return False
+        return True
+
+    def _release_handles(self, run: list[Extent], gone: list[Extent], rest: list[Extent]) -> int:
+        """Release every handle of the unmapped extents of ``run``, the last
+        lane first; an extent whose release failed keeps its ``states`` and
+        goes to ``rest``, the others to ``gone``. Returns the bytes released."""
+        release = self.driver.release
+        sizes = [run[0].count * stride for _, stride in self._strides]
+        nh = len(sizes)
+        ext_bytes = sum(sizes)
+        freed = 0
+        for e in run:
+            handles = e.handles
+            for h in range(nh - 1, -1, -1):
+                try:
+                    release(handles[h])
+                except DriverError as exc:
+                    log.warning("release of a %d-byte handle failed: %s", sizes[h], exc)
+                    e.states = bytearray([_UNMAPPED]) * (h + 1) + bytearray([_RELEASED]) * (
+                        nh - h - 1
+                    )
+                    freed += sum(sizes[h + 1 :])
+                    rest.append(e)
+                    break
+            else:
+                freed += ext_bytes
+                gone.append(e)
+        return freed
 
     def _teardown(self, ext: Extent) -> bool:
         """Unmap and release every handle of ``ext`` in reverse; refund what was
@@ -755,8 +702,8 @@ class PageMapper:
         first, count = ext.first, ext.count
         freed = 0
         for i in range(len(states) - 1, -1, -1):
-            base, span = self._strides[i]
-            va, size = base + first * span, count * span
+            base, stride = self._strides[i]
+            va, size = base + first * stride, count * stride
             if states[i] == _MAPPED:
                 try:
                     driver.unmap(va, size)

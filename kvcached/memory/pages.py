@@ -231,9 +231,6 @@ class PageAllocator:
         # slower than the same calls in turn (the driver serializes them, and
         # each handoff wakes a thread), and a take that waited for the pool's
         # refill usually finds the pages it needs idle when it gets the lock.
-        # Growth (one page at a time on a decode step, so every step counts)
-        # asks the budget once, by the mapper's grant: a denial there undoes
-        # the pick and misses, as a short headroom would.
         grow_lock = self._grow_lock
         gate = self._gate
         gate.take_waiting = True  # a pool refill yields to a waiting take
@@ -250,88 +247,54 @@ class PageAllocator:
                     pages = self._pop_idle(n)
                     refill = self._after_take()
                     spans = None
+                # Growth (one page at a time on a decode step, so every step
+                # counts) asks the budget once, by the mapper's grant: a denial
+                # there undoes the pick and misses, as a short headroom would.
+                elif self.growable(grow) < grow:
+                    return None
                 else:
-                    if self.growable(grow) < grow:  # the budget answers at the grant
-                        return None
                     pages = self._pop_idle(n_idle) if n_idle else []
-                    if grow == 1:  # _pick_unmapped(1) written out; a test pins it
-                        first = self._state.find(_UNMAPPED_BYTE, self._unmapped_lo)
-                        assert first >= 0, "n_unmapped counts more unmapped pages than exist"
-                        self._state[first] = BUSY
-                        self._unmapped_lo = first + 1
-                        self.n_unmapped -= 1
-                        self.n_busy += 1
-                        spans = ()
-                    else:
-                        spans = self._pick_unmapped(grow)
+                    spans = self._pick_unmapped(grow)
             finally:
                 lock.release()
-            if spans is None:
-                if refill:
-                    self._refill(grow_locked=True)
-                return pages
-            if not spans:
-                return self._grow_one(first, pages)
-            try:
-                done = self._map_runs(spans)
-            except BaseException:
-                with lock:
-                    if self._batch:  # _map_spans settles its spans itself
-                        self._settle_interrupted(spans)
-                    self._push_idle(pages)  # the idle pages taken above go back
-                raise
-            lock.acquire()
-            try:
-                if done == len(spans):
-                    self._publish(spans, USED, pages)
-                    refill = self.n_idle < self.min_reserved and self._after_take()
-                else:
-                    self._publish(spans[:done], IDLE)
-                    for first, count in spans[done:]:
-                        self._fail_span(first, count)
-                    self._push_idle(pages)
-                    pages = None
-                    refill = False
-            finally:
-                lock.release()
-            if pages is None:
-                self._maybe_shrink_inline()
-            elif refill:
+            if spans is not None:
+                return self._grow_for_take(spans, pages)
+            if refill:
                 self._refill(grow_locked=True)
             return pages
         finally:
             grow_lock.release()
 
-    def _grow_one(self, first: int, pages: list[int]) -> list[int] | None:
-        """The rest of a take that grows by one page, ``first`` (busy):
-        mapped with ``map_run``, then used. The most common growth (a decode
-        step, a small prefill), so it skips the span lists."""
+    def _grow_for_take(self, spans: list[tuple[int, int]], pages: list[int]) -> list[int] | None:
+        """Map a take's picked (busy) ``spans`` and hand them out after the
+        idle ``pages`` it took; on a miss every span is settled and the idle
+        pages go back. Grow lock held."""
         lock = self._lock
         try:
-            ok = self.mapper.map_run(first, 1)
+            done = self._map_runs(spans)
         except BaseException:
             with lock:
-                self._settle_interrupted([(first, 1)])
+                if self._batch:  # _map_spans settles its spans itself
+                    self._settle_interrupted(spans)
                 self._push_idle(pages)  # the idle pages taken before go back
             raise
         lock.acquire()
         try:
-            if ok:  # _publish(((first, 1),), USED, pages) written out; a test pins it
-                self._state[first] = USED
-                self._run[first] = _Run(first, 1, 1)
-                self.n_busy -= 1
-                self.n_used += 1
-                pages.append(first)
+            if done == len(spans):
+                self._publish(spans, USED, pages)
                 refill = self.n_idle < self.min_reserved and self._after_take()
             else:
-                self._fail_span(first, 1)
+                self._publish(spans[:done], IDLE)
+                for first, count in spans[done:]:
+                    self._fail_span(first, count)
                 self._push_idle(pages)
+                pages = None
+                refill = False
         finally:
             lock.release()
-        if not ok:
+        if pages is None:
             self._maybe_shrink_inline()
-            return None
-        if refill:
+        elif refill:
             self._refill(grow_locked=True)
         return pages
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from kvcached.errors import MappingError
 from kvcached.memory.budget import PhysicalBudget
-from kvcached.memory.spec import PageGeometry
+from kvcached.memory.spec import PageShape
 
 #: One page operation: ``("map" | "unmap", first_page, page_count)``. Plain
 #: tuples so that they pickle small and fast to every worker.
@@ -45,7 +45,7 @@ class PlannedPages:
 
     def __init__(
         self,
-        geometry: PageGeometry,
+        geometry: PageShape,
         budget: PhysicalBudget,
         *,
         max_run_pages: int,

@@ -6,12 +6,12 @@ storage offsets are fixed by its own layout). kvcached then does not decide
 where layers live; it reserves that buffer and maps pages under it.
 
 A :class:`PageLanes` geometry says where a page lies. The buffer is cut into
-*lanes* ``(base, span)`` (a layer's region, a head's region inside it, or the
+*lanes* ``(base, stride)`` (a layer's region, a head's region inside it, or the
 whole buffer for a block-outermost layout); page ``k`` is the bytes
-``[base + k*span, base + (k+1)*span)`` of every lane, i.e. the same blocks in
+``[base + k*stride, base + (k+1)*stride)`` of every lane, i.e. the same blocks in
 every lane. Rules the class checks when it is built:
 
-* every ``base`` and ``span`` is a multiple of the driver granularity, so a page
+* every ``base`` and ``stride`` is a multiple of the driver granularity, so a page
   maps on its own, and adjacent pages of one lane are one contiguous run (an
   extent of one handle per lane);
 * lanes never overlap and all lie inside the buffer (rounded up to the
@@ -62,34 +62,36 @@ class PageLanes:
                 "at least one page of at least one block",
             )
         if not self.lanes:
-            raise ConfigError("lanes", self.lanes, "at least one (base, span) lane")
+            raise ConfigError("lanes", self.lanes, "at least one (base, stride) lane")
         end_of_buffer = -(-self.size // g) * g
         previous_end = 0
-        for base, span in sorted(self.lanes):
-            if base % g or span % g or span <= 0:
+        for base, stride in sorted(self.lanes):
+            if base % g or stride % g or stride <= 0:
                 raise ConfigError(
-                    "lanes", (base, span), f"base and span multiples of the granularity ({g} bytes)"
+                    "lanes",
+                    (base, stride),
+                    f"base and stride multiples of the granularity ({g} bytes)",
                 )
             if base < previous_end:
                 raise ConfigError("lanes", self.lanes, "lanes that do not overlap")
-            previous_end = base + self.num_pages * span
+            previous_end = base + self.num_pages * stride
             if previous_end > end_of_buffer:
                 raise ConfigError(
                     "lanes",
-                    (base, span),
-                    f"{self.num_pages} pages of {span} bytes from {base} end past the "
+                    (base, stride),
+                    f"{self.num_pages} pages of {stride} bytes from {base} end past the "
                     f"{end_of_buffer}-byte buffer",
                 )
 
     @property
     def page_bytes(self) -> int:
         """Physical bytes of one page (all lanes)."""
-        return sum(span for _, span in self.lanes)
+        return sum(stride for _, stride in self.lanes)
 
     @property
     def handle_bytes_per_page(self) -> int:
         """The largest handle one page needs (one handle per lane)."""
-        return max(span for _, span in self.lanes)
+        return max(stride for _, stride in self.lanes)
 
     @property
     def num_blocks(self) -> int:
@@ -110,7 +112,7 @@ class PageLanes:
             raise MappingError(
                 f"pages [{first}, {first + count}) are outside the {self.num_pages} pages"
             )
-        return [(base + first * span, count * span) for base, span in self.lanes]
+        return [(base + first * stride, count * stride) for base, stride in self.lanes]
 
 
 def _free(driver: Driver, reservation: list[tuple[int, int]]) -> None:
@@ -153,9 +155,9 @@ class RangeKVTensors:
         return [(va + off, n) for off, n in self.lanes.run_ranges(first, count)]
 
     def handle_strides(self) -> tuple[tuple[int, int], ...]:
-        """``(va, span)`` of each lane: handle ``i`` of pages ``[first,
-        first+count)`` maps ``(va_i + first * span_i, count * span_i)``."""
-        return tuple((self.va + base, span) for base, span in self.lanes.lanes)
+        """``(va, stride)`` of each lane: handle ``i`` of pages ``[first,
+        first+count)`` maps ``(va_i + first * stride_i, count * stride_i)``."""
+        return tuple((self.va + base, stride) for base, stride in self.lanes.lanes)
 
     def buffer(self, dtype: torch.dtype = torch.int8) -> torch.Tensor:
         """The whole buffer (``lanes.size`` bytes) as a 1-D tensor of ``dtype``

@@ -12,7 +12,7 @@ Geometry rules (every later module relies on them):
 * A page is ``blocks_per_page`` consecutive blocks: block ``b`` lives in page
   ``b // blocks_per_page`` in every layer and every buffer. Blocks never
   straddle pages.
-* Each buffer's share of a page (``span_bytes[i] = blocks_per_page *
+* Each buffer's share of a page (``page_strides[i] = blocks_per_page *
   buffer_block_bytes[i]``) is a whole number of driver granules, so a page can
   be mapped and unmapped on its own in every buffer. When the blocks do not
   tile the configured page size, the page grows to the smallest span that they
@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -178,8 +179,9 @@ class PageGeometry:
         return self.blocks_per_page * self.block_bytes
 
     @property
-    def span_bytes(self) -> tuple[int, ...]:
-        """Bytes of one page inside one buffer of one layer."""
+    def page_strides(self) -> tuple[int, ...]:
+        """Bytes of one page inside one buffer of one layer (per buffer): on
+        ``PER_LAYER`` the page stride of each lane."""
         return tuple(self.blocks_per_page * b for b in self.buffer_block_bytes)
 
     @property
@@ -194,7 +196,7 @@ class PageGeometry:
     @property
     def handle_bytes_per_page(self) -> int:
         """The largest handle a one-page extent needs (for coalescing limits)."""
-        return self.page_bytes if self.layout is KVLayout.CONTIGUOUS else max(self.span_bytes)
+        return self.page_bytes if self.layout is KVLayout.CONTIGUOUS else max(self.page_strides)
 
     def page_of(self, block: int) -> int:
         return block // self.blocks_per_page
@@ -202,6 +204,39 @@ class PageGeometry:
     def blocks_of(self, page: int) -> range:
         first = page * self.blocks_per_page
         return range(first, first + self.blocks_per_page)
+
+
+@runtime_checkable
+class PageShape(Protocol):
+    """A page geometry as the page layer reads it (mapper, page pool, block
+    manager): how many pages, blocks per page, physical bytes per page, the
+    largest handle a one-page extent needs.
+
+    Two geometries are one: :class:`PageGeometry`, the layout kvcached plans
+    from a :class:`KVCacheSpec` (KVCache, SGLang, the demo), and
+    :class:`~kvcached.memory.ranges.PageLanes`, a layout an engine fixed in one
+    flat buffer (vLLM). docs/memory.md says why they stay two classes.
+    """
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def blocks_per_page(self) -> int: ...
+
+    @property
+    def granularity(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def page_bytes(self) -> int: ...
+
+    @property
+    def handle_bytes_per_page(self) -> int: ...
+
+    def page_of(self, block: int) -> int: ...
 
 
 def min_tiling_blocks(buffer_block_bytes: tuple[int, ...], granularity: int) -> int:

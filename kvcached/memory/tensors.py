@@ -20,15 +20,39 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from kvcached.driver.base import Driver
 from kvcached.errors import ConfigError, KVCachedError, MappingError
 from kvcached.log import get_logger
-from kvcached.memory.spec import KVCacheSpec, KVLayout, PageGeometry
+from kvcached.memory.spec import KVCacheSpec, KVLayout, PageGeometry, PageShape
 
 log = get_logger("kvcached.memory")
+
+
+@runtime_checkable
+class PagedTensors(Protocol):
+    """Reserved address space that pages are mapped under, as
+    :class:`~kvcached.memory.mapper.PageMapper` uses it: the driver, the
+    geometry and the lanes. A *lane* is one address range that every page
+    crosses at the same offset (one buffer of one layer on ``PER_LAYER``, the
+    whole reservation on ``CONTIGUOUS``, one region of an engine's flat
+    buffer); a one-page extent maps one handle per lane.
+
+    :class:`VirtualKVTensors` (kvcached's layout, with attention views) and
+    :class:`~kvcached.memory.ranges.RangeKVTensors` (an engine's flat buffer)
+    are the two implementations."""
+
+    driver: Driver
+
+    @property
+    def geometry(self) -> PageShape: ...
+
+    def extent_ranges(self, first: int, count: int) -> list[tuple[int, int]]: ...
+
+    def handle_strides(self) -> tuple[tuple[int, int], ...]: ...
 
 
 def _free_all(driver: Driver, reservations: list[tuple[int, int]]) -> None:
@@ -88,9 +112,9 @@ class VirtualKVTensors:
                     va = driver.reserve(size)
                     self._reservations.append((va, size))
                     row, off = [], va
-                    for span in g.span_bytes:
+                    for stride in g.page_strides:
                         row.append(off)
-                        off += g.num_pages * span
+                        off += g.num_pages * stride
                     self._base.append(row)
             except BaseException:
                 _free_all(driver, self._reservations)  # undo in reverse
@@ -124,19 +148,20 @@ class VirtualKVTensors:
             raise MappingError(
                 f"pages [{first}, {first + count}) are outside this cache's {g.num_pages} pages"
             )
-        return [(va + first * step, count * step) for va, step in self.handle_strides()]
+        return [(va + first * stride, count * stride) for va, stride in self.handle_strides()]
 
     def handle_strides(self) -> tuple[tuple[int, int], ...]:
-        """``(va, step)`` of each handle range, in :meth:`extent_ranges` order:
-        range ``i`` of pages ``[first, first+count)`` is ``(va_i + first *
-        step_i, count * step_i)``. Fixed for the tensors' life, so the mapper
-        computes addresses with two multiplications instead of a call."""
+        """``(va, stride)`` of each lane (handle range), in
+        :meth:`extent_ranges` order: lane ``i`` of pages ``[first,
+        first+count)`` is ``(va_i + first * stride_i, count * stride_i)``.
+        Fixed for the tensors' life, so the mapper computes addresses with two
+        multiplications instead of a call."""
         g = self.geometry
         if g.layout is KVLayout.CONTIGUOUS:
             return ((self._reservations[0][0], g.page_bytes),)
-        spans = g.span_bytes
+        strides = g.page_strides
         return tuple(
-            (base, span) for row in self._base for base, span in zip(row, spans, strict=True)
+            (base, stride) for row in self._base for base, stride in zip(row, strides, strict=True)
         )
 
     def buffer_stride(self, buffer: int = 0) -> int:

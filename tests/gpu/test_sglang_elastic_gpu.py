@@ -53,7 +53,7 @@ def _kv(page_size: int, size: int):
     kv = build_elastic_kv(
         KVShape(
             layers=LAYERS,
-            page_size=page_size,
+            block_tokens=page_size,
             size=size,
             heads=HEADS,
             head_dim=HEAD_DIM,
@@ -75,7 +75,7 @@ def test_kv_written_by_cuda_kernels_reads_back_across_pages(env, page_size):
         k_buf, v_buf = kv.mha_buffers()
         assert k_buf[0].device.type == "cuda" and k_buf[0].shape == (kv.rows, HEADS, HEAD_DIM)
         n_pages = 5000 // page_size
-        pages = slots.alloc_pages(n_pages)  # about five kvcached pages, mapped now
+        pages = slots.alloc_blocks(n_pages)  # about five kvcached pages, mapped now
         assert pages is not None and kv.cache.usage().pages_used >= 5
         page_t = torch.tensor(pages, device="cuda")
         loc = (page_t[:, None] * page_size + torch.arange(page_size, device="cuda")).reshape(-1)
@@ -102,7 +102,7 @@ def test_kv_written_by_cuda_kernels_reads_back_across_pages(env, page_size):
                 q, k_buf[layer][loc].transpose(0, 1)[None], v_buf[layer][loc].transpose(0, 1)[None]
             )
             assert torch.equal(got, ref)
-        slots.free_pages(pages)
+        slots.free_blocks(pages)
         mapped = kv.cache.usage().pages_mapped
         released = slots.clear()  # returns the pages it unmapped
         torch.cuda.synchronize()
@@ -124,7 +124,7 @@ def test_ledger_bounds_what_the_allocator_reports(env):
         grab = kv.budget.headroom() // (64 << 20) * (64 << 20)
         assert grab > 0 and other.grant(grab)
         kv.budget.headroom()  # refreshed by our next grant; the ledger decides anyway
-        assert slots.alloc_pages(slots.capacity) is None  # a miss, not a CUDA OOM
+        assert slots.alloc_blocks(slots.capacity) is None  # a miss, not a CUDA OOM
         other.refund(grab)
         other.close()
     finally:

@@ -132,6 +132,42 @@ def test_a_failure_in_a_run_undoes_the_whole_run_only(host, call, nth):
     t.close()
 
 
+@pytest.mark.parametrize(
+    "handles, faults, kept",
+    [
+        # 4 ranges, runs [0, 2) then [3, 5): the 16th create or map is the last
+        # range of page 4, so page 3 is whole (every range mapped) and kept
+        (4, {"create": 16}, 3),
+        (4, {"map": 16}, 3),
+        (4, {"create": 14}, 2),  # the 3rd range: no extent of the run is whole
+        # one handle a page, runs [0, 2) then [3, 6): every range is the last
+        (1, {"create": 4}, 3),
+        (1, {"map": 5}, 4),
+        (1, {"create": 4, "set_access": 2}, 2),  # enabling page 3 fails: undone too
+    ],
+)
+def test_a_run_that_fails_in_its_last_range_keeps_its_whole_extents(host, handles, faults, kept):
+    """_build_run: the extents before the failed call are whole when it failed
+    in the last range; they are enabled and kept (what one call per page would
+    have kept), and the rest of the run and the spans after it are undone and
+    refunded."""
+    faulty = FaultyDriver(host, fail_nth=faults)
+    side = 2 if handles == 4 else 1
+    t, m, budget = _parts(faulty, layers=side, buffers=side)
+    spans = [(0, 1), (1, 1), (3, 1), (4, 1), (5, 1)][: 4 if handles == 4 else 5]
+    assert m.map_runs(spans) == kept
+    assert all(m.is_mapped(p) for p, _ in spans[:kept])
+    assert all(m.extent_of(p) is None for p, _ in spans[kept:])
+    assert budget.used == kept * m.page_bytes == host.own_bytes() == m.held_bytes()
+    assert m.mapped_pages == kept and not m.quarantined_extents()
+    view = SimpleNamespace(tensors=t, geometry=t.geometry)
+    blocks = [b for p, _ in spans[:kept] for b in range(4 * p, 4 * p + 4)]
+    write_pattern(view, blocks)  # the kept pages are enabled: writable
+    check_pattern(view, blocks)
+    assert m.unmap_all() and budget.used == 0 == host.own_bytes()
+    t.close()
+
+
 @pytest.mark.parametrize("fail", [{"unmap": 2}, {"release": 3}])
 def test_a_failed_run_unmap_or_release_falls_back_per_handle(host, fail):
     faulty = FaultyDriver(host, fail_nth=fail)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from kvmem_helpers import ExactBudget
+from kvmem_helpers import ExactBudget, small_spec
 
 from kvcached.errors import ConfigError, MappingError
 from kvcached.memory.blocks import BlockManager
@@ -16,7 +16,8 @@ from kvcached.memory.mapper import PageMapper
 from kvcached.memory.pages import PageAllocator
 from kvcached.memory.planned import MAP, UNMAP, PlannedPages
 from kvcached.memory.ranges import PageLanes, RangeKVTensors
-from kvcached.memory.spec import KVLayout, PageGeometry
+from kvcached.memory.spec import KVLayout, PageGeometry, PageShape, plan_pages
+from kvcached.memory.tensors import PagedTensors, VirtualKVTensors
 from kvcached.units import MIB
 
 G = 2 * MIB
@@ -43,6 +44,25 @@ def geometry(num_pages: int = 8, bpp: int = 4, page_bytes: int = 2 * G) -> PageG
         num_pages=num_pages,
         granularity=G,
     )
+
+
+@pytest.mark.parametrize("layout", [KVLayout.PER_LAYER, KVLayout.CONTIGUOUS])
+def test_both_geometries_speak_one_page_vocabulary(host, layout) -> None:
+    """PageGeometry and PageLanes are both a PageShape, VirtualKVTensors and
+    RangeKVTensors both PagedTensors: a page is the same offset in every lane,
+    its bytes are its lanes' strides, and an extent is one range per lane."""
+    g = plan_pages(small_spec(2, 2), layout=layout, granularity=G, page_size=G, num_blocks=32)
+    lanes = two_layer_lanes()
+    assert isinstance(g, PageShape) and isinstance(lanes, PageShape)
+    assert not isinstance(object(), PageShape) and not isinstance(lanes, PagedTensors)
+    with VirtualKVTensors(host, small_spec(2, 2), g) as vt, RangeKVTensors(host, lanes) as rt:
+        for t in (vt, rt):
+            assert isinstance(t, PagedTensors)
+            strides = t.handle_strides()
+            assert sum(stride for _, stride in strides) == t.geometry.page_bytes
+            assert t.extent_ranges(1, 2) == [(va + s, 2 * s) for va, s in strides]
+        assert len(vt.handle_strides()) == (1 if layout is KVLayout.CONTIGUOUS else 4)
+        assert len(rt.handle_strides()) == 2
 
 
 def test_page_lanes_validate_alignment_overlap_and_bounds() -> None:

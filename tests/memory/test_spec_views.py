@@ -31,7 +31,7 @@ def test_blocks_tile_the_page_when_they_can():
     spec = KVCacheSpec(num_layers=4, block_size=16, num_heads=2, head_dim=64, dtype=torch.float16)
     g = _plan(spec)
     assert spec.buffer_block_bytes == (4096, 4096)
-    assert g.blocks_per_page == 512 and g.span_bytes == (G, G)
+    assert g.blocks_per_page == 512 and g.page_strides == (G, G)
     assert g.page_bytes == 4 * 2 * G
     assert g.handles_per_page == 8
     assert g.page_of(511) == 0 and g.page_of(512) == 1
@@ -43,8 +43,8 @@ def test_page_grows_to_the_smallest_tiling_span():
     spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=2, head_dim=80, dtype=torch.float16)
     g = _plan(spec)
     assert g.blocks_per_page == 2048
-    assert g.span_bytes == (10 * MIB, 10 * MIB)
-    assert all(s % G == 0 for s in g.span_bytes)
+    assert g.page_strides == (10 * MIB, 10 * MIB)
+    assert all(s % G == 0 for s in g.page_strides)
 
 
 def test_k_and_v_of_different_head_dims_share_block_ids():
@@ -53,8 +53,8 @@ def test_k_and_v_of_different_head_dims_share_block_ids():
     )
     g = _plan(spec)
     assert spec.buffer_block_bytes == (49152, 32768)
-    assert all(s % G == 0 for s in g.span_bytes)
-    assert g.span_bytes[0] * 2 == g.span_bytes[1] * 3
+    assert all(s % G == 0 for s in g.page_strides)
+    assert g.page_strides[0] * 2 == g.page_strides[1] * 3
 
 
 def test_larger_page_size_holds_more_blocks():

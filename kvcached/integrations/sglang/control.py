@@ -45,7 +45,7 @@ class SGLangPoolSource:
         info = kv.driver.info()
         self.gpu, self.backend = info.pci_bus_id, info.backend
         g = kv.cache.geometry
-        self.token_bytes = g.page_bytes // (g.blocks_per_page * kv.shape.page_size)
+        self.token_bytes = g.page_bytes // (g.blocks_per_page * kv.shape.block_tokens)
         self.slots: SlotAllocator | None = None
         self.prefix_cache_tokens: Callable[[], int] | None = None
 

@@ -46,14 +46,15 @@ class KVShape:
     """One SGLang token-to-KV pool as kvcached sees it.
 
     ``size`` is SGLang's token capacity (usable slots ``1 .. size``, rows
-    ``size + page_size``), ``page_size`` SGLang's page (one kvcached block),
+    ``size + page_size``), ``block_tokens`` SGLang's ``page_size`` (tokens per
+    SGLang page; one SGLang page is one kvcached block),
     ``dtype`` the *store* dtype (``uint8`` for fp8 caches). ``kv_buffers`` is
     2 for MHA (``v_head_dim`` where V differs from K) and 1 for MLA (one
     ``(rows, 1, head_dim)`` buffer per layer, ``heads == 1``).
     """
 
     layers: int
-    page_size: int
+    block_tokens: int
     size: int
     heads: int
     head_dim: int
@@ -62,21 +63,21 @@ class KVShape:
     kv_buffers: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("layers", "page_size", "size", "heads", "head_dim"):
+        for name in ("layers", "block_tokens", "size", "heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, value, "a whole number >= 1")
 
     @property
-    def pages(self) -> int:
-        """SGLang pages the pool's rows span, the padding page 0 included."""
-        return -(-(self.size + self.page_size) // self.page_size)
+    def blocks(self) -> int:
+        """Blocks (SGLang pages) the pool's rows span, the padding block 0 included."""
+        return -(-(self.size + self.block_tokens) // self.block_tokens)
 
     def spec(self) -> KVCacheSpec:
         v_head_dim = self.v_head_dim if self.v_head_dim not in (None, self.head_dim) else None
         return KVCacheSpec(
             num_layers=self.layers,
-            block_size=self.page_size,
+            block_size=self.block_tokens,
             num_heads=self.heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
@@ -157,7 +158,7 @@ class ElasticKV:
                 config=config,
                 driver=self.driver,
                 budget=budget,
-                num_blocks=shape.pages,
+                num_blocks=shape.blocks,
                 **cache_kwargs,
             )
         except BaseException:
@@ -177,7 +178,7 @@ class ElasticKV:
         self.budget = budget
         self._owned_budget = owned_budget
         self.blocks = self.cache.blocks
-        self.rows = self.cache.num_blocks * shape.page_size
+        self.rows = self.cache.num_blocks * shape.block_tokens
         self.source: Any = None
         self._lock = threading.Lock()
         self._closed = False
@@ -234,7 +235,7 @@ class ElasticKV:
     def __repr__(self) -> str:
         s = self.shape
         return (
-            f"<ElasticKV {self.name} layers={s.layers} page_size={s.page_size} "
+            f"<ElasticKV {self.name} layers={s.layers} block_tokens={s.block_tokens} "
             f"rows={self.rows} {self.cache!r}>"
         )
 

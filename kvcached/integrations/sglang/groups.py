@@ -305,7 +305,7 @@ def enforce_cache_cap(slots: Any, tree: Any, cap: int) -> int:
     if excess <= 0:
         return 0
     g = slots.kv.cache.geometry
-    page_tokens = g.blocks_per_page * slots.page_size
+    page_tokens = g.blocks_per_page * slots.block_tokens
     want = -(-excess // page_tokens) * page_tokens
     got = slots.evictor(want)
     slots.evicted_tokens += got
@@ -394,15 +394,15 @@ def reserve_for_extend(
     failure raises :class:`KVCacheMiss` before the batch touches memory;
     elsewhere SGLang's own path runs on (and fails as it would natively)."""
     prefix, ends = zip(*(bounds(r) for r in reqs), strict=True) if reqs else ((), ())
-    pages = slots.pages_for_extend(list(prefix), list(ends))
-    if pages <= 0:
+    blocks = slots.blocks_for_extend(list(prefix), list(ends))
+    if blocks <= 0:
         return True
-    allocator.evict_to_free_tokens(tree_cache, pages * slots.page_size)
-    if slots.available_tokens() < pages * slots.page_size:
+    allocator.evict_to_free_tokens(tree_cache, blocks * slots.block_tokens)
+    if slots.available_tokens() < blocks * slots.block_tokens:
         slots.misses += 1  # the same verdict on every rank: no collective
         ok = False
     else:
-        ok = slots.reserve(pages)
+        ok = slots.reserve(blocks)
     if not ok and slots.prefill_guard:
         raise KVCacheMiss(list(reqs))
     return ok

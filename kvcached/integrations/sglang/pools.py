@@ -93,7 +93,7 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
         if why is None:
             shape = KVShape(
                 layers=self.layer_num,
-                page_size=self.page_size,
+                block_tokens=self.page_size,
                 size=self.size,
                 heads=self.head_num,
                 head_dim=self.head_dim,
@@ -131,7 +131,7 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
         if why is None:
             shape = KVShape(
                 layers=self.layer_num,
-                page_size=self.page_size,
+                block_tokens=self.page_size,
                 size=self.size,
                 heads=1,
                 head_dim=self.kv_cache_dim,
@@ -232,7 +232,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocator, TokenToKVPoolAllocator):
         return self.kvcached_slots.available_tokens()
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        ids = self.kvcached_slots.alloc_pages(need_size)
+        ids = self.kvcached_slots.alloc_blocks(need_size)
         return None if ids is None else self._ids_tensor(ids)
 
     def free(self, free_index: torch.Tensor) -> None:
@@ -241,7 +241,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocator, TokenToKVPoolAllocator):
         if self.free_group is not None:
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        self.kvcached_slots.free_pages(self._host_ids(free_index))
+        self.kvcached_slots.free_blocks(self._host_ids(free_index))
 
     def resize(self, config: Any) -> None:
         self.size = config.max_total_num_tokens
@@ -284,7 +284,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
     def alloc(self, need_size: int) -> torch.Tensor | None:
         if self.debug_mode:  # SGLang's own debug check, with its message
             assert need_size % self.page_size == 0, "The allocation size should be page-aligned"
-        ids = self.kvcached_slots.alloc_pages(need_size // self.page_size)
+        ids = self.kvcached_slots.alloc_blocks(need_size // self.page_size)
         if ids is None:
             return None
         pages = self._ids_tensor(ids)
@@ -293,7 +293,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         ).reshape(-1)
 
     def _new_pages(self, num_new_pages: int) -> torch.Tensor | None:
-        ids = self.kvcached_slots.alloc_pages(num_new_pages)
+        ids = self.kvcached_slots.alloc_blocks(num_new_pages)
         if ids is None:
             return None
         if not ids and self.use_triton_kernels:
@@ -374,7 +374,7 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
         ids = page_ids[0] if len(page_ids) == 1 else torch.cat(page_ids)
-        self.kvcached_slots.free_pages(self._host_ids(ids))
+        self.kvcached_slots.free_blocks(self._host_ids(ids))
 
     def resize(self, config: Any) -> None:
         self.size = config.max_total_num_tokens

@@ -1,9 +1,11 @@
 """SGLang's allocator state over kvcached's block manager, without SGLang.
 
-SGLang's allocators hand out KV slots by page (``page_size`` slots; one slot
-when ``page_size == 1``). :class:`SlotAllocator` is what the elastic
+SGLang's allocators hand out KV slots by page (SGLang's ``page_size`` slots;
+one slot when ``page_size == 1``). :class:`SlotAllocator` is what the elastic
 allocator classes (``allocators.py``) keep instead of SGLang's free-page
-tensors: one SGLang page is one kvcached block (see ``elastic_kv.py``), the
+tensors: one SGLang page is one kvcached block of ``block_tokens`` tokens
+(see ``elastic_kv.py``; kvcached's own *page* is the mapping unit, many
+blocks), so this class counts blocks where SGLang counts pages. The
 block manager picks which block (best fit into partly used kvcached pages, so
 live and cached tokens pack into few pages and idle memory returns as whole
 pages), and pages are mapped on demand under the ledger's budget.
@@ -27,7 +29,7 @@ Invariants:
   yet SGLang's; they are handed out before any new block and given back when
   the outermost round ends, so a reservation made at admission cannot be
   taken by another process before the allocation that follows it;
-* :meth:`available_tokens` is what :meth:`alloc_pages` grants now (no other
+* :meth:`available_tokens` is what :meth:`alloc_blocks` grants now (no other
   thread or process changing anything), and inside a distributed round the
   same number on every rank;
 * running out is ``None`` / ``False``, never an exception.
@@ -57,11 +59,11 @@ class SlotAllocator:
             or not 0 <= capacity <= usable
         ):
             raise ConfigError(
-                "capacity", capacity, f"a page count in [0, {usable}] (the pool's usable pages)"
+                "capacity", capacity, f"a block count in [0, {usable}] (the pool's usable blocks)"
             )
         self.kv = kv
         self.blocks = kv.blocks
-        self.page_size = kv.shape.page_size
+        self.block_tokens = kv.shape.block_tokens
         self.capacity = capacity
         self._live = bytearray(kv.cache.num_blocks)
         self.n_live = 0
@@ -83,7 +85,7 @@ class SlotAllocator:
         """min(logical free, physical forecast incl. the stash), in tokens."""
         logical = self.capacity - self.n_live
         physical = self.blocks.available_size() + len(self._stash)
-        return (logical if logical < physical else physical) * self.page_size
+        return (logical if logical < physical else physical) * self.block_tokens
 
     def available_tokens(self) -> int:
         """What the scheduler may allocate now (the agreed count in a TP round)."""
@@ -93,20 +95,22 @@ class SlotAllocator:
     def stashed(self) -> int:
         return len(self._stash)
 
-    def pages_for_extend(self, prefix_lens: Iterable[int], seq_lens: Iterable[int]) -> int:
-        """New pages an extend from ``prefix_lens`` to ``seq_lens`` takes
-        (a request's last partial page is continued, not replaced)."""
-        ps = self.page_size
+    def blocks_for_extend(self, prefix_lens: Iterable[int], seq_lens: Iterable[int]) -> int:
+        """New blocks (SGLang pages) an extend from ``prefix_lens`` to
+        ``seq_lens`` takes (a request's last partial one is continued, not
+        replaced)."""
+        ps = self.block_tokens
         return sum(-(-s // ps) + (-p // ps) for p, s in zip(prefix_lens, seq_lens, strict=True))
 
     # -- allocation ------------------------------------------------------------------------------
-    def alloc_pages(self, n: int) -> list[int] | None:
-        """``n`` page ids (slot ids when ``page_size == 1``), or ``None``."""
+    def alloc_blocks(self, n: int) -> list[int] | None:
+        """``n`` block ids (SGLang's page ids; slot ids when its ``page_size``
+        is 1), or ``None``."""
         if n <= 0:
             if n == 0:
                 return []
-            raise ConfigError("n", n, "a number of pages >= 0")
-        if n > self.capacity - self.n_live or n * self.page_size > self.agreement.available():
+            raise ConfigError("n", n, "a number of blocks >= 0")
+        if n > self.capacity - self.n_live or n * self.block_tokens > self.agreement.available():
             self.misses += 1
             return None  # the same verdict on every rank: no collective needed
         stash = self._stash
@@ -130,11 +134,11 @@ class SlotAllocator:
         for b in ids:
             live[b] = 1
         self.n_live += n
-        self.agreement.note_alloc(n * self.page_size)
+        self.agreement.note_alloc(n * self.block_tokens)
         return ids
 
-    def free_pages(self, ids: Sequence[int]) -> None:
-        """Give SGLang pages back. An id SGLang does not hold raises
+    def free_blocks(self, ids: Sequence[int]) -> None:
+        """Give blocks (SGLang pages) back. An id SGLang does not hold raises
         :class:`~kvcached.errors.BlockError` (from the block manager's check
         or here) and changes nothing."""
         ids = ids if ids.__class__ is list else list(ids)
@@ -153,13 +157,13 @@ class SlotAllocator:
         for b in ids:
             live[b] = 0
         self.n_live -= len(ids)
-        self.agreement.note_free(len(ids) * self.page_size)
+        self.agreement.note_free(len(ids) * self.block_tokens)
 
-    def reserve(self, pages: int) -> bool:
-        """Hold ``pages`` mapped blocks for the allocations that follow in
+    def reserve(self, blocks: int) -> bool:
+        """Hold ``blocks`` mapped blocks for the allocations that follow in
         this round (never more than the logical capacity leaves). ``False``
         when they cannot be had (on every rank, under TP): nothing is held."""
-        want = min(pages, self.capacity - self.n_live)
+        want = min(blocks, self.capacity - self.n_live)
         short = want - len(self._stash)
         if short <= 0:
             return True
@@ -181,7 +185,7 @@ class SlotAllocator:
             stash, self._stash = self._stash, []
             self.blocks.free(stash)
 
-    def live_pages(self) -> list[int]:
+    def live_blocks(self) -> list[int]:
         live = self._live
         return [b for b in range(len(live)) if live[b]]
 
@@ -189,7 +193,7 @@ class SlotAllocator:
         """Free everything SGLang holds and unmap every idle page (flush_cache,
         resize). Returns kvcached pages released."""
         self.release_stash()
-        held = self.live_pages()
+        held = self.live_blocks()
         if held:
             self.blocks.free(held)
         self._live = bytearray(len(self._live))
@@ -197,7 +201,7 @@ class SlotAllocator:
         return self.blocks.trim()
 
     def resize(self, capacity: int) -> None:
-        """SGLang resized its pool: clear, then hold at most ``capacity`` pages
+        """SGLang resized its pool: clear, then hold at most ``capacity`` blocks
         (clamped to what the virtual tensors hold)."""
         self.clear()
         self.capacity = max(0, min(int(capacity), self.kv.cache.num_blocks - 1))

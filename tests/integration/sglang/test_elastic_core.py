@@ -51,7 +51,7 @@ def make(
     kw.setdefault("min_reserved", 0)
     kw.setdefault("max_reserved", 0)
     kv = ElasticKV(
-        KVShape(page_size=page_size, size=size, **SHAPE),
+        KVShape(block_tokens=page_size, size=size, **SHAPE),
         driver=driver,
         budget=budget,
         register=register_pool if register else None,
@@ -71,7 +71,7 @@ def test_mha_buffers_are_sglangs_fused_layout_over_kvcached_pages(env):
         assert k[0].stride() == (8 * 128, 128, 1) and k[0].is_contiguous()
         # V follows K at a fixed distance, like SGLang's (2, rows, H, D) buffer.
         assert v[0].data_ptr() - k[0].data_ptr() == kv.rows * 8 * 128 * 2
-        ids = slots.alloc_pages(1500)
+        ids = slots.alloc_blocks(1500)
         assert ids is not None and kv.cache.usage().pages_used == 2
         idx = torch.tensor(ids)
         data = torch.randn(1500, 8, 128, dtype=torch.float16)
@@ -89,7 +89,7 @@ def test_separate_v_head_dim_and_mla_shapes(env):
     kv = ElasticKV(
         KVShape(
             layers=1,
-            page_size=1,
+            block_tokens=1,
             size=64,
             heads=4,
             head_dim=128,
@@ -104,7 +104,7 @@ def test_separate_v_head_dim_and_mla_shapes(env):
     mla = ElasticKV(
         KVShape(
             layers=3,
-            page_size=1,
+            block_tokens=1,
             size=64,
             heads=1,
             head_dim=576,
@@ -133,17 +133,17 @@ def test_logical_capacity_and_physical_budget_both_bound_allocation(env):
     try:
         room = slots.available_tokens()
         assert 0 < room < 10_000
-        assert slots.alloc_pages(room + 1) is None and slots.misses == 1
-        ids = slots.alloc_pages(room)
+        assert slots.alloc_blocks(room + 1) is None and slots.misses == 1
+        ids = slots.alloc_blocks(room)
         assert ids is not None and slots.available_tokens() == 0
-        slots.free_pages(ids[:10])
+        slots.free_blocks(ids[:10])
         assert slots.available_tokens() == 10
     finally:
         kv.close()
     kv, slots = make(4, 64)
     try:
         assert slots.available_tokens() == 64  # SGLang's size, not the larger virtual range
-        assert slots.alloc_pages(17) is None and slots.alloc_pages(16) is not None
+        assert slots.alloc_blocks(17) is None and slots.alloc_blocks(16) is not None
     finally:
         kv.close()
 
@@ -151,12 +151,12 @@ def test_logical_capacity_and_physical_budget_both_bound_allocation(env):
 def test_bad_frees_raise_and_change_nothing(env):
     kv, slots = make(1, 64)
     try:
-        ids = slots.alloc_pages(4)
+        ids = slots.alloc_blocks(4)
         with pytest.raises(BlockError):
-            slots.free_pages([0])  # the padding page
-        slots.free_pages(ids[:2])
+            slots.free_blocks([0])  # the padding page
+        slots.free_blocks(ids[:2])
         with pytest.raises(BlockError):
-            slots.free_pages(ids[1:3])  # ids[1] was freed already
+            slots.free_blocks(ids[1:3])  # ids[1] was freed already
         assert slots.n_live == 2
         with pytest.raises(ConfigError, match="capacity"):
             SlotAllocator(kv, kv.cache.num_blocks)
@@ -177,7 +177,7 @@ def test_reservation_is_held_through_a_shrink_and_released_at_round_end(env):
         other = open_pool_budget(kv.driver, "other-engine", calibrate=False, config=get_config())
         taken = kv.budget.headroom() // (2 * MIB) * (2 * MIB)
         assert other.grant(taken)
-        got = slots.alloc_pages(70)  # served from the reservation
+        got = slots.alloc_blocks(70)  # served from the reservation
         assert got is not None and slots.stashed == 0
         assert slots.available_tokens() == available - 70 * 16
         slots.end_round()
@@ -194,7 +194,7 @@ def test_reservation_is_held_through_a_shrink_and_released_at_round_end(env):
 def test_clear_frees_everything_and_unmaps(env):
     kv, slots = make(1, 5000, max_reserved=8)
     try:
-        assert slots.alloc_pages(4000) is not None
+        assert slots.alloc_blocks(4000) is not None
         assert kv.cache.usage().pages_mapped == 4
         released = slots.clear()
         assert released == 3 and kv.cache.usage().pages_mapped == 1  # the padding page stays
@@ -211,20 +211,20 @@ class Tree:
         self.evicted: list[int] = []
 
     def evictable_size(self) -> int:
-        return len(self.ids) * self.slots.page_size
+        return len(self.ids) * self.slots.block_tokens
 
     def evict(self, tokens: int) -> int:
-        n = min(len(self.ids), -(-tokens // self.slots.page_size))
+        n = min(len(self.ids), -(-tokens // self.slots.block_tokens))
         gone, self.ids = self.ids[:n], self.ids[n:]
-        self.slots.free_pages(gone)
+        self.slots.free_blocks(gone)
         self.evicted.append(tokens)
-        return n * self.slots.page_size
+        return n * self.slots.block_tokens
 
 
 def test_cache_cap_evicts_whole_kvcached_pages_of_tokens(env):
     kv, slots = make(1, 8000)
     try:
-        tree = Tree(slots, slots.alloc_pages(3000))
+        tree = Tree(slots, slots.alloc_blocks(3000))
         slots.evictor = tree.evict
         assert enforce_cache_cap(slots, tree, -1) == 0  # below 0: unlimited
         assert enforce_cache_cap(slots, tree, 5000) == 0
@@ -244,7 +244,7 @@ def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
     source = kv.source
     source.slots = slots
     try:
-        tree = Tree(slots, slots.alloc_pages(5000))  # 5 kvcached pages, all cached
+        tree = Tree(slots, slots.alloc_blocks(5000))  # 5 kvcached pages, all cached
         slots.evictor = tree.evict
         source.prefix_cache_tokens = tree.evictable_size
         usage = source.pool_usage()
@@ -267,7 +267,7 @@ def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
             time.sleep(0.1)
         assert tree.evicted and slots.evicted_tokens > 0
         assert kv.cache.usage().pages_mapped <= 2
-        assert slots.alloc_pages(3000) is None  # growth past the limit is a miss
+        assert slots.alloc_blocks(3000) is None  # growth past the limit is a miss
         set_limit("sglang-core", None, directory=str(env))
     finally:
         kv.close()
@@ -295,7 +295,7 @@ def test_the_factory_passes_the_registration_in_and_close_leaves_once(env):
         calls.append(kv)
         return joined
 
-    shape = KVShape(page_size=1, size=1000, **SHAPE)
+    shape = KVShape(block_tokens=1, size=1000, **SHAPE)
     kv = build_elastic_kv(shape, device="cpu", name="joined", register=register)
     assert kv is not None and kv.source is joined and calls == [kv]
     kv.close()

@@ -324,7 +324,7 @@ def elastic_allocator(size: int, page_size: int, budget_pages: int | None):
     driver = HostDriver(index=71, capacity=512 * MIB)
     shape = KVShape(
         layers=1,
-        page_size=page_size,
+        block_tokens=page_size,
         size=size,
         heads=HEADS,
         head_dim=HEAD_DIM,

@@ -93,7 +93,7 @@ def main() -> None:
     # One block = one SGLang page of 256 tokens x 8 heads x 128 dims (fp16):
     # 512 KiB per buffer, 4 blocks per 2 MiB kvcached page.
     shape = KVShape(
-        layers=1, page_size=256, size=256 * 400, heads=8, head_dim=128, dtype=torch.float16
+        layers=1, block_tokens=256, size=256 * 400, heads=8, head_dim=128, dtype=torch.float16
     )
     kv = ElasticKV(
         shape,
@@ -126,21 +126,21 @@ def main() -> None:
             next_rid += 1
         slots.begin_round()
         try:
-            local_at_begin = slots.local_available_tokens() // shape.page_size
-            agreed = slots.available_tokens() // shape.page_size
+            local_at_begin = slots.local_available_tokens() // shape.block_tokens
+            agreed = slots.available_tokens() // shape.block_tokens
             for req in [r for r in running if r["end"] <= rnd]:
                 running.remove(req)
-                slots.free_pages(req["pages"])
+                slots.free_blocks(req["pages"])
             lost = 0
             if shrink.get((args.rank, rnd)):
                 lost = budget.headroom() // (2 * MIB) * (2 * MIB)
                 if lost and not other.grant(lost):
                     lost = 0
             admitted, failures, misses = [], [], []
-            while waiting and waiting[0]["size"] * shape.page_size <= slots.available_tokens():
+            while waiting and waiting[0]["size"] * shape.block_tokens <= slots.available_tokens():
                 req = waiting[0]
                 before = slots.local_failures
-                pages = slots.alloc_pages(req["size"])
+                pages = slots.alloc_blocks(req["size"])
                 if pages is None:
                     if slots.local_failures > before:  # this rank's ledger said no
                         failures.append(req["rid"])
@@ -175,7 +175,7 @@ def main() -> None:
         "agreed_misses": stats.agreed_misses,
     }
     for req in running:
-        slots.free_pages(req["pages"])
+        slots.free_blocks(req["pages"])
     record["pages_left_mapped"] = kv.cache.usage().pages_mapped
     kv.close()
     other.close()
