@@ -18,6 +18,76 @@ from kvcached.serve.gateway import GatewayReading
 from kvcached.serve.model import TTFT_BUCKETS, ModelRuntime
 from kvcached.serve.state import STATE_CODES, STATES
 
+#: (name, kind, help, what of a model) of the per-model counter and gauge families.
+_SIMPLE = (
+    (
+        "kvcached_serve_requests_total",
+        "counter",
+        "Requests routed to the model.",
+        lambda m: m.counters.requests,
+    ),
+    (
+        "kvcached_serve_errors_total",
+        "counter",
+        "Requests answered with a status >= 400 or broken off.",
+        lambda m: m.counters.errors,
+    ),
+    (
+        "kvcached_serve_in_flight",
+        "gauge",
+        "Requests routed and not yet answered.",
+        lambda m: m.in_flight,
+    ),
+    (
+        "kvcached_serve_sleeps_total",
+        "counter",
+        "Times the model was put to sleep.",
+        lambda m: m.counters.sleeps,
+    ),
+    (
+        "kvcached_serve_sleep_seconds_total",
+        "counter",
+        "Seconds spent putting it to sleep.",
+        lambda m: m.counters.sleep_seconds,
+    ),
+    (
+        "kvcached_serve_wakes_total",
+        "counter",
+        "Times the model was woken.",
+        lambda m: m.counters.wakes,
+    ),
+    (
+        "kvcached_serve_wake_seconds_total",
+        "counter",
+        "Seconds spent waking it.",
+        lambda m: m.counters.wake_seconds,
+    ),
+    (
+        "kvcached_serve_starts_total",
+        "counter",
+        "Engine processes started.",
+        lambda m: m.counters.starts,
+    ),
+    (
+        "kvcached_serve_restarts_total",
+        "counter",
+        "Restarts after an engine died.",
+        lambda m: m.counters.restarts,
+    ),
+    (
+        "kvcached_serve_engine_deaths_total",
+        "counter",
+        "Engine processes that died.",
+        lambda m: m.counters.deaths,
+    ),
+    (
+        "kvcached_serve_state_code",
+        "gauge",
+        "The model's state: " + ", ".join(f"{c}={s}" for s, c in STATE_CODES.items()) + ".",
+        lambda m: STATE_CODES[m.state],
+    ),
+)
+
 
 def render_metrics(
     models: Sequence[ModelRuntime], gateway: Mapping[str, GatewayReading] | None = None
@@ -32,75 +102,7 @@ def render_metrics(
         text = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items())
         out.append(f"{name}{{{text}}} {format_value(value)}")
 
-    simple = (
-        (
-            "kvcached_serve_requests_total",
-            "counter",
-            "Requests routed to the model.",
-            lambda m: m.counters.requests,
-        ),
-        (
-            "kvcached_serve_errors_total",
-            "counter",
-            "Requests answered with a status >= 400 or broken off.",
-            lambda m: m.counters.errors,
-        ),
-        (
-            "kvcached_serve_in_flight",
-            "gauge",
-            "Requests routed and not yet answered.",
-            lambda m: m.in_flight,
-        ),
-        (
-            "kvcached_serve_sleeps_total",
-            "counter",
-            "Times the model was put to sleep.",
-            lambda m: m.counters.sleeps,
-        ),
-        (
-            "kvcached_serve_sleep_seconds_total",
-            "counter",
-            "Seconds spent putting it to sleep.",
-            lambda m: m.counters.sleep_seconds,
-        ),
-        (
-            "kvcached_serve_wakes_total",
-            "counter",
-            "Times the model was woken.",
-            lambda m: m.counters.wakes,
-        ),
-        (
-            "kvcached_serve_wake_seconds_total",
-            "counter",
-            "Seconds spent waking it.",
-            lambda m: m.counters.wake_seconds,
-        ),
-        (
-            "kvcached_serve_starts_total",
-            "counter",
-            "Engine processes started.",
-            lambda m: m.counters.starts,
-        ),
-        (
-            "kvcached_serve_restarts_total",
-            "counter",
-            "Restarts after an engine died.",
-            lambda m: m.counters.restarts,
-        ),
-        (
-            "kvcached_serve_engine_deaths_total",
-            "counter",
-            "Engine processes that died.",
-            lambda m: m.counters.deaths,
-        ),
-        (
-            "kvcached_serve_state_code",
-            "gauge",
-            "The model's state: " + ", ".join(f"{c}={s}" for s, c in STATE_CODES.items()) + ".",
-            lambda m: STATE_CODES[m.state],
-        ),
-    )
-    for name, kind, help_text, get in simple:
+    for name, kind, help_text, get in _SIMPLE:
         family(name, kind, help_text)
         for m in models:
             line(name, get(m), model=m.name)
