@@ -98,6 +98,8 @@ def test_kv_tokens_reads_the_schedulers_line() -> None:
     assert ck.kv_tokens("no such line") is None
     assert ck.co_start_checks([10, 10]) == {"both_sized": True, "kv_capacity_equal": True}
     assert ck.co_start_checks([10, 11])["kv_capacity_equal"] is False
+    assert ck.co_start_checks([100_000, 99_950])["kv_capacity_equal"] is True  # a few MiB apart
+    assert ck.co_start_checks([100_000, 50_000])["kv_capacity_equal"] is False  # counted the other
     assert ck.co_start_checks([None, 10]) == {"both_sized": False, "kv_capacity_equal": False}
 
 
