@@ -7,7 +7,8 @@ prefix-cache reset (``/flush_cache``), apc x3 and apc_conc at once.
 ``limit``: ``kvctl limit`` on one kvcached server (usage within it in 30 s, load
 under it, regrowth once lifted). ``elastic``: two kvcached servers, A grows past
 half the free memory, its flush releases over half, B then grows past what was
-free at A's peak, both loaded at once, probes unchanged.
+free at A's peak, both loaded at once, probes unchanged. ``mixed`` (only when
+asked): one vLLM 0.26 and one SGLang 0.5.17 server sharing one ledger (mixed.py).
 Writes ``DIR/summary.json`` after each case group (a run cut short keeps what it
 measured), ``DIR/details.json`` and ``DIR/logs.tar.gz``.
 """
@@ -31,6 +32,8 @@ from tests.gpu.vllm_e2e.server import gpu_pids
 
 READY_S = 600.0
 CASES = ("models", "limit", "elastic")
+#: Only when asked: needs gpu-vllm's bundle installed on the same machine (mixed.py).
+EXTRA_CASES = ("mixed",)
 
 
 def run_phases(server: SGLangServer, tokenizer: str) -> dict[str, Any]:
@@ -293,7 +296,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", required=True, help="folder for summary.json, details.json, logs")
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES + EXTRA_CASES)
     ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
     ap.add_argument("--kinds", nargs="+", default=list(ck.KINDS), choices=list(ck.KINDS))
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (default: off)")
@@ -339,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     t = time.time()
     path = make_model(args.model, Path(args.models_dir) / args.model, args.make_model)
     details["timings_s"]["make_model"] = round(time.time() - t, 1)
-    run = {"models": model_cases, "limit": limit_case, "elastic": elastic_case}
+    from tests.gpu.sglang_e2e.mixed import mixed_case
+
+    run = {"models": model_cases, "limit": limit_case, "elastic": elastic_case, "mixed": mixed_case}
     for case in args.cases:
         t = time.time()
         got = run[case](args, path, details)

@@ -213,6 +213,13 @@ def co_start_checks(tokens: list[int | None]) -> dict[str, bool]:
     return {"both_sized": sized, "kv_capacity_equal": bool(equal)}
 
 
+def engines_listed(rows: list[dict[str, Any]], want: dict[str, str]) -> bool:
+    """``kvctl list --json`` shows every instance of ``want`` (name -> engine)
+    with that engine named."""
+    seen = {r.get("name"): r.get("engine") for r in rows}
+    return bool(want) and all(seen.get(name) == engine for name, engine in want.items())
+
+
 def failed_checks(cases: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     """Every (case, check) that is not exactly ``True``; a case with no checks
     counts as failed."""

@@ -65,8 +65,17 @@ def test_parse_defaults_and_refusals(tmp_path) -> None:
     assert parse(["--out", "x", "--cases", "limit"]).cases == ["limit"]
     with pytest.raises(SystemExit):
         parse(["--out", "x", "--kv-fraction", "1.5"])
+    assert parse(["--out", "x", "--cases", "mixed"]).cases == ["mixed"]  # only when asked
     with pytest.raises(SystemExit):
-        parse(["--out", "x", "--cases", "mixed"])
+        parse(["--out", "x", "--cases", "everything"])
+
+
+def test_engines_listed_needs_each_instance_with_its_engine() -> None:
+    rows = [{"name": "v", "engine": "vllm"}, {"name": "s", "engine": "sglang"}]
+    assert ck.engines_listed(rows, {"v": "vllm", "s": "sglang"})
+    assert not ck.engines_listed(rows[:1], {"v": "vllm", "s": "sglang"})
+    assert not ck.engines_listed([{"name": "s", "engine": "kvcached"}], {"s": "sglang"})
+    assert not ck.engines_listed(rows, {})
 
 
 KV_LOG = """\
