@@ -30,7 +30,6 @@ from tests.gpu.vllm_e2e import prompts
 from tests.gpu.vllm_e2e.models import MODELS, make_model
 from tests.gpu.vllm_e2e.server import gpu_pids
 
-READY_S = 600.0
 CASES = ("models", "limit", "elastic")
 #: Only when asked: needs gpu-vllm's bundle installed on the same machine (mixed.py).
 EXTRA_CASES = ("mixed",)
@@ -86,10 +85,10 @@ def model_cases(args: argparse.Namespace, path: Path, details: dict) -> dict[str
             s.start()
     for kind, s in servers.items():
         if kind != "native":
-            ready[kind] = s.wait_ready(READY_S)
+            ready[kind] = s.wait_ready(args.ready_s)
     if "native" in servers:
         servers["native"].start()
-        ready["native"] = servers["native"].wait_ready(READY_S)
+        ready["native"] = servers["native"].wait_ready(args.ready_s)
     results: dict[str, dict] = {}
 
     def drive(kind: str, s: SGLangServer) -> None:
@@ -158,7 +157,7 @@ def limit_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
     c: dict[str, bool] = {}
     server.start()
     try:
-        rec["ready_s"] = server.wait_ready(READY_S)
+        rec["ready_s"] = server.wait_ready(args.ready_s)
         c["server_ready"] = rec["ready_s"] is not None
         if rec["ready_s"] is None:
             raise RuntimeError("the server did not start")
@@ -219,7 +218,7 @@ def elastic_case(args: argparse.Namespace, path: Path, details: dict) -> dict[st
     for s in servers.values():
         s.start()
     try:
-        rec["ready_s"] = {k: s.wait_ready(READY_S) for k, s in servers.items()}
+        rec["ready_s"] = {k: s.wait_ready(args.ready_s) for k, s in servers.items()}
         c["servers_ready"] = None not in rec["ready_s"].values()
         if not c["servers_ready"]:
             raise RuntimeError("a server did not start")
@@ -318,6 +317,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--fill", type=int, default=64, help="limit: prompts of a fill")
     ap.add_argument("--fill-words", type=int, default=1500, help="limit: words per fill prompt")
     ap.add_argument("--port", type=int, default=30100)
+    ap.add_argument(
+        "--ready-s",
+        type=float,
+        default=300.0,
+        help="give up on a server start after this (stay inside one device call)",
+    )
     ap.add_argument("--models-dir", default="/tmp/e2e-models")
     ap.add_argument(
         "--make-model",

@@ -70,7 +70,7 @@ def mixed_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
     for s in servers.values():
         s.start()
     try:
-        rec["ready_s"] = {k: s.wait_ready(600) for k, s in servers.items()}
+        rec["ready_s"] = {k: s.wait_ready(args.ready_s) for k, s in servers.items()}
         c["servers_ready"] = None not in rec["ready_s"].values()
         if not c["servers_ready"]:
             raise RuntimeError("a server did not start")
