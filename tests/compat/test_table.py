@@ -85,3 +85,15 @@ def test_a_gpu_row_counts_each_case_by_its_newest_run(tmp_path) -> None:
 def test_the_committed_gpu_row_of_vllm_026_is_proven() -> None:
     (row,) = [r for r in table.gpu_rows() if r["version"] == "0.26.0"]
     assert table.proven(row) and row["cases"] >= 12, row
+
+
+def test_an_sglang_gpu_row_is_named_and_read_as_sglang(tmp_path) -> None:
+    folder = tmp_path / "h100" / "sglang-0.5.17" / "run1"
+    folder.mkdir(parents=True)
+    info = {"date": "2026-12-06T08:00:00Z", "commit": "c" * 40, "command": "x",
+            "device": "NVIDIA H100 80GB HBM3, 580, 81559 MiB", "load_avg": 0.5,
+            "sglang_version": "0.5.17"}  # fmt: skip
+    (folder / "summary.json").write_text(json.dumps({**info, "cases": {"a": {"x": True}}}))
+    (row,) = table.gpu_rows(tmp_path)
+    assert (row["engine"], row["version"], row["passed"]) == ("sglang", "0.5.17", 1)
+    assert "| SGLang (H100, real engine) | 0.5.17 | yes |" in table.render([row])

@@ -1,4 +1,4 @@
-"""The patch groups for SGLang 0.5.20-0.5.23 (targets and reasons: docs/sglang-integration.md).
+"""The patch groups for SGLang 0.5.17 and 0.5.20-0.5.23 (targets and reasons: docs/sglang-integration.md).
 
 Each ``_install_*`` receives a :class:`~kvcached.integrations.patching.Patcher`
 and its trigger module, and makes every change through the patcher (so a
@@ -213,7 +213,7 @@ def _virtual_budget(conf: Any, module: ModuleType, native: Any, pre_model_load_m
     fraction = module.get_schedule().mem_fraction_static
     budget = int(total * fraction) - int(resident)
     parallel = module.get_parallel()
-    if parallel.launch_world_size > 1:
+    if _world_size(parallel) > 1:
         import torch.distributed as dist
 
         t = torch.tensor([budget], dtype=torch.int64)
@@ -231,6 +231,17 @@ def _virtual_budget(conf: Any, module: ModuleType, native: Any, pre_model_load_m
     return budget
 
 
+def _world_size(parallel: Any) -> int:
+    """The launch's world size, as this release's configurator reads it:
+    ``launch_world_size`` (0.5.22 on, fixed across elastic scale-up), else the
+    world group's size (0.5.17 to 0.5.21 have no such field; their
+    ``ParallelContext`` raises ``AttributeError`` for it)."""
+    try:
+        return int(parallel.launch_world_size)
+    except AttributeError:
+        return int(parallel.world_size)
+
+
 def _install_startup_runner(p: Patcher, module: ModuleType) -> None:
     import importlib
 
@@ -243,6 +254,17 @@ def _install_startup_runner(p: Patcher, module: ModuleType) -> None:
 
     p.replace(module, "is_post_capture_kv_active", is_post_capture_kv_active)
     p.replace(runtime, "is_post_capture_kv_active", is_post_capture_kv_active)
+
+
+def _install_startup_args_method(p: Patcher, module: ModuleType) -> None:
+    """0.5.17: ``post_capture_kv_sizing_planned`` is a ``ServerArgs`` method
+    (``server_args.py``), read by ``__post_init__``'s memory heuristic and by
+    ``kv_pool_runtime.is_post_capture_kv_active``."""
+
+    def post_capture_kv_sizing_planned(self: Any) -> bool:
+        return False
+
+    p.replace(module.ServerArgs, "post_capture_kv_sizing_planned", post_capture_kv_sizing_planned)
 
 
 def _install_startup_args(p: Patcher, module: ModuleType) -> None:
@@ -381,6 +403,30 @@ def _install_scheduler(
     p.replace(batch_cls, "prepare_for_extend", prepare_for_extend)
 
 
+def _install_scheduler_with_decode_gate(p: Patcher, module: ModuleType) -> None:
+    """0.5.17: the scheduler group of 0.5.20/0.5.21, and the decode gate.
+    0.5.17's ``ScheduleBatch.check_decode_mem`` evicts and compares
+    ``available_size()`` itself (its allocators have no
+    ``check_decode_capacity`` hook, 0.5.20 on), so over an elastic allocator
+    it asks the allocator's hook instead: the step's pages are reserved, and
+    a shortage still answers ``False`` for SGLang's own retraction."""
+    _install_scheduler(p, module, bounds=extend_bounds_by_range)
+    batch_cls = module.ScheduleBatch
+    check = original(batch_cls.check_decode_mem)
+
+    @functools.wraps(check)
+    def check_decode_mem(self: Any, selected_indices: Any = None) -> bool:
+        allocator = self.token_to_kv_pool_allocator
+        if getattr(allocator, "kvcached_slots", None) is None:
+            return check(self, selected_indices)
+        num_tokens = self.new_tokens_required_next_decode(selected_indices)
+        return bool(
+            allocator.check_decode_capacity(num_tokens=num_tokens, tree_cache=self.tree_cache)
+        )
+
+    p.replace(batch_cls, "check_decode_mem", check_decode_mem)
+
+
 def reserve_for_extend(
     slots: Any,
     allocator: Any,
@@ -397,7 +443,9 @@ def reserve_for_extend(
     blocks = slots.blocks_for_extend(list(prefix), list(ends))
     if blocks <= 0:
         return True
-    allocator.evict_to_free_tokens(tree_cache, blocks * slots.block_tokens)
+    from kvcached.integrations.sglang.pools import evict_to_free_tokens
+
+    evict_to_free_tokens(allocator, tree_cache, blocks * slots.block_tokens)
     if slots.available_tokens() < blocks * slots.block_tokens:
         slots.misses += 1  # the same verdict on every rank: no collective
         ok = False
@@ -455,7 +503,14 @@ def _log_once(message: str) -> None:
 #: Where a group differs between releases, a group of the same name per set
 #: of releases (docs/sglang-integration.md, "Versions").
 RESOLVED = frozenset({"0.5.22", "0.5.23"})
-BY_NAME = frozenset({"0.5.20", "0.5.21"})
+BY_NAME = frozenset({"0.5.17", "0.5.20", "0.5.21"})
+#: 0.5.17: ``post_capture_kv_sizing_planned`` is a ``ServerArgs`` method (there
+#: is no ``arg_groups.memory_hook`` yet).
+ARGS_METHOD = frozenset({"0.5.17"})
+ARG_GROUPS = frozenset({"0.5.20", "0.5.21", "0.5.22", "0.5.23"})
+#: 0.5.17: ``ScheduleBatch.check_decode_mem`` decides decode capacity itself
+#: (its allocators have no ``check_decode_capacity`` hook yet).
+BATCH_DECODE_GATE = frozenset({"0.5.17"})
 
 GROUPS: tuple[PatchGroup, ...] = (
     PatchGroup(
@@ -467,13 +522,30 @@ GROUPS: tuple[PatchGroup, ...] = (
         _install_pools_by_name,
         versions=BY_NAME,
     ),
-    PatchGroup("startup-args", "sglang.srt.arg_groups.memory_hook", _install_startup_args),
+    PatchGroup(
+        "startup-args",
+        "sglang.srt.arg_groups.memory_hook",
+        _install_startup_args,
+        versions=ARG_GROUPS,
+    ),
+    PatchGroup(
+        "startup-args",
+        "sglang.srt.server_args",
+        _install_startup_args_method,
+        versions=ARGS_METHOD,
+    ),
     PatchGroup("startup-runner", "sglang.srt.model_executor.model_runner", _install_startup_runner),
     PatchGroup("scheduler", "sglang.srt.managers.scheduler", _install_scheduler, versions=RESOLVED),
     PatchGroup(
         "scheduler",
         "sglang.srt.managers.scheduler",
         functools.partial(_install_scheduler, bounds=extend_bounds_by_range),
-        versions=BY_NAME,
+        versions=BY_NAME - BATCH_DECODE_GATE,
+    ),
+    PatchGroup(
+        "scheduler",
+        "sglang.srt.managers.scheduler",
+        _install_scheduler_with_decode_gate,
+        versions=BATCH_DECODE_GATE,
     ),
 )

@@ -32,7 +32,7 @@ from kvcached.integrations.sglang.state import PATCHES, group_states, sglang_ver
 #: real classes, ``tests/compat/run.sh sglang VERSION``). Pool, allocator and
 #: scheduler code moves between releases: a version not listed here is left
 #: native rather than patched on a guess.
-SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.20", "0.5.21", "0.5.22", "0.5.23")
+SUPPORTED_VERSIONS: tuple[str, ...] = ("0.5.17", "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
 __all__ = [
     "PATCHES",

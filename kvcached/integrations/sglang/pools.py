@@ -175,6 +175,9 @@ class _ElasticAllocator:
     free_group: list | None
 
     def _init_slots(self, kvcache: Any, capacity_pages: int) -> None:
+        # 0.5.17 marks a free group with a flag beside the list (set by its
+        # base ``__init__``); 0.5.20 on with ``free_group is None``.
+        self._flagged_free_group = hasattr(self, "is_not_in_free_group")
         kv = elastic_kv_of(kvcache)
         assert kv is not None, "an elastic allocator needs an elastic pool (see the factories)"
         capacity_pages = min(capacity_pages, kv.cache.num_blocks - 1)
@@ -185,6 +188,19 @@ class _ElasticAllocator:
 
     def available_size(self) -> int:
         return self.kvcached_slots.available_tokens()
+
+    def _reset_free_group(self) -> None:
+        """No free group open, in this release's own representation."""
+        if self._flagged_free_group:
+            self.is_not_in_free_group = True
+            self.free_group = []
+        else:
+            self.free_group = None
+
+    def _in_free_group(self) -> bool:
+        if self._flagged_free_group:
+            return not self.is_not_in_free_group
+        return self.free_group is not None
 
     def merge_and_sort_free(self) -> None:
         """Nothing is staged: frees go to the block manager at once."""
@@ -199,7 +215,7 @@ class _ElasticAllocator:
         here means the decode allocation that follows is served from mapped
         pages, whatever other processes do meanwhile. ``False`` (on every TP
         rank alike) makes SGLang retract, as with a full static pool."""
-        self.evict_to_free_tokens(tree_cache, num_tokens)  # type: ignore[attr-defined]
+        evict_to_free_tokens(self, tree_cache, num_tokens)
         slots = self.kvcached_slots
         if slots.available_tokens() < num_tokens:
             return False
@@ -226,7 +242,7 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocator, TokenToKVPoolAllocator):
         self.kvcached_slots.clear()
         self.free_pages = self._no_pages
         self.release_pages = self._no_pages
-        self.free_group = None
+        self._reset_free_group()
 
     def available_size(self) -> int:
         return self.kvcached_slots.available_tokens()
@@ -238,8 +254,11 @@ class ElasticTokenToKVPoolAllocator(_ElasticAllocator, TokenToKVPoolAllocator):
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
             return
-        if self.free_group is not None:
-            self.free_group.append(self._copy_for_free_group(free_index))
+        if self._in_free_group():
+            # 0.5.20 on copies what a group holds (the caller may reuse the
+            # tensor); 0.5.17 keeps the tensor itself, as SGLang does there.
+            copy = getattr(self, "_copy_for_free_group", None)
+            self.free_group.append(free_index if copy is None else copy(free_index))
             return
         self.kvcached_slots.free_blocks(self._host_ids(free_index))
 
@@ -273,8 +292,9 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
     def clear(self) -> None:
         self.kvcached_slots.clear()
         self.free_pages = self._no_pages
-        self.free_group = None
-        self.free_page_ids_group = []
+        self._reset_free_group()
+        self.free_page_ids_group = []  # 0.5.20 on
+        self.free_page_reps_group = []  # 0.5.17
         self.staged_pages = []
         self.num_staged_pages = 0
 
@@ -381,6 +401,20 @@ class ElasticPagedTokenToKVPoolAllocator(_ElasticAllocator, PagedTokenToKVPoolAl
         self.num_pages = self.size // self.page_size
         self.kvcached_slots.resize(self.num_pages)
         self.clear()
+
+
+def evict_to_free_tokens(allocator: Any, tree_cache: Any, num_tokens: int) -> None:
+    """Evict prefix cache until ``allocator`` can serve ``num_tokens``, as this
+    release's SGLang evicts: the allocator's own hook from 0.5.20 on, and
+    before it (0.5.17) ``mem_cache.common.evict_from_tree_cache``, which the
+    scheduler calls there (the same shortfall-only eviction)."""
+    hook = getattr(allocator, "evict_to_free_tokens", None)
+    if hook is not None:
+        hook(tree_cache, num_tokens)
+        return
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    evict_from_tree_cache(tree_cache, num_tokens)
 
 
 # -- the names the configurator calls -----------------------------------------------------------

@@ -6,7 +6,7 @@ these tests never build). PyPI's torchvision does not load beside the torch
 the test-only stand-in in ``stubs/`` goes first on ``sys.path``. It is added
 only then: an environment without SGLang (the vLLM one) never sees it.
 
-SGLang 0.5.20 and 0.5.21's paged allocator has no torch path: it always
+SGLang 0.5.17, 0.5.20 and 0.5.21's paged allocator has no torch path: it always
 launches its Triton kernels, which no CPU device runs. There Triton's
 interpreter (``TRITON_INTERPRET=1``, read when a kernel is defined, so before
 SGLang is imported) runs those same kernels on CPU tensors, for SGLang's class
@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 STUBS = Path(__file__).resolve().parent / "stubs"
-TRITON_ONLY = ("0.5.20", "0.5.21")
+TRITON_ONLY = ("0.5.17", "0.5.20", "0.5.21")
 
 
 def _torchvision_imports() -> bool:

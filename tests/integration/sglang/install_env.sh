@@ -3,7 +3,9 @@
 # reruns. Usage: bash tests/integration/sglang/install_env.sh [VENV_DIR]
 # SGLANG_VERSION=0.5.20 installs that release instead of requirements.txt's
 # (the other pins stay: tests/compat/run.sh proves each release with them),
-# plus requirements-extra-0.5.20.txt where a release imports more than 0.5.23.
+# plus requirements-extra-VERSION.txt where a release imports more than 0.5.23
+# or needs another version of a pinned package (a package named there replaces
+# requirements.txt's pin: 0.5.17 needs transformers 5.12.1).
 #
 # The wheels are kept in a wheelhouse under ~/.cache/pip (CI keeps that folder
 # between runs; pip's HTTP cache stays empty with this registry), so a rerun
@@ -19,6 +21,14 @@ if [ -n "${SGLANG_VERSION:-}" ]; then
     sed "s/^sglang==.*/sglang==$SGLANG_VERSION/" "$here/requirements.txt" > "$req"
     extra="$here/requirements-extra-$SGLANG_VERSION.txt"
     if [ -f "$extra" ]; then
+        # Pins the extra file names replace requirements.txt's (pip refuses two).
+        names="$(grep -v '^#' "$extra" | sed -n 's/^\([A-Za-z0-9_.-]*\).*/\1/p' | tr 'A-Z_.' 'a-z--')"
+        keep="$(mktemp)"
+        while IFS= read -r line; do
+            name="$(printf '%s' "${line%%[=<>!~ ]*}" | tr 'A-Z_.' 'a-z--')"
+            printf '%s\n' "$names" | grep -qxF "$name" || printf '%s\n' "$line"
+        done < "$req" > "$keep"
+        mv "$keep" "$req"
         grep -v '^#' "$extra" >> "$req"
     fi
 fi

@@ -1,6 +1,6 @@
 """SGLang's own paged allocator as the tests' reference, on every release.
 
-SGLang 0.5.20 and 0.5.21's ``alloc_extend`` / ``alloc_decode`` launch their
+SGLang 0.5.17, 0.5.20 and 0.5.21's ``alloc_extend`` / ``alloc_decode`` launch their
 Triton kernel before counting the new pages: when the free list is shorter
 than the batch needs, the kernel reads past its end and only then does the
 method answer ``None`` (0.5.22 counts first: "both kernels read past
@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.allocator import paged as _paged
 from kvcached.integrations.patching import release
 from kvcached.integrations.sglang.patch import sglang_version
 
-COUNTS_AFTER_KERNEL = ("0.5.20", "0.5.21")
+COUNTS_AFTER_KERNEL = ("0.5.17", "0.5.20", "0.5.21")
 
 
 class _CountFirst(PagedTokenToKVPoolAllocator):

@@ -132,10 +132,12 @@ def _configurator(monkeypatch, page_size: int, *, draft: bool = False) -> kc.KVC
         use_mla_backend=False,
         mambaish_config=None,
         layer_info=NS(num_effective_layers=2, start_layer=0, end_layer=2),
+        # 0.5.17 reads the DCP size from its server arguments (loc_space_scale)
+        server_args=NS(dcp_size=1, attention_backend="torch_native"),
     )
     slots = set(kc.KVCacheConfigurator.__dataclass_fields__)
     for name, value in fields.items():  # a slotted dataclass: one slot at a time
-        if name in slots:  # 0.5.20/0.5.21 have no KV sharding fields
+        if name in slots:  # 0.5.17-0.5.21 have no KV sharding fields
             setattr(conf, name, value)
     return conf
 
@@ -469,6 +471,14 @@ class _Batch:
         self.allocated = self.token_to_kv_pool_allocator.alloc(pages * 4)
         assert self.allocated is not None, "SGLang would raise 'Out of memory' here"
 
+    def new_tokens_required_next_decode(self, selected_indices=None) -> int:
+        return 4 * len(self.reqs if selected_indices is None else selected_indices)
+
+    def check_decode_mem(self, selected_indices=None) -> bool:
+        """0.5.17's own gate: compare available_size(), reserve nothing."""
+        need = self.new_tokens_required_next_decode(selected_indices)
+        return self.token_to_kv_pool_allocator.available_size() >= need
+
 
 class _Scheduler:
     """Stands in for SGLang's Scheduler around the methods the group wraps:
@@ -581,13 +591,19 @@ def test_patch_is_inert_without_enable_kvcached():
 def test_patch_installs_every_group_on_the_real_sglang():
     proc = _run(
         """
+        import importlib
         from kvcached.integrations.sglang import apply, patch
-        assert apply().applied
+        from kvcached.integrations.sglang.groups import GROUPS
+        result = apply()
+        assert result.applied
         import sglang.srt.managers.scheduler as sched
         import sglang.srt.mem_cache.kv_cache_configurator as kc
         from kvcached.integrations.sglang import pools
         assert kc.TokenToKVPoolAllocator is pools.token_allocator
         assert sched.Scheduler.get_next_batch_to_run.__wrapped__ is not None
+        for group in GROUPS:  # every trigger of this release, so every group installs
+            if group.applies_to(result.sglang_version):
+                importlib.import_module(group.module)
         print(sorted(patch.group_states().items()))
     """,
         ENABLE_KVCACHED="true",
@@ -595,7 +611,34 @@ def test_patch_installs_every_group_on_the_real_sglang():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     states = dict(eval(proc.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own repr
-    assert states["pools"] == states["scheduler"] == "installed", states
+    assert set(states) == {g.name for g in groups.GROUPS}, states
+    assert set(states.values()) == {"installed"}, states
+
+
+@pytest.mark.skipif(
+    VERSION not in groups.BATCH_DECODE_GATE,
+    reason="0.5.20 on: SGLang's check_decode_mem asks the allocator's hook itself",
+)
+def test_the_batch_decode_gate_reserves_through_the_elastic_allocator(scheduler_group):
+    """0.5.17: ``ScheduleBatch.check_decode_mem`` decides itself; patched, it
+    asks the elastic allocator, so a True holds the step's pages (a native
+    allocator keeps SGLang's own comparison)."""
+    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=None)
+    try:
+        alloc.alloc(4)
+        slots = alloc.kvcached_slots
+        tree = NS(is_chunk_cache=lambda: True)
+        batch = _Batch([_req("a", 0)], alloc, tree)
+        slots.begin_round()
+        assert batch.check_decode_mem() is True
+        assert slots.stashed == 1  # reserved, not merely counted
+        slots.end_round()
+        alloc.alloc(alloc.available_size())
+        assert batch.check_decode_mem() is False
+        native = NS(available_size=lambda: 3)
+        assert _Batch([_req("b", 0)], native, tree).check_decode_mem() is False
+    finally:
+        kv.close()
 
 
 # -- startup: the cache is sized from a virtual budget --------------------------------

@@ -178,3 +178,22 @@ def test_patcher_undo_restores_inherited_and_own_attributes() -> None:
     p.undo()  # twice is harmless
     with pytest.raises(ValueError, match="name="):
         p.replace(Child, "not a name", 1)
+
+
+def test_world_size_reads_each_releases_field() -> None:
+    """The virtual budget's collective runs when the launch has more than one
+    rank: 0.5.22 on name it ``launch_world_size``; 0.5.17-0.5.21's
+    ``ParallelContext`` has no such field and raises ``AttributeError``."""
+    from kvcached.integrations.sglang.groups import _world_size
+
+    class Before:  # 0.5.17-0.5.21
+        world_size = 2
+
+        def __getattr__(self, name: str) -> int:
+            raise AttributeError(f"ParallelContext has no {name!r}")
+
+    class After:  # 0.5.22 on: fixed at launch across elastic scale-up
+        launch_world_size = 4
+        world_size = 1
+
+    assert _world_size(Before()) == 2 and _world_size(After()) == 4
