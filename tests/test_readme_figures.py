@@ -88,9 +88,9 @@ FIGURES: list[Figure] = [
     ),
     Figure(
         "(`benchmarks/vllm_block_pool.py`, {96} requests, 32 running at once), kvcached adds "
-        "{1.51} µs per `allocate_slots` call, {48.3} µs per decode step (one call per running "
-        "request), and the manager's work takes {1.146}x native's time (median of {9} rounds, "
-        "{0.853–1.305}x;",
+        "{1.76} µs per `allocate_slots` call, {56.3} µs per decode step (one call per running "
+        "request), and the manager's work takes {1.226}x native's time (median of {9} rounds, "
+        "{0.645–2.017}x;",
         "vllm-block-pool.json",
         (
             "settings.requests",
@@ -317,10 +317,31 @@ FIGURES: list[Figure] = [
         "grow_ratio_llama3_8b_contiguous",
     ),
     Figure(
-        "alloc + free costs {1.076}x vLLM's own `BlockPool` ({1.001}x without the lock) on the "
+        "alloc + free costs {0.993}x vLLM's own `BlockPool` ({0.949}x without the lock) on the "
         "CPU machine",
         "memory-host.json",
         ("alloc_free_ratio_thread_safe", "alloc_free_ratio"),
+    ),
+    # The hot path written once (issue #36): main's code and the folded code, interleaved.
+    Figure(
+        "({2.60–2.73} µs against",
+        "hot-path-fold-host/memory-host-after-*.json",
+        "grow_python_overhead.allocator_python_us_per_page",
+    ),
+    Figure(
+        "against {1.69–1.78} µs;",
+        "hot-path-fold-host/memory-host-before-*.json",
+        "grow_python_overhead.allocator_python_us_per_page",
+    ),
+    Figure(
+        "grant+refund pair took {1802–2013} ns of CPU against",
+        "hot-path-fold-host/ledger-host-after-*.json",
+        "profile_cpu_ns.ledger_no_recycle_grant_refund",
+    ),
+    Figure(
+        "against {1509–1597} ns kept",
+        "hot-path-fold-host/ledger-host-before-*.json",
+        "profile_cpu_ns.ledger_no_recycle_grant_refund",
     ),
     Figure(
         "Two threads creating and mapping at once run at {0.911}x one thread in the median "
@@ -649,7 +670,7 @@ HEADLINES: list[Figure] = [
         (lambda d: d["mean_ttft_speedup"]["1"], lambda d: d["mean_ttft_speedup"]["1.5"]),
     ),
     Figure(
-        "kvcached adds {1.51} µs per `allocate_slots` call",
+        "kvcached adds {1.76} µs per `allocate_slots` call",
         "vllm-block-pool.json",
         "extra_us_per_allocate_slots",
     ),
