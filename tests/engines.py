@@ -79,8 +79,8 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
         raise ValueError(f"name={name!r}: an engine name such as 'sglang' or 'vllm'")
     target = module or name
     spec = importlib.util.find_spec(name)
-    # A namespace package is a folder of that name on sys.path (this repo's own
-    # tests/integration/sglang, once pytest has put tests/integration there), not the engine.
+    # A namespace package is a bare folder of that name somewhere importable, not the
+    # engine (every test folder of ours is a package, so none of them can be one).
     if spec is None or spec.origin is None:
         reason = f"{name} is not installed in this environment ({sys.executable})"
     else:

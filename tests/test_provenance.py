@@ -1,7 +1,7 @@
 """benchmarks/_provenance.py: the block every result file carries (commit, command,
 machine, load average), and the commit a copied tree names through the environment."""
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import json
 import os
@@ -9,12 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _provenance
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _provenance  # noqa: E402
 
 
 def test_a_written_result_records_commit_command_machine_and_load(tmp_path, monkeypatch):

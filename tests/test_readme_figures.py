@@ -17,8 +17,9 @@ import json
 from pathlib import Path
 
 import pytest
-import readme_figures as rf
-from readme_figures import Figure, Unmeasured
+
+from tests import readme_figures as rf
+from tests.readme_figures import Figure, Unmeasured
 
 README = (rf.ROOT / "README.md").read_text()
 BENCHMARKS = (rf.ROOT / "docs" / "benchmarks.md").read_text()

@@ -4,16 +4,10 @@ run itself needs a GPU; ``--cpu`` checks the harness on vLLM's CPU build."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import serve_gpu as sg  # noqa: E402
-
-from kvcached.serve.config import parse_config  # noqa: E402
+import serve_gpu as sg
+from kvcached.serve.config import parse_config
 
 GIB, MIB = 1 << 30, 1 << 20
 LLAMA_8B = {

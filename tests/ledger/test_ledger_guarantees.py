@@ -291,9 +291,8 @@ def test_a_corrupt_record_is_refused_and_left_untouched(ledger, ledger_dir, fiel
 
 
 def test_kvctl_list_still_lists_instances_beside_a_corrupt_ledger(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
-    from kvctl_helpers import Child as Instance
-    from kvctl_helpers import child_env, unique_index
+    from tests.control.kvctl_helpers import Child as Instance
+    from tests.control.kvctl_helpers import child_env, unique_index
 
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir()

@@ -20,13 +20,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvmem_helpers import ExactBudget, make_cache, small_spec
 
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.errors import MappingError
 from kvcached.memory import KVLayout, PageAllocator, PageMapper, VirtualKVTensors, plan_pages
 from kvcached.memory.pages import USED
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget, make_cache, small_spec
 
 PAGES = 8
 G = 2 * MIB

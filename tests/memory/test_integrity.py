@@ -4,10 +4,10 @@ views while other blocks come and go and pages are mapped, trimmed, capped."""
 from __future__ import annotations
 
 import pytest
-from kvmem_helpers import make_cache, run_integrity
 
 from kvcached.memory import KVCacheSpec, KVLayout
 from kvcached.units import KIB, MIB
+from tests.memory.kvmem_helpers import make_cache, run_integrity
 
 
 @pytest.mark.parametrize(

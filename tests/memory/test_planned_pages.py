@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from kvmem_helpers import ExactBudget
 
 from kvcached.errors import ConfigError, MappingError
 from kvcached.memory.blocks import BlockManager
@@ -18,6 +17,7 @@ from kvcached.memory.planned import MAP, UNMAP, PlannedPages
 from kvcached.memory.ranges import PageLanes, RangeKVTensors
 from kvcached.memory.spec import KVLayout, PageGeometry
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget
 
 G = 2 * MIB
 

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
 
-from serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_models import words, write_model
 
 pytestmark = pytest.mark.slow
 

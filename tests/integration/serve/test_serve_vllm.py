@@ -28,7 +28,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
 pytest.importorskip("aiohttp")
 
-from serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_models import words, write_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -281,7 +281,7 @@ def _manager(kv_cache_manager, budget_pages: int | None = None):
 
 
 def _run(manager, prompts: list[list[int]], concurrent: int) -> list[int | None]:
-    from vllm_requests import run_requests
+    from tests.integration.vllm.vllm_requests import run_requests
 
     return run_requests(manager, prompts, concurrent, BLOCK)
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_elastic import LIMIT_WAIT_S, ElasticRecord, run_elastic_case
 
 from tests.engines import require_engine_version
+from tests.integration.vllm.vllm_elastic import LIMIT_WAIT_S, ElasticRecord, run_elastic_case
 
 VLLM_VERSION = require_engine_version(
     "vllm",

@@ -15,7 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-from vllm_cases import (
+
+from kvharness.vllm_server import ServerOptions
+from tests.engines import require_engine_version
+from tests.integration.vllm.vllm_cases import (
     APC_PHASES,
     APC_ROUNDS,
     GEN_PHASES,
@@ -24,9 +27,6 @@ from vllm_cases import (
     run_basic_case,
     same_tokens,
 )
-from vllm_server import ServerOptions
-
-from tests.engines import require_engine_version
 
 VLLM_VERSION = require_engine_version(
     "vllm",

@@ -46,7 +46,8 @@ try:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import utils as worker_utils
-    from vllm_requests import run_requests as run_vllm_requests
+
+    from tests.integration.vllm.vllm_requests import run_requests as run_vllm_requests
 finally:
     os.environ.clear()
     os.environ.update(_env)
