@@ -264,7 +264,8 @@ _settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestBlockManagerModel = BlockMachine.TestCase
+# 120 examples of 40 steps each: seconds apiece, so CI runs them, not the developer loop.
+TestBlockManagerModel = pytest.mark.slow(BlockMachine.TestCase)
 TestBlockManagerModel.settings = _settings
-TestBlockManagerFaults = FaultyBlockMachine.TestCase
+TestBlockManagerFaults = pytest.mark.slow(FaultyBlockMachine.TestCase)
 TestBlockManagerFaults.settings = _settings
