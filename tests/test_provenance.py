@@ -133,3 +133,16 @@ def test_retrofit_records_the_commit_that_added_the_file(tmp_path, monkeypatch):
     uncommitted.write_text(json.dumps({"command": "x"}))
     with pytest.raises(ValueError, match="not committed"):
         _provenance.retrofit(uncommitted)
+
+
+def test_every_committed_result_made_from_a_dirty_tree_says_so():
+    """A result whose provenance has tree_dirty true carries a dirty_tree_note, so a reader
+    knows its commit is the nearest source, not the exact one."""
+    for path in sorted((ROOT / "benchmarks" / "results").rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue  # not a result file (a log written as .json by a tool)
+        prov = data.get("provenance") if isinstance(data, dict) else None
+        if isinstance(prov, dict) and prov.get("tree_dirty") is True:
+            assert "tree with uncommitted changes" in prov.get("dirty_tree_note", ""), path
