@@ -103,6 +103,19 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
     raise AssertionError("unreachable: pytest.skip raises")
 
 
+def require_installed(name: str) -> None:
+    """Skip (or fail, when required) the calling test unless package ``name`` is installed:
+    found, not imported, for tests that only hand it to a child (``kvcached serve
+    --check`` asks the same question the same way)."""
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin is not None:
+        return
+    reason = f"{name} is not installed in this environment ({sys.executable})"
+    if name in HOW_TO_RUN:
+        reason += f"; to run this test: {HOW_TO_RUN[name]}"
+    _skip_or_fail(name, reason)
+
+
 @functools.cache
 def probe_engine(module: str, timeout_s: float | None = None) -> tuple[str | None, str]:
     """``(version, "")`` when ``sys.executable`` imports ``module`` in a child
