@@ -1,7 +1,7 @@
 """No folder or module of ours can stand in for an installed package.
 
 pytest runs in its importlib mode and every test folder is a package, so the only
-entries the suite puts on ``sys.path`` are the two in ``pyproject.toml``: the
+entries the suite puts on the import path are the two in ``pyproject.toml``: the
 repository root and ``benchmarks/``. Once ``tests/integration`` was on it, and
 without vLLM installed ``import vllm`` found the test folder ``tests/integration/vllm``.
 """

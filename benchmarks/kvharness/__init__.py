@@ -2,7 +2,7 @@
 and the GPU runs' models, server and prompts.
 
 It lives under ``benchmarks/`` because ``python benchmarks/X.py`` puts only that
-folder on ``sys.path``; pytest puts it there too (``pythonpath`` in
+folder on the import path; pytest puts it there too (``pythonpath`` in
 ``pyproject.toml``), so a test imports ``kvharness.vllm_server`` exactly as a
 benchmark does. ``python -m tests.gpu.vllm_e2e`` runs from the repository root,
 where it is ``benchmarks.kvharness``. The modules here import each other

@@ -8,7 +8,7 @@ Logs and per-case JSON (every request's tokens) go to one directory:
 it as an artifact), else pytest's temporary directory.
 
 This folder is the package ``tests.integration.vllm`` (pytest's importlib mode puts
-no test folder on ``sys.path``, so it never stands in for the real ``vllm``). The
+no test folder on the import path, so it never stands in for the real ``vllm``). The
 server harness and the tiny model it shares with the benchmarks live in
 ``benchmarks/kvharness``.
 """
