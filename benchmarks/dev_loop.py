@@ -1,7 +1,8 @@
 """How long the developer loop takes: ``python -m pytest -m "not slow"`` from the
 repository root, in the Python that runs this script, timed end to end (collection
 included), with the load average before and after (on a shared 2-core machine a
-figure means little without it).
+figure means little without it) and the CPU seconds pytest and every process it
+waited for used (which the load does not inflate much: the work itself).
 
     python benchmarks/dev_loop.py                                  # -> results/dev-loop.json
     python benchmarks/dev_loop.py --out benchmarks/results/dev-loop-vllm.json
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -32,9 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dev-loop.json"))
     args = ap.parse_args(argv)
     block = _provenance.start(argv)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     done = subprocess.run(COMMAND, cwd=ROOT, capture_output=True, text=True, check=False)
     wall_s = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     lines = done.stdout.strip().splitlines()
     counts = {kind: int(n) for n, kind in OUTCOME.findall(lines[-1] if lines else "")}
     if done.returncode != 0 or not counts.get("passed"):
@@ -44,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": 'python -m pytest -m "not slow"',
         "wall_s": round(wall_s, 1),
+        "cpu_s": round(cpu_s, 1),
         "outcomes": counts,
         "vllm_installed": importlib.util.find_spec("vllm") is not None,
         "sglang_installed": importlib.util.find_spec("sglang") is not None,
     }
     out = _provenance.write_result(args.out, result, block)
-    print(f"{wall_s:.1f} s, {counts}: {out}")
+    print(f"{wall_s:.1f} s ({cpu_s:.1f} CPU-s), {counts}: {out}")
     return 0
 
 
