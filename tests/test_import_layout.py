@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,17 @@ def test_an_engine_name_never_resolves_to_a_folder_of_ours(engine):
     places = [spec.origin or "", *(spec.submodule_search_locations or [])]
     assert spec.origin is not None, f"{engine} is a namespace package: {places}"
     assert not any(p.startswith(str(ROOT) + "/") for p in places), places
+
+
+def test_no_test_or_benchmark_edits_the_import_path():
+    """Shared code is imported from kvharness or tests.*, never found by editing
+    sys.path (a child's environment may name PYTHONPATH instead, said where it does)."""
+    edit = re.compile(r"sys\.path\s*(\.(insert|append|extend|remove)\b|\[[^\]]*\]\s*=|[+]?=(?!=))")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in ("tests", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if edit.search(line)
+    ]
+    assert not found, f"sys.path edited at {found}"
