@@ -16,14 +16,11 @@ import json
 import sys
 from pathlib import Path
 
+import _provenance
+from kvcached.cli.demo import run_demo
+from kvcached.units import parse_size
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import _provenance  # noqa: E402
-
-from kvcached.cli.demo import run_demo  # noqa: E402
-from kvcached.units import parse_size  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,14 +40,11 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance
+from kvcached.driver import _libc, make_driver
+from kvcached.units import MIB
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
-
-import _provenance  # noqa: E402
-
-from kvcached.driver import _libc, make_driver  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
 
 CALLS = ("create", "map", "set_access", "unmap", "release")
 SIZES = {"2MiB": 2 * MIB, "64MiB": 64 * MIB}

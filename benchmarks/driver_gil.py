@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import _provenance
-
 from kvcached.driver import make_driver
 
 

@@ -27,15 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+import _provenance
+from kvcached.driver import make_driver
+from kvcached.units import MIB
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _provenance  # noqa: E402
-
-from kvcached.driver import make_driver  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
 
 KS = (4, 16, 32, 64)
 

@@ -40,16 +40,12 @@ import threading
 import time
 from pathlib import Path
 
+import _provenance
+from grow_overhead import raw_growth, raw_growth_threads
+from kvcached.driver import make_driver
+from kvcached.units import MIB
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _provenance  # noqa: E402
-from grow_overhead import raw_growth, raw_growth_threads  # noqa: E402
-
-from kvcached.driver import make_driver  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
 
 
 def _grow(driver, vas: list[int], g: int, out: list) -> None:

@@ -35,13 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import _provenance  # noqa: E402
-import torch  # noqa: E402
-
-from kvcached.driver.base import DeviceInfo, Driver  # noqa: E402
-from kvcached.memory import (  # noqa: E402
+import _provenance
+from kvcached.driver.base import DeviceInfo, Driver
+from kvcached.memory import (
     DriverFreeBudget,
     KVCacheSpec,
     KVLayout,
@@ -50,7 +48,7 @@ from kvcached.memory import (  # noqa: E402
     VirtualKVTensors,
     plan_pages,
 )
-from kvcached.units import MIB  # noqa: E402
+from kvcached.units import MIB
 
 GROW_CALLS = ("create", "map", "set_access")
 

@@ -35,14 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import _provenance  # noqa: E402
-import torch  # noqa: E402
-from grow_overhead import NullDriver  # noqa: E402
-
-from kvcached.memory import (  # noqa: E402
+import _provenance
+from grow_overhead import NullDriver
+from kvcached.memory import (
     KVCache,
     KVCacheSpec,
     KVLayout,
@@ -51,7 +48,9 @@ from kvcached.memory import (  # noqa: E402
     VirtualKVTensors,
     plan_pages,
 )
-from kvcached.units import MIB  # noqa: E402
+from kvcached.units import MIB
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class FreeBudget:

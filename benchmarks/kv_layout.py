@@ -33,13 +33,11 @@ import traceback
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import _provenance  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from kvcached.memory import KVCache, KVCacheSpec, KVLayout  # noqa: E402
+import _provenance
+from kvcached.memory import KVCache, KVCacheSpec, KVLayout
 
 try:
     import triton

@@ -57,14 +57,11 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _provenance  # noqa: E402
-
-from kvcached.ledger import Ledger, PoolBudget, _hooks  # noqa: E402
-from kvcached.ledger.layout import H_JOURNAL  # noqa: E402
-from kvcached.ledger.locks import ByteLock  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
+import _provenance
+from kvcached.ledger import Ledger, PoolBudget, _hooks
+from kvcached.ledger.layout import H_JOURNAL
+from kvcached.ledger.locks import ByteLock
+from kvcached.units import MIB
 
 PAGE = 2 * MIB
 VARIANTS = ("ledger", "ledger-no-recycle", "flock", "ofd-no-recycle")

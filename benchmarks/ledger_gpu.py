@@ -41,9 +41,7 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import _provenance  # noqa: E402
+import _provenance
 
 MIB = 1 << 20
 SLOT = 64 * MIB

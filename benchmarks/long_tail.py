@@ -124,13 +124,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import serve_gpu as sg  # (its Run, serve start and stop, model, log packing)
+from kvharness.vllm_server import free_port
+from multi_model_trace import prompt_tokens, trace_request
+from serve import http_json
 
-import serve_gpu as sg  # noqa: E402  (its Run, serve start and stop, model, log packing)
-from multi_model_trace import prompt_tokens, trace_request  # noqa: E402
-from serve import http_json  # noqa: E402
-from vllm_server import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 GIB = 1 << 30
 CONFIGS = ("static", "kvcached")

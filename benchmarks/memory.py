@@ -82,12 +82,10 @@ import time
 import timeit
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import _provenance  # noqa: E402
-import torch  # noqa: E402
-from grow_overhead import (  # noqa: E402
+import _provenance
+from grow_overhead import (
     LLAMA3_8B,
     allocator_growth,
     allocator_shrink,
@@ -98,10 +96,9 @@ from grow_overhead import (  # noqa: E402
     raw_growth_threads,
     raw_shrink,
 )
-
-from kvcached.driver import make_driver  # noqa: E402
-from kvcached.memory import KVCache, KVCacheSpec, KVLayout  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
+from kvcached.driver import make_driver
+from kvcached.memory import KVCache, KVCacheSpec, KVLayout
+from kvcached.units import MIB
 
 REQUEST_SIZES = (1, 4, 16, 64)
 

@@ -95,14 +95,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _provenance  # noqa: E402
-from multi_model_client import Run, Target, run_trace, wait_idle, warm_up  # noqa: E402
-from multi_model_gpu import (  # noqa: E402
+import _provenance
+from kvharness.vllm_model import TINY_LLAMA_CONFIG
+from kvharness.vllm_server import SERVED_MODEL_NAME, ServerError, ServerOptions, VllmServer
+from multi_model_client import Run, Target, run_trace, wait_idle, warm_up
+from multi_model_gpu import (
     GIB,
     GPU_TRACE,
     SHAPE,
@@ -113,16 +110,16 @@ from multi_model_gpu import (  # noqa: E402
     pack_logs,
     prepare_model,
 )
-from multi_model_stats import CONFIGS, peak_key, run_summary, summarize  # noqa: E402
-from multi_model_trace import (  # noqa: E402
+from multi_model_stats import CONFIGS, peak_key, run_summary, summarize
+from multi_model_trace import (
     TraceSpec,
     file_sha256,
     read_traces,
     upstream_delay,
     write_traces,
 )
-from vllm_model import TINY_LLAMA_CONFIG  # noqa: E402
-from vllm_server import SERVED_MODEL_NAME, ServerError, ServerOptions, VllmServer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODELS = ("mm-a", "mm-b", "mm-c")
 MIB = 1 << 20

@@ -10,7 +10,6 @@ import http.client
 import io
 import json
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration" / "vllm"))
-
-from multi_model_trace import prompt_tokens  # noqa: E402
-from vllm_server import SERVED_MODEL_NAME, ServerError  # noqa: E402
-from vllm_server import group_cpu_s as process_group_cpu_s  # noqa: E402
+from kvharness.vllm_server import SERVED_MODEL_NAME, ServerError
+from kvharness.vllm_server import group_cpu_s as process_group_cpu_s
+from multi_model_trace import prompt_tokens
 
 
 @dataclass(frozen=True)

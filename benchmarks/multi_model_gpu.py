@@ -53,11 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvharness.gpu_models import MODELS as GPU_MODELS
+from kvharness.gpu_models import make_model
+from kvharness.gpu_server import Server, log_findings
 from multi_model_client import Target, kvctl_ledger
-
-from tests.gpu.vllm_e2e.models import MODELS as GPU_MODELS
-from tests.gpu.vllm_e2e.models import make_model
-from tests.gpu.vllm_e2e.server import Server, log_findings
 
 GIB = 1 << 30
 SHAPE = "llama-3.1-8b"

@@ -31,27 +31,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
+import _provenance
+from kvcached.driver.faulty import FaultyDriver
+from kvcached.driver.host import HostDriver
+from kvcached.integrations.vllm import executor as executor_module
+from kvcached.integrations.vllm import worker
+from kvcached.integrations.vllm.executor import PageExecutor
+from kvcached.memory.planned import MAP, UNMAP
+from kvcached.memory.ranges import PageLanes
+from kvcached.units import MIB
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _provenance  # noqa: E402
-import torch  # noqa: E402
-
-from kvcached.driver.faulty import FaultyDriver  # noqa: E402
-from kvcached.driver.host import HostDriver  # noqa: E402
-from kvcached.integrations.vllm import executor as executor_module  # noqa: E402
-from kvcached.integrations.vllm import worker  # noqa: E402
-from kvcached.integrations.vllm.executor import PageExecutor  # noqa: E402
-from kvcached.memory.planned import MAP, UNMAP  # noqa: E402
-from kvcached.memory.ranges import PageLanes  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
 
 #: Per-call latency of the H200's VMM calls, 2 MiB handles, p50 (DESIGN.md).
 H200_DELAYS_S = {

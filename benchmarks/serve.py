@@ -69,11 +69,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
+from kvharness.vllm_model import write_tiny_llama
+from kvharness.vllm_server import free_port, group_cpu_s, group_stats
 
-from vllm_model import write_tiny_llama  # noqa: E402
-from vllm_server import free_port, group_cpu_s, group_stats  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def machine() -> dict[str, Any]:

@@ -129,19 +129,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import _provenance
+import serve as cpu_bench  # (benchmarks/serve.py: its stream, http_json, prompts)
+from kvharness.gpu_models import MODELS as GPU_SHAPES
+from kvharness.gpu_models import make_model
+from kvharness.gpu_server import log_findings
+from kvharness.vllm_model import write_tiny_llama
+from kvharness.vllm_server import free_port, group_stats
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
-
-import _provenance  # noqa: E402
-import serve as cpu_bench  # noqa: E402  (benchmarks/serve.py: its stream, http_json, prompts)
-from vllm_model import write_tiny_llama  # noqa: E402
-from vllm_server import free_port, group_stats  # noqa: E402
-
-from tests.gpu.vllm_e2e.models import MODELS as GPU_SHAPES  # noqa: E402
-from tests.gpu.vllm_e2e.models import make_model  # noqa: E402
-from tests.gpu.vllm_e2e.server import log_findings  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20

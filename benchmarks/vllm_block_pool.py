@@ -32,28 +32,27 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import _provenance  # noqa: E402
-import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm import __version__ as VLLM_VERSION  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core import kv_cache_coordinator, kv_cache_manager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+import torch
+from vllm import SamplingParams
+from vllm import __version__ as VLLM_VERSION
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_config_from_groups,
     get_request_block_hasher,
     init_none_hash,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import Request
 
-from kvcached.integrations.vllm import engine, groups  # noqa: E402
-from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry  # noqa: E402
-from kvcached.integrations.vllm.state import STATE  # noqa: E402
-from kvcached.units import MIB  # noqa: E402
+import _provenance
+from kvcached.integrations.vllm import engine, groups
+from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
+from kvcached.integrations.vllm.state import STATE
+from kvcached.units import MIB
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK = 32
 NUM_BLOCKS = 65536  # the tests' 1 GiB CPU cache of the tiny Llama: 256 pages of 256 blocks

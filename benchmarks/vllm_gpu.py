@@ -43,22 +43,18 @@ import json
 import random
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import _provenance
+from kvharness.gpu_models import MODELS, make_model
+from kvharness.gpu_prompts import text, word_maker
+from kvharness.gpu_server import Server
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _provenance  # noqa: E402
-
-from tests.gpu.vllm_e2e.models import MODELS, make_model  # noqa: E402
-from tests.gpu.vllm_e2e.prompts import text, word_maker  # noqa: E402
-from tests.gpu.vllm_e2e.server import Server  # noqa: E402
 
 ROLES = ("baseline", "candidate", "control")
 #: Seconds the three servers' stop may take (each within 90 s; usually a few).

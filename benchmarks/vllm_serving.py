@@ -44,18 +44,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 # The tests' server harness: one implementation of starting and driving vLLM.
-sys.path.insert(0, str(ROOT / "tests" / "integration" / "vllm"))
-
-import _provenance  # noqa: E402
-from vllm_model import write_tiny_llama  # noqa: E402
-from vllm_server import (  # noqa: E402
+import _provenance
+from kvharness.vllm_model import write_tiny_llama
+from kvharness.vllm_server import (
     ServerOptions,
     StreamedCompletion,
     VllmServer,
 )
-from vllm_server import group_cpu_s as process_group_cpu_s  # noqa: E402
+from kvharness.vllm_server import group_cpu_s as process_group_cpu_s
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def request_set(seed: int, count: int, min_len: int, max_len: int) -> list[list[int]]:

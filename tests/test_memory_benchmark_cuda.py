@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_driver_cuda import _run_with_fake, fake_libcuda  # noqa: F401 (fixture)
+
+from tests.test_driver_cuda import _run_with_fake, fake_libcuda  # noqa: F401 (fixture)
 
 # Benchmark scripts run end to end (3-18 s each on 2 cores): CI runs them, the
 # developer loop (-m "not slow") does not.

@@ -7,18 +7,14 @@ most 540 s run the sized sweep (eight peaks, two rounds, both configurations).""
 from __future__ import annotations
 
 import json
-import sys
 import time
 import types
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import gpu_plan  # noqa: E402
-import multi_model as mm  # noqa: E402
-from multi_model_client import Run, Target  # noqa: E402
+import gpu_plan
+import multi_model as mm
+from multi_model_client import Run, Target
 
 LLAMA_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128}  # fmt: skip

@@ -5,17 +5,13 @@ however long the stream had been quiet, and keeps the TTFT it had."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import multi_model_client as mc  # noqa: E402
+import multi_model_client as mc
 
 
 class Stalling(BaseHTTPRequestHandler):

@@ -7,17 +7,14 @@ tests/integration/vllm/test_vllm_multi_model.py."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import gpu_plan  # noqa: E402
-import multi_model as mm  # noqa: E402
-import multi_model_gpu as mg  # noqa: E402
-from multi_model_trace import TraceSpec, write_traces  # noqa: E402
+import gpu_plan
+import multi_model as mm
+import multi_model_gpu as mg
+from multi_model_trace import TraceSpec, write_traces
 
 GIB = 1 << 30
 LLAMA_8B = {

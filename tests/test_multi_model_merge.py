@@ -4,17 +4,14 @@ the H100's two partial runs (peaks 1 and 1.5, 2 and 2.5) drawn as one."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import multi_model as mm  # noqa: E402
-import multi_model_merge as mmm  # noqa: E402
-import multi_model_plot as mmp  # noqa: E402
-from multi_model_trace import TraceSpec, write_traces  # noqa: E402
+import multi_model as mm
+import multi_model_merge as mmm
+import multi_model_plot as mmp
+from multi_model_trace import TraceSpec, write_traces
 
 GIB = 1 << 30
 

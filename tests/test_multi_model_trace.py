@@ -3,14 +3,9 @@ the ramp shape, replay from the file, and the checks on bad input."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from multi_model_trace import (  # noqa: E402
+from multi_model_trace import (
     TraceSpec,
     make_trace,
     prompt_tokens,

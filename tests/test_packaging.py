@@ -4,6 +4,7 @@ URLs, and a use in kvcached for every runtime dependency."""
 from __future__ import annotations
 
 import re
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,31 @@ def test_every_runtime_dependency_is_imported_by_kvcached(project):
         assert re.search(rf"^\s*(import|from) {module}\b", source, re.M), (
             f"{name} is a dependency, but nothing in kvcached imports {module}"
         )
+
+
+def test_the_version_is_written_once_in_kvcached_init(project):
+    """pyproject.toml takes the version from kvcached/__init__.py; nothing else in the
+    package writes one, and the docs' wheel names carry the same."""
+    import kvcached
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert tool["dynamic"]["version"] == {"attr": "kvcached.__version__"}
+    init = (ROOT / "kvcached" / "__init__.py").read_text()
+    assert re.findall(r'^__version__ = "([^"]+)"$', init, re.M) == [kvcached.__version__]
+    for path in (ROOT / "kvcached").rglob("*.py"):
+        if path != ROOT / "kvcached" / "__init__.py":
+            assert "__version__ =" not in path.read_text(), f"{path}: a second version"
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for named in re.findall(r"kvcached-(\d+\.\d+\.\d+)-py3", doc.read_text()):
+            assert named == kvcached.__version__, f"{doc.name} names kvcached-{named}"
+
+
+def test_the_installed_metadata_carries_the_source_version():
+    import kvcached
+
+    try:
+        installed = metadata.version("kvcached")
+    except metadata.PackageNotFoundError:
+        pytest.skip('kvcached is not installed here: pip install -e ".[test]"')
+    assert installed == kvcached.__version__

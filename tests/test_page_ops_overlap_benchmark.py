@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import page_ops_overlap  # noqa: E402
-
-from kvcached.integrations.vllm import worker  # noqa: E402
-from kvcached.memory.planned import MAP, UNMAP  # noqa: E402
+import page_ops_overlap
+from kvcached.integrations.vllm import worker
+from kvcached.memory.planned import MAP, UNMAP
 
 
 def test_schedule_maps_and_releases_and_leaves_nothing_mapped() -> None:

@@ -1,7 +1,7 @@
 """benchmarks/_provenance.py: the block every result file carries (commit, command,
 machine, load average), and the commit a copied tree names through the environment."""
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 import json
 import os
@@ -9,12 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _provenance
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import _provenance  # noqa: E402
 
 
 def test_a_written_result_records_commit_command_machine_and_load(tmp_path, monkeypatch):
@@ -135,3 +133,16 @@ def test_retrofit_records_the_commit_that_added_the_file(tmp_path, monkeypatch):
     uncommitted.write_text(json.dumps({"command": "x"}))
     with pytest.raises(ValueError, match="not committed"):
         _provenance.retrofit(uncommitted)
+
+
+def test_every_committed_result_made_from_a_dirty_tree_says_so():
+    """A result whose provenance has tree_dirty true carries a dirty_tree_note, so a reader
+    knows its commit is the nearest source, not the exact one."""
+    for path in sorted((ROOT / "benchmarks" / "results").rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue  # not a result file (a log written as .json by a tool)
+        prov = data.get("provenance") if isinstance(data, dict) else None
+        if isinstance(prov, dict) and prov.get("tree_dirty") is True:
+            assert "tree with uncommitted changes" in prov.get("dirty_tree_note", ""), path

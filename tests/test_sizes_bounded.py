@@ -51,6 +51,7 @@ def test_kvcached_info_with_a_tiny_capacity_is_a_clear_usage_error():
     assert "unexpected" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_kvcached_info_uses_the_host_device_variable():
     out = kvcached(
         "info", "--json", "--pages", "1", KVCACHED_HOST_CAPACITY="64M", KVCACHED_HOST_DEVICE="7"
@@ -59,6 +60,7 @@ def test_kvcached_info_uses_the_host_device_variable():
     assert json.loads(out.stdout)["device"]["pci_bus_id"] == "host-7"
 
 
+@pytest.mark.slow
 def test_open_kv_cache_uses_the_host_device_variable(tmp_path):
     code = (
         "import torch\n"

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
+import vllm_gpu
 from kvcached.control.instance import Instance, PoolUsage
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import vllm_gpu  # noqa: E402
 
 
 def test_candidate_env_pairs() -> None:

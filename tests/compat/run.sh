@@ -61,6 +61,8 @@ case "$engine" in
             SGLANG_VERSION="$version" bash tests/integration/sglang/install_env.sh "$venv"
         fi
         tests=(tests/integration/sglang tests/integration/test_patching.py)
+        # The torchvision stand-in (tests/integration/sglang/conftest.py says why).
+        export PYTHONPATH="$PWD/tests/integration/sglang/stubs${PYTHONPATH:+:$PYTHONPATH}"
         ;;
     *)
         echo "run.sh: ENGINE must be vllm or sglang, not '$engine'" >&2

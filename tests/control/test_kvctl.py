@@ -342,6 +342,7 @@ def test_no_permission(pair, capsys):
     ), err
 
 
+@pytest.mark.slow
 def test_instances_without_a_name_get_distinct_ones_and_dead_ones_go(tmp_path, capsys):
     index = unique_index()
     first = Child(str(tmp_path), index, name=None, engine="vllm")

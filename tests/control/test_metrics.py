@@ -170,7 +170,9 @@ def test_the_validator_catches_what_it_should():
 
 
 def test_prometheus_client_parses_it_too():
-    parser = pytest.importorskip("prometheus_client.parser")
+    parser = pytest.importorskip(
+        "prometheus_client.parser", reason='the test extra has it: pip install -e ".[test]"'
+    )
     insts, gpus = rows()
     names = {f.name for f in parser.text_string_to_metric_families(prometheus(insts, gpus))}
     assert "kvcached_instance_used_bytes" in names

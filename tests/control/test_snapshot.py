@@ -9,6 +9,8 @@ import sys
 import textwrap
 import uuid
 
+import pytest
+
 from kvcached.control.metrics import prometheus
 from kvcached.control.snapshot import SnapshotPublisher, read_snapshots
 from kvcached.control.view import InstanceRow, instance_rows, render_table
@@ -105,6 +107,7 @@ def _exit_run(script: str, name: str, tmp_path) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_leaves_no_segment(tmp_path):
     """open_kv_cache, close_kv_cache, exit: the instance is never closed, yet its
     segment is gone (unlinked at interpreter exit)."""

@@ -89,6 +89,7 @@ class Terminal:
         os.close(self.fd)
 
 
+@pytest.mark.slow
 def test_top_draws_bars_for_gpu_and_instances_and_quits_on_q(two):
     x, y, index = two
     term = Terminal("top", "--refresh", "0.2", x.name, y.name)

@@ -7,7 +7,8 @@ import shutil
 import subprocess
 
 import pytest
-from deploy_manifests import ROOT
+
+from tests.deploy.deploy_manifests import ROOT
 
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 

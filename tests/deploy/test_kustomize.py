@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 
 import pytest
-from deploy_manifests import (
+
+from tests.deploy.deploy_manifests import (
     CRD_FILES,
     KUBERNETES_VERSIONS,
     TARGETS,

@@ -12,7 +12,17 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_manifests import KUSTOMIZE, ROOT, find, kubectl, objects, one, render_dir, serve_config
+
+from tests.deploy.deploy_manifests import (
+    KUSTOMIZE,
+    ROOT,
+    find,
+    kubectl,
+    objects,
+    one,
+    render_dir,
+    serve_config,
+)
 
 pytestmark = pytest.mark.skipif(
     kubectl() is None,

@@ -20,13 +20,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "serve"))
-from serve_models import words, write_model  # noqa: E402
-from test_serve_vllm import (  # noqa: E402 - the serve helpers, importable once on the path
+from kvcached.serve import podlabels
+from tests.integration.serve.serve_models import words, write_model
+from tests.integration.serve.test_serve_vllm import (
     START_S,
     Served,
     free_port,
@@ -34,8 +33,6 @@ from test_serve_vllm import (  # noqa: E402 - the serve helpers, importable once
     vllm_args,
     wait_ready,
 )
-
-from kvcached.serve import podlabels  # noqa: E402
 
 prometheus = pytest.importorskip("prometheus_client.parser", reason='pip install -e ".[test]"')
 

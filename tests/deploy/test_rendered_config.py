@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploy_manifests import kubectl, objects, serve_config
+
+from tests.deploy.deploy_manifests import kubectl, objects, serve_config
 
 pytestmark = pytest.mark.skipif(
     kubectl() is None,

@@ -80,6 +80,7 @@ class Child:
 
 
 # -- 1: growth during the sample window ------------------------------------------------------
+@pytest.mark.slow
 def test_growth_inside_the_sample_window_is_not_counted_twice(ledger_dir):
     """On a 128 MiB host device (margin 12.8 MiB), 50 MiB used outside kvcached:
     a calibration samples 78 MiB free, then (before it publishes) another
@@ -290,10 +291,10 @@ def test_a_corrupt_record_is_refused_and_left_untouched(ledger, ledger_dir, fiel
     pool._abandon()
 
 
+@pytest.mark.slow
 def test_kvctl_list_still_lists_instances_beside_a_corrupt_ledger(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "tests", "control"))
-    from kvctl_helpers import Child as Instance
-    from kvctl_helpers import child_env, unique_index
+    from tests.control.kvctl_helpers import Child as Instance
+    from tests.control.kvctl_helpers import child_env, unique_index
 
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir()

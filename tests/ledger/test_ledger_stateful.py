@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -249,7 +250,7 @@ class LedgerMachine(RuleBasedStateMachine):
         assert names == self.limits
 
 
-TestLedgerModel = LedgerMachine.TestCase
+TestLedgerModel = pytest.mark.slow(LedgerMachine.TestCase)
 TestLedgerModel.settings = settings(
     max_examples=100,
     stateful_step_count=40,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kvmem_helpers import HOST_INDEX
 
 from kvcached.driver.host import HostDriver
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import HOST_INDEX
 
 
 @pytest.fixture

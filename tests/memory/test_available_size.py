@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import timeit
 
-from kvmem_helpers import make_cache, small_spec
-
 from kvcached.driver.faulty import FaultyDriver
+from tests.memory.kvmem_helpers import make_cache, small_spec
 
 
 def _cost(kv) -> float:

@@ -8,13 +8,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvmem_helpers import ExactBudget, check_pattern, small_spec, write_pattern
 
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.errors import MappingError
 from kvcached.memory import KVLayout, PageAllocator, PageMapper, VirtualKVTensors, plan_pages
 from kvcached.memory.pages import IDLE, QUARANTINED, UNMAPPED, USED
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget, check_pattern, small_spec, write_pattern
 
 G = 2 * MIB
 

@@ -5,9 +5,9 @@ unmapped one; refused, changing nothing, when its page cannot be had."""
 from __future__ import annotations
 
 import pytest
-from kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
 
 from kvcached.errors import BlockError, ConfigError
+from tests.memory.kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
 
 
 def _check(kv) -> None:

@@ -5,9 +5,9 @@ raises and changes nothing, with and without the lock."""
 from __future__ import annotations
 
 import pytest
-from kvmem_helpers import make_cache, small_spec
 
 from kvcached.errors import BlockError
+from tests.memory.kvmem_helpers import make_cache, small_spec
 
 
 @pytest.fixture(params=[False, True], ids=["unlocked", "locked"])

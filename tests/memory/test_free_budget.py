@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-from kvmem_helpers import HOST_INDEX
 
 from kvcached.driver.host import HostDriver
 from kvcached.errors import ConfigError
 from kvcached.memory import DriverFreeBudget, KVCache, KVCacheSpec, PhysicalBudget
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import HOST_INDEX
 
 
 class FixedFree(HostDriver):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmem_helpers import ExactBudget, check_pattern, run_integrity, write_pattern
 
 from kvcached.memory import DriverFreeBudget, KVCache, KVCacheSpec, KVLayout
 from kvcached.units import KIB, MIB
 from tests.gpu.cuda_marks import requires_torch_gpu
+from tests.memory.kvmem_helpers import ExactBudget, check_pattern, run_integrity, write_pattern
 
 pytestmark = [pytest.mark.gpu, requires_torch_gpu]
 

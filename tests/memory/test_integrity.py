@@ -4,18 +4,20 @@ views while other blocks come and go and pages are mapped, trimmed, capped."""
 from __future__ import annotations
 
 import pytest
-from kvmem_helpers import make_cache, run_integrity
 
 from kvcached.memory import KVCacheSpec, KVLayout
 from kvcached.units import KIB, MIB
+from tests.memory.kvmem_helpers import make_cache, run_integrity
 
 
 @pytest.mark.parametrize(
     "layout, coalesce, seed",
     [
-        (KVLayout.PER_LAYER, False, 1),
+        # Seconds apiece (page by page handles; the contiguous layout's bigger pages): CI runs
+        # them, the developer loop keeps the per-layer coalesced case.
+        pytest.param(KVLayout.PER_LAYER, False, 1, marks=pytest.mark.slow),
         (KVLayout.PER_LAYER, True, 2),
-        (KVLayout.CONTIGUOUS, True, 3),
+        pytest.param(KVLayout.CONTIGUOUS, True, 3, marks=pytest.mark.slow),
     ],
     ids=["per_layer-page_handles", "per_layer-coalesced", "contiguous-coalesced"],
 )

@@ -4,7 +4,6 @@ reserve, cap, trim) on the host and faulty backends."""
 from __future__ import annotations
 
 import pytest
-from kvmem_helpers import ExactBudget, make_cache, small_spec
 
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.errors import MappingError
@@ -12,6 +11,7 @@ from kvcached.memory import KVLayout, PageMapper, VirtualKVTensors, plan_pages
 from kvcached.memory.mapper import runs
 from kvcached.memory.pages import IDLE, QUARANTINED, UNMAPPED, USED
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget, make_cache, small_spec
 
 G = 2 * MIB
 

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from kvmem_helpers import ExactBudget, small_spec
 
 from kvcached.errors import ConfigError, MappingError
 from kvcached.memory.blocks import BlockManager
@@ -19,6 +18,7 @@ from kvcached.memory.ranges import PageLanes, RangeKVTensors
 from kvcached.memory.spec import KVLayout, PageGeometry, PageShape, plan_pages
 from kvcached.memory.tensors import PagedTensors, VirtualKVTensors
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget, small_spec
 
 G = 2 * MIB
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvmem_helpers import ExactBudget, make_cache, small_spec
-
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.memory.pages import QUARANTINED, UNMAPPED
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget, make_cache, small_spec
 
 WAIT_S = 30.0  # only a broken run waits this long
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvmem_helpers import ExactBudget
 
 from kvcached.errors import ConfigError, MappingError
 from kvcached.memory import (
@@ -16,6 +15,7 @@ from kvcached.memory import (
     resolve_layout,
 )
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import ExactBudget
 
 G = 2 * MIB
 LAYOUTS = [KVLayout.PER_LAYER, KVLayout.CONTIGUOUS]

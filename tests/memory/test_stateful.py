@@ -24,7 +24,6 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from kvmem_helpers import HOST_INDEX, check_pattern, make_cache, small_spec, write_pattern
 
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.driver.host import HostDriver
@@ -32,6 +31,13 @@ from kvcached.errors import BlockError
 from kvcached.memory import KVLayout
 from kvcached.memory.pages import IDLE, USED
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import (
+    HOST_INDEX,
+    check_pattern,
+    make_cache,
+    small_spec,
+    write_pattern,
+)
 
 PAGES = 8
 
@@ -258,7 +264,8 @@ _settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestBlockManagerModel = BlockMachine.TestCase
+# 120 examples of 40 steps each: seconds apiece, so CI runs them, not the developer loop.
+TestBlockManagerModel = pytest.mark.slow(BlockMachine.TestCase)
 TestBlockManagerModel.settings = _settings
-TestBlockManagerFaults = FaultyBlockMachine.TestCase
+TestBlockManagerFaults = pytest.mark.slow(FaultyBlockMachine.TestCase)
 TestBlockManagerFaults.settings = _settings

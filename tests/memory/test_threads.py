@@ -9,11 +9,10 @@ import threading
 import time
 from collections import Counter
 
-from kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
-
 from kvcached.driver.faulty import FaultyDriver
 from kvcached.errors import BlockError
 from kvcached.units import MIB
+from tests.memory.kvmem_helpers import check_pattern, make_cache, small_spec, write_pattern
 
 RUN_S = 2.0
 JOIN_S = 30.0

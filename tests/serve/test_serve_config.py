@@ -9,6 +9,7 @@ import textwrap
 import pytest
 
 from kvcached.serve.config import ServeConfigError, describe, load_config, parse_config
+from tests.engines import require_installed
 
 GOOD = """\
 host: 127.0.0.1
@@ -119,6 +120,7 @@ def test_a_plain_dict_is_accepted_too():
 
 
 def test_check_prints_the_plan_and_starts_nothing(tmp_path):
+    require_installed("vllm")  # the plan's models are vLLM's: --check wants it installed
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
     script = tmp_path / "serve.sh"

@@ -300,6 +300,7 @@ def test_the_router_itself_refuses_a_taken_port_in_one_line(tmp_path):
     assert not (tmp_path / "state" / "a.json").exists()
 
 
+@pytest.mark.slow
 def test_a_router_killed_adopts_exactly_its_engines_whatever_their_state(tmp_path, kill_marked):
     """SIGKILL the router with one engine ready, one asleep, one still starting;
     plant a stray engine carrying alpha's mark and lose gamma's state file. The

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kvharness import gpu_prompts as prompts
+from benchmarks.kvharness.gpu_models import MODELS, make_model
+from benchmarks.kvharness.gpu_server import gpu_pids
 from tests.gpu.sglang_e2e import checks as ck
 from tests.gpu.sglang_e2e.server import SGLangServer
-from tests.gpu.vllm_e2e import prompts
-from tests.gpu.vllm_e2e.models import MODELS, make_model
-from tests.gpu.vllm_e2e.server import gpu_pids
 
 CASES = ("models", "limit", "elastic")
 #: Only when asked: needs gpu-vllm's bundle installed on the same machine (mixed.py).

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kvharness import gpu_prompts as prompts
+from benchmarks.kvharness.gpu_models import MODELS
+from benchmarks.kvharness.gpu_server import Server, log_findings
 from tests.gpu.sglang_e2e import checks as ck
-from tests.gpu.vllm_e2e import prompts
-from tests.gpu.vllm_e2e.models import MODELS
-from tests.gpu.vllm_e2e.server import Server, log_findings
 
 VLLM_SITE = Path("/tmp/site")
 

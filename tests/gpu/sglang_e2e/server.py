@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.gpu.vllm_e2e.server import Server, post
+from benchmarks.kvharness.gpu_server import Server, post
 
 
 class SGLangServer(Server):

@@ -12,4 +12,8 @@ Each writes ``DIR/summary.json`` (``{"cases": {CASE: {CHECK: bool}}}`` with
 provenance) and its servers' logs; ``tests/compat/table.py`` makes the README's
 row from the summaries under ``benchmarks/results/h200/vllm-VERSION/``. Needs a
 GPU, vLLM with kvcached installed, and the gpu-vllm bundle's ``make_model.py``.
+
+The models, the server and the prompts are shared with the GPU benchmarks and live
+in ``benchmarks/kvharness`` (``gpu_models``, ``gpu_server``, ``gpu_prompts``); run
+from the repository root, this package imports them as ``benchmarks.kvharness``.
 """

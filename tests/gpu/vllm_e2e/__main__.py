@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.gpu.vllm_e2e import prompts
-from tests.gpu.vllm_e2e.models import MODELS, make_model
-from tests.gpu.vllm_e2e.server import Server, gpu_pids, log_findings
+from benchmarks.kvharness import gpu_prompts as prompts
+from benchmarks.kvharness.gpu_models import MODELS, make_model
+from benchmarks.kvharness.gpu_server import Server, gpu_pids, log_findings
 
 LOGPROB_TOL = 0.05
 GEN_TOKENS, APC_TOKENS = 64, 32

@@ -18,10 +18,10 @@ import threading
 import time
 from typing import Any
 
-from tests.gpu.vllm_e2e import prompts
+from benchmarks.kvharness import gpu_prompts as prompts
+from benchmarks.kvharness.gpu_models import case_arguments, prepare
+from benchmarks.kvharness.gpu_server import Server, finish_case
 from tests.gpu.vllm_e2e.__main__ import provenance
-from tests.gpu.vllm_e2e.models import case_arguments, prepare
-from tests.gpu.vllm_e2e.server import Server, finish_case
 
 NAME = "e2e-limit"
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import AMX_SHIM
+from tests.engines import require_engine_version
 
-pytest.importorskip("vllm")
-pytest.importorskip("aiohttp")
+require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
+pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
 pytestmark = pytest.mark.slow
 

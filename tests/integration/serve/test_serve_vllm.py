@@ -24,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("vllm")
-pytest.importorskip("aiohttp")
+from tests.engines import require_engine_version
 
-from serve_models import words, write_model  # noqa: E402
+openai = pytest.importorskip("openai", reason="the client: vLLM brings it (pip install openai)")
+require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
+pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
+
+from tests.integration.serve.serve_models import words, write_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -16,5 +16,8 @@ venv="${1:-.ci-venv-sglang}"
 bash tests/integration/sglang/install_env.sh "$venv"
 . "$venv/bin/activate"
 export KVCACHED_REQUIRE_ENGINES=sglang
+# The torchvision stand-in (tests/integration/sglang/conftest.py says why), for the
+# tests and every process they start.
+export PYTHONPATH="$PWD/tests/integration/sglang/stubs${PYTHONPATH:+:$PYTHONPATH}"
 # The README's test command, restricted to the SGLang tests:
 pip install -q -e ".[test]" && python -m pytest tests/integration/sglang

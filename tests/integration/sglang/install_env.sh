@@ -46,6 +46,6 @@ if ! "${pip[@]}" install --no-compile --no-deps --no-index --find-links "$wheels
     "${pip[@]}" install --no-compile --no-deps --no-index --find-links "$wheels" -r "$req"
 fi
 # Some releases (0.5.20) import torchvision from `import sglang`: the tests'
-# stand-in (stubs/, which conftest.py puts first) serves this check too.
+# stand-in (stubs/, first on the tests' PYTHONPATH) serves this check too.
 PYTHONPATH="$here/stubs${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -c \
     "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"

@@ -89,14 +89,12 @@ def run(
         k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
     }
     environment.pop("PYTHONPATH", None)
+    if fake_sglang:  # the stand-in sglang for this child (and the children it spawns)
+        environment["PYTHONPATH"] = str(python.parents[2] / "fake")
     environment.update(env)
-    prelude = ""
-    if fake_sglang:
-        fake = python.parents[2] / "fake"
-        prelude = f"import sys; sys.path.append({str(fake)!r})\n"
     # A file, not -c: spawned children must find __main__'s functions by path.
     script = python.parents[2] / f"script_{abs(hash(code))}.py"
-    script.write_text(prelude + textwrap.dedent(code))
+    script.write_text(textwrap.dedent(code))
     return subprocess.run(
         [str(python), str(script)], env=environment, capture_output=True, text=True, timeout=120
     )

@@ -44,8 +44,9 @@ def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site_dir = Path(purelib)
     (site_dir / "aa_kvcached_tree.pth").write_text(f"{ROOT}\n")
     (site_dir / "kvcached_sglang.pth").write_text(SHIPPED_PTH.read_text())
-    # Everything this interpreter imports from (its site-packages, or a
-    # PYTHONPATH --target folder on the GPU machine), after the hook.
+    # The child venv's environment: everything this interpreter imports from (its
+    # site-packages, or a PYTHONPATH --target folder on the GPU machine), read here
+    # and written after the hook; nothing in this process's path changes.
     inherited = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != ROOT]
     (site_dir / "zz_engine_env.pth").write_text("".join(f"{p}\n" for p in inherited))
     return exe
@@ -55,11 +56,11 @@ def run(python: Path, code: str, **env: str) -> subprocess.CompletedProcess:
     environment = {
         k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED_", "ENABLE_KVCACHED"))
     }
-    environment.pop("PYTHONPATH", None)
+    # The torchvision stand-in first, as tests/integration/sglang/conftest.py says.
+    environment["PYTHONPATH"] = str(STUBS)
     environment.update(env)
-    prelude = f"import sys; sys.path.insert(0, {str(STUBS)!r})\n"
     return subprocess.run(
-        [str(python), "-W", "ignore", "-c", prelude + textwrap.dedent(code)],
+        [str(python), "-W", "ignore", "-c", textwrap.dedent(code)],
         env=environment,
         capture_output=True,
         text=True,

@@ -7,9 +7,10 @@ Logs and per-case JSON (every request's tokens) go to one directory:
 ``$KVCACHED_TEST_ARTIFACTS/vllm`` when that variable names a directory (CI keeps
 it as an artifact), else pytest's temporary directory.
 
-The helper modules here are all named ``vllm_*``: pytest puts this folder on
-``sys.path`` (it is not a package, so that no ``vllm`` package of ours shadows
-the real one), and a helper named like one in another test folder would clash.
+This folder is the package ``tests.integration.vllm`` (pytest's importlib mode puts
+no test folder on the import path, so it never stands in for the real ``vllm``). The
+server harness and the tiny model it shares with the benchmarks live in
+``benchmarks/kvharness``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import os
 from pathlib import Path
 
 import pytest
-from vllm_cases import CaseRecord, run_basic_case
-from vllm_model import write_tiny_llama
-from vllm_server import ServerOptions
+
+from kvharness.vllm_model import write_tiny_llama
+from kvharness.vllm_server import ServerOptions
+from tests.integration.vllm.vllm_cases import CaseRecord, run_basic_case
 
 
 @pytest.fixture(scope="session")

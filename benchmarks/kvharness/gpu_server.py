@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 # The CPU tests' server harness reads process groups from /proc the same way.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration" / "vllm"))
-from vllm_server import group_stats  # noqa: E402
+from .vllm_server import group_stats
 
 #: What a log must not contain (case-sensitive), whatever the case.
 BAD_LINES = ("Traceback (most recent call last)", "CUDA error", "RuntimeError: CUDA")

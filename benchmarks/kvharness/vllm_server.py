@@ -36,7 +36,7 @@ from kvcached.integrations.amx import cpu_has_amx
 SERVED_MODEL_NAME = "tiny-llama"
 #: On a CPU with AMX, native servers start with this folder on PYTHONPATH, whose
 #: sitecustomize asks Linux for AMX tile data (kvcached/integrations/amx.py says why).
-AMX_SHIM = str(Path(__file__).resolve().parents[2] / "amx_permission")
+AMX_SHIM = str(Path(__file__).resolve().parents[2] / "tests" / "amx_permission")
 STOP_GRACE_S = 90.0
 
 #: kvcached variables a developer's shell may carry: every server gets them from
