@@ -237,22 +237,15 @@ def kv_plan(
 
 
 def gpu_device() -> dict[str, Any]:
-    """The GPU's name and memory (nvidia-smi), or why not."""
-    import subprocess
+    """The GPU's name and memory (``gpu_plan.read_card``: one nvidia-smi query for
+    the plan and this record), or why not."""
+    import gpu_plan
 
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return {"error": repr(exc)}
-    name, total = (x.strip() for x in done.stdout.splitlines()[0].split(","))
+    card = gpu_plan.read_card()
+    if card is None:
+        return {"error": "nvidia-smi reported no GPU (missing, failed or timed out)"}
     return {
-        "name": name,
-        "memory_mib": int(total),
+        "name": card.name,
+        "memory_mib": card.memory_mib,
         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
