@@ -622,9 +622,10 @@ class Run:
 
     def ledger(self) -> dict[str, Any]:
         """What ``kvctl list --json`` and ``kvctl gpus --json`` show, read in-process."""
+        from kvcached.config import get_config
         from kvcached.control.view import gather
 
-        rows, gpus = gather(problems=[])
+        rows, gpus = gather(problems=[], configured_dir=get_config().ledger_dir)
         keys = ("used_bytes", "reserved_bytes", "prefix_cache_bytes", "charged_bytes")
         keys += ("limit_bytes", "misses", "page_bytes", "serve_state")
         return {

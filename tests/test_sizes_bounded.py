@@ -64,11 +64,12 @@ def test_kvcached_info_uses_the_host_device_variable():
 def test_open_kv_cache_uses_the_host_device_variable(tmp_path):
     code = (
         "import torch\n"
+        "from kvcached.config import get_config\n"
         "from kvcached.control.instance import close_kv_cache, open_kv_cache\n"
         "from kvcached.memory.spec import KVCacheSpec\n"
         "spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=2, head_dim=32, "
         "dtype=torch.float16)\n"
-        "cache = open_kv_cache(spec, capacity_bytes=8 << 20)\n"
+        "cache = open_kv_cache(spec, capacity_bytes=8 << 20, config=get_config())\n"
         "print(cache.budget.ledger_path)\n"
         "close_kv_cache(cache)\n"
     )

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvcached.cli.demo_load import Request, Served
-    from kvcached.control.instance import close_kv_cache, get_instance, open_kv_cache
+    from kvcached.config import get_config
+    from kvcached.control.instance import close_kv_cache, current_instance, open_kv_cache
     from kvcached.driver.host import HostDriver
     from kvcached.memory.spec import KVCacheSpec
 
@@ -57,9 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     # Every instance reserves address space for the whole budget: any of them
     # may grow into all of it while the others are quiet.
     cache = open_kv_cache(
-        spec, engine="kvcached-demo", driver=driver, capacity_bytes=config["capacity"], layout=True
+        spec,
+        engine="kvcached-demo",
+        driver=driver,
+        capacity_bytes=config["capacity"],
+        layout=True,
+        config=get_config(),
     )
-    instance = get_instance()
+    instance = current_instance()
     try:
         _say(
             {

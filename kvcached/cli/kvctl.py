@@ -178,7 +178,9 @@ def _gather(args: argparse.Namespace, names: list[str] | tuple[str, ...] = ()):
     if not args.timeout > 0:
         raise UsageError(f"{args.command}: --timeout {args.timeout:g} must be above 0 seconds")
     problems: list[str] = []
-    rows, gpus = gather(args.ledger_dir, names, problems, timeout=args.timeout)
+    rows, gpus = gather(
+        args.ledger_dir, names, problems, timeout=args.timeout, configured_dir=args.configured_dir
+    )
     _warn_held(gpus)
     return rows, gpus, problems
 
@@ -294,6 +296,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
             percent=percent,
             revision=args.revision,
             directory=args.ledger_dir,
+            configured_dir=args.configured_dir,
             wait_s=args.wait,
             timeout=args.timeout,
         )
@@ -381,7 +384,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
     _rows, gpus, problems = _gather(args)
     if not gpus:
-        where = ", ".join(ledger_dirs(args.ledger_dir))
+        where = ", ".join(ledger_dirs(args.ledger_dir, configured_dir=args.configured_dir))
         if problems:
             raise UsageError(problems[0])
         raise UsageError(
@@ -435,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from kvcached.config import get_config
 
-        get_config()  # a bad KVCACHED_* variable is an error here too
+        # A bad KVCACHED_* variable is an error here too; the ledger directory is
+        # the one setting the commands use, handed to them on args.
+        args.configured_dir = get_config().ledger_dir
         return COMMANDS[args.command](args)
     except BrokenPipeError:  # `kvctl list | head`
         return 0

@@ -380,13 +380,26 @@ _instance: Instance | None = None
 _instance_lock = threading.Lock()
 
 
-def get_instance(engine: str = "kvcached", engine_version: str = "") -> Instance:
-    """This process' instance, created on first use (named by
-    :func:`kvcached.control.naming.instance_name`)."""
+def get_instance(engine: str, engine_version: str, *, ipc_name: str | None) -> Instance:
+    """This process' instance, created on first use and named by
+    :func:`kvcached.control.naming.instance_name` from ``ipc_name`` (the caller's
+    ``config.ipc_name``: ``KVCACHED_IPC_NAME``, or None for the default name)."""
     global _instance
     with _instance_lock:
         if _instance is None:
-            _instance = Instance(instance_name(engine), engine, engine_version)
+            _instance = Instance(instance_name(engine, ipc_name), engine, engine_version)
+        return _instance
+
+
+def current_instance() -> Instance:
+    """This process' instance; ``LookupError`` when none was created yet (by
+    :func:`get_instance` or :func:`open_kv_cache`)."""
+    with _instance_lock:
+        if _instance is None:
+            raise LookupError(
+                "this process has no kvcached instance yet: open_kv_cache() or "
+                "get_instance() creates it"
+            )
         return _instance
 
 
@@ -407,7 +420,7 @@ def open_kv_cache(
     name: str = "kv",
     evict_cached: Callable[[int], int] | None = None,
     prefix_cache_bytes: Callable[[], int] | None = None,
-    config: Config | None = None,
+    config: Config,
     **kwargs: Any,
 ) -> Any:
     """A :class:`~kvcached.memory.cache.KVCache` charged to this device's ledger
@@ -415,16 +428,14 @@ def open_kv_cache(
     limits). ``kwargs`` go to ``KVCache`` (``driver``, ``num_blocks``, ...).
     Close the cache, then :func:`close_kv_cache`, when the engine stops.
 
-    This is where a process that opens its own cache reads its settings:
-    ``config`` defaults to :func:`kvcached.config.get_config` (the ``KVCACHED_*``
-    variables), and the driver, the ledger and the cache are given it."""
-    from kvcached.config import get_config
+    ``config``: the settings the caller read (:func:`kvcached.config.get_config`,
+    the ``KVCACHED_*`` variables, at its entry point); the instance's name, the
+    driver, the ledger and the cache are given them."""
     from kvcached.driver import default_driver
     from kvcached.ledger import open_pool_budget
     from kvcached.memory.cache import KVCache
 
-    config = get_config() if config is None else config
-    instance = get_instance(engine, engine_version)
+    instance = get_instance(engine, engine_version, ipc_name=config.ipc_name)
     driver = kwargs.pop("driver", None) or default_driver(config=config)
     budget = open_pool_budget(driver, instance.name, config=config)
     try:

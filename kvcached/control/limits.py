@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvcached.config import get_config
 from kvcached.errors import InstanceNotFoundError, LedgerError, LedgerPermissionError
 from kvcached.ledger.file import list_ledgers
 from kvcached.ledger.ledger import Ledger
@@ -72,19 +71,28 @@ _ORDER = (LimitStatus.APPLIED, LimitStatus.DEFERRED, LimitStatus.STALE, LimitSta
 
 
 def ledger_dirs(
-    directory: str | None = None, snapshots: Sequence[Snapshot] | None = None
+    directory: str | None = None,
+    snapshots: Sequence[Snapshot] | None = None,
+    *,
+    configured_dir: str | None = None,
 ) -> list[str]:
     """Where to look for ledgers: ``directory`` alone when given, else
-    ``KVCACHED_LEDGER_DIR`` plus the directory of every ledger that a live
-    instance's snapshot names (an instance may run with another directory).
-    ``snapshots``: already read ones (default: read them now)."""
+    ``configured_dir`` (the caller's ``KVCACHED_LEDGER_DIR``, ``config.ledger_dir``)
+    plus the directory of every ledger that a live instance's snapshot names (an
+    instance may run with another directory). ``snapshots``: already read ones
+    (default: read them now)."""
     if directory is not None:
         return [directory]
+    if configured_dir is None:
+        raise ValueError(
+            "ledger_dirs(): give directory (only the ledgers there) or configured_dir "
+            "(config.ledger_dir, the KVCACHED_LEDGER_DIR this process runs with)"
+        )
     if snapshots is None:
         from kvcached.control.snapshot import read_snapshots
 
         snapshots = read_snapshots(cleanup=False)
-    found = [get_config().ledger_dir]
+    found = [configured_dir]
     for snap in snapshots:
         if not snap.alive:
             continue
@@ -120,8 +128,11 @@ def ledger_snapshots(
     snapshots: Sequence[Snapshot] | None = None,
     problems: list[str] | None = None,
     timeout: float = LOCK_WAIT_S,
+    *,
+    configured_dir: str | None = None,
 ) -> list[LedgerSnapshot]:
-    """A snapshot of every ledger file (see :func:`ledger_dirs` for which).
+    """A snapshot of every ledger file (see :func:`ledger_dirs` for which, and
+    for ``directory`` and ``configured_dir``).
 
     A ledger that cannot be read (no permission, another layout version, a
     corrupt record) raises its :class:`~kvcached.errors.LedgerError` (for no
@@ -135,7 +146,7 @@ def ledger_snapshots(
     deadline = time.monotonic() + timeout
     out = []
     paths: list[str] = []
-    for d in ledger_dirs(directory, snapshots):
+    for d in ledger_dirs(directory, snapshots, configured_dir=configured_dir):
         try:
             paths += _listed(d)
         except LedgerPermissionError as exc:
@@ -168,6 +179,7 @@ def set_limit(
     percent: float | None = None,
     revision: int | None = None,
     directory: str | None = None,
+    configured_dir: str | None = None,
     wait_s: float = 0.0,
     timeout: float = LOCK_WAIT_S,
 ) -> LimitResult:
@@ -176,7 +188,8 @@ def set_limit(
     Give ``limit_bytes`` (``None``: remove the limit) or ``percent`` of each
     device's memory. ``revision`` defaults to the stored one plus one on each
     device; pass the revision you read to detect concurrent writers
-    (``stale``/``conflict``). With ``wait_s``, wait up to that long for usage to
+    (``stale``/``conflict``). ``directory`` or ``configured_dir``: where the
+    ledgers are (see :func:`ledger_dirs`). With ``wait_s``, wait up to that long for usage to
     come within the limit before answering ``deferred``. Raises
     :class:`InstanceNotFoundError` when no ledger has a pool of ``name``,
     ``ValueError`` for a bad argument, and
@@ -185,7 +198,7 @@ def set_limit(
     ledger's data lock stays held by another process for ``timeout`` seconds.
     """
     _check_limit_args(name, limit_bytes, percent, wait_s)
-    dirs = ledger_dirs(directory)
+    dirs = ledger_dirs(directory, configured_dir=configured_dir)
     results: list[DeviceLimit] = []
     unreadable: list[Exception] = []
     paths: list[str] = []

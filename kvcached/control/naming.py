@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from kvcached.config import get_config, reload_config
+from kvcached.config import reload_config
 
 ENV = "KVCACHED_IPC_NAME"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -24,9 +24,10 @@ def default_name(engine: str = "kvcached", pid: int | None = None) -> str:
     return f"{stem}-{os.getpid() if pid is None else pid}"
 
 
-def instance_name(engine: str = "kvcached") -> str:
-    """The instance name of this process (see the module docstring)."""
-    configured = get_config().ipc_name
+def instance_name(engine: str, configured: str | None) -> str:
+    """The instance name of this process (see the module docstring):
+    ``configured`` (the caller's ``config.ipc_name``) when set, else the default,
+    exported for the children and reloaded into this process' configuration."""
     if configured:
         return configured
     name = default_name(engine)

@@ -221,8 +221,12 @@ def gather(
     names: Sequence[str] = (),
     problems: list[str] | None = None,
     timeout: float = 2.0,
+    *,
+    configured_dir: str | None = None,
 ) -> tuple[list[InstanceRow], list[GpuRow]]:
-    """Read every snapshot and ledger now: ``(instance rows, GPU rows)``.
+    """Read every snapshot and ledger now: ``(instance rows, GPU rows)``; the
+    ledgers in ``directory``, else in ``configured_dir`` and wherever a live
+    instance's are (:func:`~kvcached.control.limits.ledger_dirs`).
     ``names``: only these instances and their GPUs. Dead snapshots are cleaned up where this
     user may (and shown as dead where not). Unreadable ledgers are skipped and
     described in ``problems`` when it is given, else raised. A ledger whose data
@@ -232,7 +236,9 @@ def gather(
     from kvcached.control.snapshot import read_snapshots
 
     snaps = read_snapshots()
-    ledgers = ledger_snapshots(directory, snaps, problems, timeout=timeout)
+    ledgers = ledger_snapshots(
+        directory, snaps, problems, timeout=timeout, configured_dir=configured_dir
+    )
     rows = instance_rows(snaps, ledgers)
     gpus = gpu_rows(ledgers)
     if names:  # only these instances, and the GPUs they use

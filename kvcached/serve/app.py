@@ -342,8 +342,9 @@ def _pressure_view(names: list[str]) -> dict[str, tuple[int, tuple[str, ...], in
     """Per instance: (allocation misses, its GPUs, the least ledger headroom there,
     the headroom below which it cannot grow: see :func:`growth_unit`)."""
     from kvcached.control.view import gather
+    from kvcached.serve.sleep import configured_ledger_dir
 
-    rows, gpus = gather(problems=[])
+    rows, gpus = gather(problems=[], configured_dir=configured_ledger_dir())
     headroom = {g.gpu: g.headroom_bytes for g in gpus}
     out: dict[str, tuple[int, tuple[str, ...], int, int]] = {}
     for r in rows:

@@ -82,8 +82,9 @@ def kv_view(names: Sequence[str]) -> dict[str, tuple[int, int | None, int]]:
     headroom over its GPUs), from the snapshots and ledgers ``kvctl`` reads
     (blocking: run it in an executor)."""
     from kvcached.control.view import gather
+    from kvcached.serve.sleep import configured_ledger_dir
 
-    rows, gpus = gather(names=list(names), problems=[])
+    rows, gpus = gather(names=list(names), problems=[], configured_dir=configured_ledger_dir())
     headroom = {g.gpu: g.headroom_bytes for g in gpus}
     out: dict[str, tuple[int, int | None, int]] = {}
     for r in rows:

@@ -29,6 +29,14 @@ log = get_logger("kvcached.serve")
 HOLD_AT_ZERO = 1
 
 
+def configured_ledger_dir() -> str:
+    """The ledger directory serve's engines inherit (``KVCACHED_LEDGER_DIR``): serve
+    is an entry point, so it reads the setting and hands it to the control layer."""
+    from kvcached.config import get_config
+
+    return get_config().ledger_dir
+
+
 @dataclass(frozen=True)
 class KvReading:
     """An instance's memory on every device, summed, from its ledgers and snapshots."""
@@ -48,7 +56,7 @@ def read_kv(name: str, directory: str | None = None) -> KvReading | None:
 
     charged = 0
     devices, limits, headrooms, paths = [], [], [], []
-    for snap in ledger_snapshots(directory, problems=[]):
+    for snap in ledger_snapshots(directory, problems=[], configured_dir=configured_ledger_dir()):
         inst = snap.instance(name)
         if inst is None or inst.pools == 0:
             continue
@@ -76,7 +84,9 @@ def kv_sleep(name: str, settle_s: float = 3.0) -> KvReading | None:
         )
         return None
     try:
-        result = set_limit(name, HOLD_AT_ZERO, wait_s=settle_s)
+        result = set_limit(
+            name, HOLD_AT_ZERO, configured_dir=configured_ledger_dir(), wait_s=settle_s
+        )
     except InstanceNotFoundError:
         return None
     if result.status.value != "applied":
@@ -113,7 +123,12 @@ def kv_wake(name: str, restore_limit: int, ledgers: tuple[str, ...] = ()) -> boo
         )
         return False
     try:
-        set_limit(name, restore_limit or None, directory=directory)
+        set_limit(
+            name,
+            restore_limit or None,
+            directory=directory,
+            configured_dir=configured_ledger_dir(),
+        )
     except InstanceNotFoundError:
         return False
     return True
@@ -134,7 +149,8 @@ def retire_dead_pools(name: str) -> int:
     from kvcached.ledger.ledger import Ledger
 
     retired = 0
-    paths = [path for directory in ledger_dirs() for path in list_ledgers(directory)]
+    dirs = ledger_dirs(configured_dir=configured_ledger_dir())
+    paths = [path for directory in dirs for path in list_ledgers(directory)]
     for path in paths:
         try:
             ledger = Ledger.open_existing(path)

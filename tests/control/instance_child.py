@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-from kvcached.control.instance import close_kv_cache, get_instance, open_kv_cache
+from kvcached.config import get_config
+from kvcached.control.instance import close_kv_cache, current_instance, open_kv_cache
 from kvcached.driver.host import HostDriver
 from kvcached.memory.spec import KVCacheSpec
 
@@ -51,13 +52,14 @@ def main() -> int:
         min_reserved=2,
         max_reserved=4,
         max_handle_bytes=0,
+        config=get_config(),
     )
     held: list[int] = []
     print(
         json.dumps(
             {
                 "ready": True,
-                "name": get_instance().name,
+                "name": current_instance().name,
                 "page_bytes": cache.geometry.page_bytes,
                 "blocks_per_page": cache.blocks_per_page,
             }
@@ -87,7 +89,7 @@ def main() -> int:
         print(json.dumps(answer), flush=True)
     cache.free(held)
     close_kv_cache(cache)
-    get_instance().close()
+    current_instance().close()
     return 0
 
 

@@ -179,17 +179,23 @@ def test_limit_percent_and_revisions(pair, capsys):
 
 
 def test_python_api_for_controllers(pair):
+    from kvcached.config import get_config
     from kvcached.control.limits import set_limit
     from kvcached.ledger.snapshot import LimitStatus
 
     a, _, _, _ = pair
-    result = set_limit(a.name, 64 * MIB, wait_s=5)
+    # A controller reads its settings and hands them down; the instances run with
+    # their own directory, found through their snapshots.
+    here = get_config().ledger_dir
+    result = set_limit(a.name, 64 * MIB, configured_dir=here, wait_s=5)
     assert result.status == LimitStatus.APPLIED
     assert result.as_dict()["devices"][0]["limit_bytes"] == 64 * MIB
-    assert set_limit(a.name, 32 * MIB, revision=1).status == LimitStatus.STALE
-    assert set_limit(a.name, None).status == LimitStatus.APPLIED
+    assert set_limit(a.name, 32 * MIB, revision=1, configured_dir=here).status == LimitStatus.STALE
+    assert set_limit(a.name, None, configured_dir=here).status == LimitStatus.APPLIED
     with pytest.raises(ValueError, match=r"limit_bytes=\d+: must be at most 9223372036854775807"):
-        set_limit(a.name, 1 << 63)
+        set_limit(a.name, 1 << 63, configured_dir=here)
+    with pytest.raises(ValueError, match="give directory .* or configured_dir"):
+        set_limit(a.name, 64 * MIB)  # no hidden read of KVCACHED_LEDGER_DIR
 
 
 def test_gpus_and_metrics(pair, capsys):

@@ -15,7 +15,7 @@ def test_the_configured_name_wins(monkeypatch):
     from kvcached import config
 
     config.reload_config()
-    assert instance_name("vllm") == "my-server"
+    assert instance_name("vllm", get_config().ipc_name) == "my-server"
 
 
 def test_the_default_is_engine_and_pid_and_children_inherit_it(monkeypatch):
@@ -23,10 +23,10 @@ def test_the_default_is_engine_and_pid_and_children_inherit_it(monkeypatch):
     from kvcached import config
 
     config.reload_config()
-    name = instance_name("vllm")
+    name = instance_name("vllm", get_config().ipc_name)
     assert name == f"vllm-{os.getpid()}"
     assert os.environ[ENV] == name and get_config().ipc_name == name  # said once, for all
-    assert instance_name("sglang") == name  # a second pool of the same server
+    assert instance_name("sglang", get_config().ipc_name) == name  # a second pool of the server
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.environ['KVCACHED_IPC_NAME'])"],
         capture_output=True,

@@ -117,15 +117,16 @@ def test_a_process_that_exits_leaves_no_segment(tmp_path):
     (segment,) = _exit_run(
         f"""
         import torch
-        from kvcached.control.instance import close_kv_cache, get_instance, open_kv_cache
+        from kvcached.config import get_config
+        from kvcached.control.instance import close_kv_cache, current_instance, open_kv_cache
         from kvcached.driver.host import HostDriver
         from kvcached.memory.spec import KVCacheSpec
         spec = KVCacheSpec(num_layers=1, block_size=16, num_heads=2, head_dim=64,
                            dtype=torch.float16)
         driver = HostDriver(index={unique_index()}, capacity=64 << 20)
         cache = open_kv_cache(spec, engine="test", driver=driver, capacity_bytes=16 << 20,
-                              max_handle_bytes=0)
-        print("/dev/shm" + get_instance()._publisher.name, flush=True)
+                              max_handle_bytes=0, config=get_config())
+        print("/dev/shm" + current_instance()._publisher.name, flush=True)
         close_kv_cache(cache)
     """,
         name,

@@ -61,6 +61,7 @@ def _driver(backend: str, index: int, capacity: int) -> Any:
 
 
 def _open(backend: str, index: int, capacity: int) -> Any:
+    from kvcached.config import get_config
     from kvcached.control.instance import open_kv_cache
 
     driver = _driver(backend, index, capacity)
@@ -74,6 +75,7 @@ def _open(backend: str, index: int, capacity: int) -> Any:
         max_reserved=0,
         background=False,
         max_handle_bytes=0,
+        config=get_config(),
     )
 
 
@@ -124,11 +126,11 @@ def _info(cache: Any) -> dict[str, Any]:
 
 
 def serve(backend: str, index: int, capacity: int) -> int:
-    from kvcached.control.instance import close_kv_cache, get_instance
+    from kvcached.control.instance import close_kv_cache, current_instance
 
     cache = _open(backend, index, capacity)
     held: list[int] = []
-    print(json.dumps({"ready": True, "name": get_instance().name, **_info(cache)}), flush=True)
+    print(json.dumps({"ready": True, "name": current_instance().name, **_info(cache)}), flush=True)
     for line in sys.stdin:
         cmd, *args = line.split() or [""]
         if cmd == "info":
@@ -154,19 +156,19 @@ def serve(backend: str, index: int, capacity: int) -> int:
         print(json.dumps(answer), flush=True)
     cache.free(held)
     close_kv_cache(cache)
-    get_instance().close()
+    current_instance().close()
     return 0
 
 
 def _set_limit_here(cache: Any, limit: int) -> None:
     """The instance's limit on this device only (its ledger), then wait until
     this pool's headroom reflects it."""
-    from kvcached.control.instance import get_instance
+    from kvcached.control.instance import current_instance
     from kvcached.ledger.ledger import Ledger
 
     ledger = Ledger.open_existing(cache.budget.ledger_path)
     try:
-        name = get_instance().name
+        name = current_instance().name
         inst = ledger.snapshot().instance(name)
         assert inst is not None, f"instance {name} not in {cache.budget.ledger_path}"
         ledger.set_limit(name, limit, inst.revision + 1)
@@ -192,7 +194,7 @@ def tp(
 ) -> int:
     import torch.distributed as dist
 
-    from kvcached.control.instance import close_kv_cache, get_instance
+    from kvcached.control.instance import close_kv_cache, current_instance
     from kvcached.integrations.sglang.tp_agreement import GroupReducer, RoundAgreement
 
     cache = _open(backend, index_base + rank, TP_CAPACITY)
@@ -251,7 +253,7 @@ def tp(
     dist.barrier()
     dist.destroy_process_group()
     close_kv_cache(cache)
-    get_instance().close()
+    current_instance().close()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(

@@ -60,7 +60,9 @@ def test_sleep_releases_everything_idle_and_wake_restores_the_users_limit(instan
     ids = cache.alloc(cache.blocks_per_page * 3)
     assert ids is not None
     cache.free(ids)
-    set_limit(NAME, 96 * MIB)  # the user's own limit, to come back on wake
+    set_limit(
+        NAME, 96 * MIB, configured_dir=kv.configured_ledger_dir()
+    )  # the user's own limit, to come back on wake
     before = kv.kv_sleep(NAME, settle_s=5.0)
     assert before is not None and before.charged_bytes > 0 and before.limit_bytes == 96 * MIB
     assert before.ledgers and before.ledgers[0].endswith(before.devices[0])
@@ -83,7 +85,9 @@ def test_sleep_releases_everything_idle_and_wake_restores_the_users_limit(instan
 def test_a_limit_changed_while_asleep_is_left_alone(instance):
     before = kv.kv_sleep(NAME, settle_s=1.0)
     assert before is not None
-    set_limit(NAME, 64 * MIB)  # kvctl limit while it slept
+    set_limit(
+        NAME, 64 * MIB, configured_dir=kv.configured_ledger_dir()
+    )  # kvctl limit while it slept
     assert not kv.kv_wake(NAME, 0, before.ledgers)
     reading = kv.read_kv(NAME)
     assert reading is not None and reading.limit_bytes == 64 * MIB

@@ -87,7 +87,7 @@ def register_pool(kv: ElasticKV, engine_version: str = "") -> SGLangPoolSource:
 
     source = SGLangPoolSource(kv)
     watch: Any = kv.budget if hasattr(kv.budget, "limit_revision") else None
-    get_instance("sglang", engine_version).add_pool(source, watch)
+    get_instance("sglang", engine_version, ipc_name=kv.ipc_name).add_pool(source, watch)
     return source
 
 

@@ -149,7 +149,7 @@ class ElasticKV:
             from kvcached.control.instance import get_instance
             from kvcached.ledger import open_pool_budget
 
-            instance = get_instance("sglang", engine_version)
+            instance = get_instance("sglang", engine_version, ipc_name=config.ipc_name)
             budget = owned_budget = open_pool_budget(self.driver, instance.name, config=config)
         try:
             cache_kwargs.setdefault("layout", KVLayout.PER_LAYER)
@@ -180,6 +180,7 @@ class ElasticKV:
         self.blocks = self.cache.blocks
         self.rows = self.cache.num_blocks * shape.block_tokens
         self.source: Any = None
+        self.ipc_name: str | None = config.ipc_name  # names the instance it registers with
         self._lock = threading.Lock()
         self._closed = False
         if register is not None:

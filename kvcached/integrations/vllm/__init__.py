@@ -131,9 +131,12 @@ def apply() -> bool:
             ", ".join(SUPPORTED_VERSIONS),
         )
         return False
+    from kvcached.config import get_config
     from kvcached.control.naming import instance_name
 
-    instance_name("vllm")  # resolved here, inherited by every process this one starts
+    instance_name(
+        "vllm", get_config().ipc_name
+    )  # resolved here, inherited by every process this one starts
     return STATE.start(groups(version))
 
 

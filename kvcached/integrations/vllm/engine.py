@@ -260,7 +260,7 @@ def build_context(
             f"not vLLM's {kv_cache_config.num_blocks} blocks"
         )
     config = get_config()
-    instance = get_instance(engine="vllm", engine_version=STATE.version)
+    instance = get_instance("vllm", STATE.version, ipc_name=config.ipc_name)
     ledgers: dict[str, Any] = {}
     pools: list[Any] = []
     try:

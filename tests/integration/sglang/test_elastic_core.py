@@ -236,7 +236,7 @@ def test_cache_cap_evicts_whole_kvcached_pages_of_tokens(env):
 
 
 def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
-    from kvcached.control.instance import get_instance
+    from kvcached.control.instance import current_instance
     from kvcached.control.limits import set_limit
     from kvcached.ledger.snapshot import LimitStatus
 
@@ -249,7 +249,7 @@ def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
         source.prefix_cache_tokens = tree.evictable_size
         usage = source.pool_usage()
         assert usage.pages_mapped == 5 and usage.prefix_cache_bytes == 5000 * 2 * 2 * 2048
-        assert source in get_instance("sglang").pools
+        assert source in current_instance().pools
         page = kv.cache.geometry.page_bytes
         result = set_limit("sglang-core", 2 * page, directory=str(env), wait_s=0)
         assert result.status in (LimitStatus.APPLIED, LimitStatus.DEFERRED), result
@@ -271,7 +271,7 @@ def test_control_source_limits_and_reclaims_through_the_scheduler_round(env):
         set_limit("sglang-core", None, directory=str(env))
     finally:
         kv.close()
-    assert source not in get_instance("sglang").pools
+    assert source not in current_instance().pools
 
 
 def test_the_factory_passes_the_registration_in_and_close_leaves_once(env):
@@ -280,7 +280,7 @@ def test_the_factory_passes_the_registration_in_and_close_leaves_once(env):
     the pool keeps what it returned and leaves through it on close, once."""
     import functools
 
-    from kvcached.control.instance import get_instance
+    from kvcached.control.instance import current_instance
     from kvcached.integrations.sglang.elastic_kv import build_elastic_kv
 
     calls = []
@@ -310,7 +310,7 @@ def test_the_factory_passes_the_registration_in_and_close_leaves_once(env):
     )
     assert kv is not None
     try:
-        assert kv.source in get_instance("sglang").pools and kv.source.kv is kv
+        assert kv.source in current_instance().pools and kv.source.kv is kv
     finally:
         kv.close()
-    assert kv.source not in get_instance("sglang").pools
+    assert kv.source not in current_instance().pools
