@@ -161,32 +161,41 @@ def test_a_request_in_flight_is_running_and_its_kv_memory_in_use(served):
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    first, done = threading.Event(), threading.Event()
+    seen: list[tuple[float, float]] = []
+
+    def watch() -> None:
+        for _ in range(40):  # vLLM updates its gauges every step
+            got = scrape(served)
+            seen.append(
+                (
+                    got["vllm:num_requests_running"][name][1],
+                    got["vllm:kv_cache_usage_perc"][name][1],
+                )
+            )
+            if seen[-1][0] == 1:
+                return
+            time.sleep(0.05)
 
     def stream() -> None:
         with urllib.request.urlopen(req, timeout=600) as r:
             for line in r:
-                if line.startswith(b"data:"):
-                    first.set()
-        done.set()
+                # Scraped by the reading thread at its first token: a waiter woken by
+                # an event came only after the last token once, on a loaded 2-core
+                # machine, and saw nothing running.
+                if line.startswith(b"data:") and not seen:
+                    watch()
 
     thread = threading.Thread(target=stream, daemon=True)
     thread.start()
-    assert first.wait(300), served.log_tail()
-    seen = []
-    while not done.is_set():  # vLLM updates its gauges every step
-        got = scrape(served)
-        seen.append(
-            (got["vllm:num_requests_running"][name][1], got["vllm:kv_cache_usage_perc"][name][1])
-        )
-        if seen[-1][0] == 1:
-            break
-        time.sleep(0.05)
     thread.join(600)
+    assert seen, served.log_tail()
     assert any(r == 1 for r, _ in seen), f"never saw the request running: {seen}"
     running_usage = next(u for r, u in seen if r == 1)
     assert 0.0 < running_usage < 1.0  # mapped pages over what it could still map
-    assert scrape(served)["vllm:num_requests_running"][name][1] == 0
+    deadline = time.monotonic() + 30  # the gauges follow the engine's steps
+    while scrape(served)["vllm:num_requests_running"][name][1] != 0:
+        assert time.monotonic() < deadline, "the finished request still reads running"
+        time.sleep(0.1)
 
 
 def test_a_sleeping_model_reads_asleep_full_and_routable_then_wakes_on_a_request(served):
