@@ -27,7 +27,7 @@ from tests.engines import require_engine_version
 require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
-from tests.integration.serve.serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_models import dummy_vllm_args, words, write_model  # noqa: E402
 from tests.integration.serve.serve_process import free_port, start_serve  # noqa: E402
 from tests.integration.serve.serve_process import serve_env as process_env  # noqa: E402
 
@@ -36,17 +36,7 @@ pytestmark = pytest.mark.slow
 START_S = 600.0
 
 
-VLLM_ARGS = [
-    "--load-format",
-    "dummy",
-    "--enforce-eager",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "512",
-    "--max-num-seqs",
-    "4",
-]
+VLLM_ARGS = dummy_vllm_args(max_model_len=512, max_num_seqs=4)
 
 
 def serve_env(work: Path) -> dict[str, str]:

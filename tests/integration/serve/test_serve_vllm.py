@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai", reason="the client: vLLM brings it (pip i
 require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
-from tests.integration.serve.serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_models import dummy_vllm_args, words, write_model  # noqa: E402
 from tests.integration.serve.serve_process import (  # noqa: E402
     free_port,
     serve_env,
@@ -46,15 +46,7 @@ START_S = 900.0  # an engine start on a loaded two-core machine
 
 def vllm_args() -> list[str]:
     return [
-        "--load-format",
-        "dummy",
-        "--enforce-eager",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "16",
+        *dummy_vllm_args(max_model_len=1024, max_num_seqs=16),
         "--seed",
         "0",
         "--enable-prefix-caching",
