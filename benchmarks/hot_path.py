@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 import _provenance
+from free_budget import FreeBudget
 from grow_overhead import NullDriver
 from kvcached.memory import (
     KVCache,
@@ -51,25 +52,6 @@ from kvcached.memory import (
 from kvcached.units import MIB
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class FreeBudget:
-    """A budget that always grants: the ledger is not what this measures."""
-
-    def grant(self, nbytes: int) -> bool:
-        return True
-
-    def refund(self, nbytes: int) -> None:
-        pass
-
-    def headroom(self) -> int:
-        return 1 << 50
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def page_pool(layers: int, coalesce: bool, pages: int = 64) -> PageAllocator:

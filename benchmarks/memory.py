@@ -85,6 +85,7 @@ from pathlib import Path
 import torch
 
 import _provenance
+from free_budget import FreeBudget
 from grow_overhead import (
     LLAMA3_8B,
     allocator_growth,
@@ -101,26 +102,6 @@ from kvcached.memory import KVCache, KVCacheSpec, KVLayout
 from kvcached.units import MIB
 
 REQUEST_SIZES = (1, 4, 16, 64)
-
-
-class NoBudget:
-    """Grants everything: isolates allocator bookkeeping from budget policy
-    where the benchmark needs it (never used for the headline grow figures)."""
-
-    def grant(self, nbytes: int) -> bool:
-        return True
-
-    def refund(self, nbytes: int) -> None:
-        pass
-
-    def headroom(self) -> int:
-        return 1 << 62
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 # -- alloc + free ---------------------------------------------------------------------------
@@ -177,7 +158,7 @@ def premapped_cache(driver, num_blocks: int, thread_safe: bool) -> KVCache:
     kv = KVCache(
         spec,
         driver=driver,
-        budget=NoBudget(),
+        budget=FreeBudget(),
         num_blocks=num_blocks,
         background=False,
         min_reserved=0,

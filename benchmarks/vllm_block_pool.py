@@ -47,6 +47,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request
 
 import _provenance
+from free_budget import FreeBudget
 from kvcached.integrations.vllm import engine, groups
 from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
 from kvcached.integrations.vllm.state import STATE
@@ -56,25 +57,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 BLOCK = 32
 NUM_BLOCKS = 65536  # the tests' 1 GiB CPU cache of the tiny Llama: 256 pages of 256 blocks
-
-
-class FreeBudget:
-    """A budget that always has room: the ledger's cost is not what this measures."""
-
-    def grant(self, n: int) -> bool:
-        return True
-
-    def refund(self, n: int) -> None:
-        pass
-
-    def headroom(self) -> int:
-        return 1 << 50
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Context:

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -213,16 +214,26 @@ def log_findings(log: Path, kvcached: bool) -> dict[str, Any]:
     }
 
 
+def log_verdicts(found: Iterable[dict[str, Any]]) -> dict[str, bool]:
+    """The two log checks of a case's kvcached servers, from each log's findings
+    (this module's :func:`log_findings` or an engine's own): no traceback, CUDA
+    error or kvcached failure in any, and kvcached active in every one."""
+    found = list(found)
+    return {
+        "no_traceback_cuda_error_or_patch_failure": all(
+            f["no_traceback_or_cuda_error"] and not f["bad"] for f in found
+        ),
+        "kvcached_active": all(f["kvcached_active"] for f in found),
+    }
+
+
 def finish_case(rec: dict[str, Any], checks: dict[str, bool], logs: list[Path], case: str,
                 out: Path) -> int:  # fmt: skip
     """A single-case runner's end: the kvcached log checks of every server, then
     ``out/summary.json`` (``rec`` with ``cases: {case: checks}``) and one JSON
     line; the exit status (1: a check failed or the run broke off)."""
     found = {p.name: log_findings(p, True) for p in logs}
-    checks["no_traceback_cuda_error_or_patch_failure"] = all(
-        f["no_traceback_or_cuda_error"] and not f["bad"] for f in found.values()
-    )
-    checks["kvcached_active"] = all(f["kvcached_active"] for f in found.values())
+    checks.update(log_verdicts(found.values()))
     rec["log"] = found
     rec["cases"] = {case: checks}
     (out / "summary.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")

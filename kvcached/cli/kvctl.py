@@ -116,17 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _view_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     """The commands that refresh a view: watch, top and kvtop."""
     p = sub.add_parser("watch", parents=[common], help="the list table, refreshed")
-    p.add_argument(
-        "-n",
-        "--interval",
-        type=float,
-        default=1.0,
-        metavar="SEC",
-        help="seconds between refreshes (default 1)",
-    )
-    p.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
-    p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
-
+    _refresh_options(p, "-n", "--interval")
     for name in ("top", "kvtop"):
         p = sub.add_parser(
             name,
@@ -135,19 +125,22 @@ def _view_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
             if name == "top"
             else "same as top (upstream's name)",
         )
-        p.add_argument(
-            "-r",
-            "--refresh",
-            "-n",
-            "--interval",
-            dest="interval",
-            type=float,
-            default=1.0,
-            metavar="SEC",
-            help="seconds between refreshes (default 1)",
-        )
-        p.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
-        p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
+        _refresh_options(p, "-r", "--refresh", "-n", "--interval")
+
+
+def _refresh_options(p: argparse.ArgumentParser, *interval_flags: str) -> None:
+    """A refreshed view's options: the interval (under ``interval_flags``), how
+    many refreshes, which instances."""
+    p.add_argument(
+        *interval_flags,
+        dest="interval",
+        type=float,
+        default=1.0,
+        metavar="SEC",
+        help="seconds between refreshes (default 1)",
+    )
+    p.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these instances")
 
 
 def _limit_options(p: argparse.ArgumentParser) -> None:

@@ -74,6 +74,17 @@ def openai_error(
     return web.json_response(body, status=status, headers=headers)
 
 
+def unavailable(exc: ModelUnavailable) -> web.Response:
+    """503 for a model that cannot be made ready now, with when to try again."""
+    return openai_error(
+        503,
+        str(exc),
+        "server_error",
+        "model_unavailable",
+        headers={"Retry-After": str(exc.retry_after)},
+    )
+
+
 class Front(Protocol):
     """What the router needs of serve (:class:`~kvcached.serve.app.Serve` is one)."""
 
@@ -275,13 +286,7 @@ class Router:
         try:
             await m.ensure_ready()
         except ModelUnavailable as exc:
-            return openai_error(
-                503,
-                str(exc),
-                "server_error",
-                "model_unavailable",
-                headers={"Retry-After": str(exc.retry_after)},
-            )
+            return unavailable(exc)
         return web.json_response(m.describe())
 
     # -- the proxy --------------------------------------------------------------------------
@@ -322,13 +327,7 @@ class Router:
                 await m.ensure_ready()
             except ModelUnavailable as exc:
                 m.record_error()
-                return openai_error(
-                    503,
-                    str(exc),
-                    "server_error",
-                    "model_unavailable",
-                    headers={"Retry-After": str(exc.retry_after)},
-                )
+                return unavailable(exc)
             return await self._forward(request, m, body, began)
         finally:
             m.end()

@@ -223,15 +223,21 @@ def lock_holder(directory: str) -> dict[str, Any] | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            try:
-                doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                doc = {}
-            return doc if isinstance(doc, dict) else {}
+            return _holder(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
         os.close(fd)
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """What the holder of the lock file ``fd`` wrote in it (pid, port, config);
+    empty while it has not written yet or wrote something else."""
+    try:
+        doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 class ServeLock:
@@ -252,10 +258,7 @@ class ServeLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            try:
-                doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                doc = {}
+            doc = _holder(fd)
             os.close(fd)
             if made:  # a directory that only a race between two serves created
                 with contextlib.suppress(OSError):

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,14 +23,8 @@ import pytest
 
 from kvcached.serve import podlabels
 from tests.integration.serve.serve_models import words, write_model
-from tests.integration.serve.test_serve_vllm import (
-    START_S,
-    Served,
-    free_port,
-    start_serve,
-    vllm_args,
-    wait_ready,
-)
+from tests.integration.serve.serve_process import free_port
+from tests.integration.serve.test_serve_vllm import START_S, Served, serving, vllm_args
 
 prometheus = pytest.importorskip("prometheus_client.parser", reason='pip install -e ".[test]"')
 
@@ -70,30 +62,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
              "restart": {"policy": "never"}},
         ],
     }  # fmt: skip
-    config = work / "serve.yaml"
-    config.write_text(json.dumps(cfg))
-    env = dict(os.environ)
-    env.update(
-        {
-            "KVCACHED_LEDGER_DIR": str(work),
-            "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.pop("KVCACHED_IPC_NAME", None)
-    log = work / "serve.log"
-    s = Served(start_serve(config, env, log), port, config, env, work, log, tag)
-    try:
-        wait_ready(s)
+    with serving(work, cfg, tag) as s:
         yield s
-    finally:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGINT)
-            try:
-                s.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
 
 
 def scrape(served: Served) -> dict[str, dict[str, tuple[str, float]]]:

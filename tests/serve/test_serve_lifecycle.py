@@ -448,3 +448,27 @@ def test_a_clean_stop_returns_its_engines_pools_to_the_ledger_without_a_word_of_
     assert "kvcached serve: stopped" in text
     assert "dead process" not in text
     assert not [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
+
+
+def test_a_second_serve_lock_is_refused_naming_the_holder(tmp_path):
+    """The lock file tells a second serve (and ``lock_holder``) who holds it;
+    a holder that wrote something other than a JSON object is named with ``?``."""
+    from kvcached.serve.state import ServeError, ServeLock, lock_holder
+
+    state_dir = str(tmp_path / "state")
+    first = ServeLock(state_dir)
+    first.acquire({"port": 8123, "config": "a.yaml"})
+    try:
+        holder = {"pid": os.getpid(), "port": 8123, "config": "a.yaml"}
+        assert lock_holder(state_dir) == holder
+        with pytest.raises(
+            ServeError, match=rf"pid {os.getpid()}, router port 8123, config a\.yaml"
+        ):
+            ServeLock(state_dir).acquire({"port": 1})
+        os.pwrite(first._fd, b"[1]" + b" " * 80, 0)
+        assert lock_holder(state_dir) == {}
+        with pytest.raises(ServeError, match=r"pid \?, router port \?, config \?"):
+            ServeLock(state_dir).acquire({"port": 1})
+    finally:
+        first.release()
+    assert lock_holder(state_dir) is None

@@ -392,6 +392,38 @@ def test_wake_timeout_is_a_503_with_retry_after_then_it_serves(tmp_path):
     run(body())
 
 
+def test_an_admin_wake_that_times_out_is_the_same_503(tmp_path):
+    """``POST /admin/models/M/wake`` answers a model that misses its wake_timeout
+    as a request for it does: 503, ``model_unavailable``, ``Retry-After``."""
+    cfg = config(
+        tmp_path,
+        [
+            fake_model(
+                "alpha",
+                tmp_path / "a.log",
+                start="lazy",
+                wake_timeout=0.3,
+                extra=["--slow-start", "2"],
+            )
+        ],
+    )
+
+    async def body() -> None:
+        async with Serve(cfg) as serve:
+            c = Client(serve.port)
+            try:
+                status, doc, headers = await c.post("/admin/models/alpha/wake")
+                assert status == 503 and int(headers["Retry-After"]) > 0
+                assert doc["error"]["code"] == "model_unavailable"
+                assert "wake_timeout=0.3" in doc["error"]["message"]
+                await until(lambda: serve.models[0].state == "ready", what="the slow start")
+                assert (await c.post("/admin/models/alpha/wake"))[0] == 200
+            finally:
+                await c.close()
+
+    run(body())
+
+
 def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)

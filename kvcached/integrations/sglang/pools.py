@@ -66,6 +66,26 @@ def build_joined(shape: KVShape, *, device: Any, name: str) -> ElasticKV | None:
     )
 
 
+def _elastic_or_native(pool: Any, why: str | None) -> ElasticKV | None:
+    """An elastic KV pool of ``pool._kvcached_shape()`` for SGLang's ``pool``,
+    joined to this process' instance, set as ``pool.kvcached``, with ``pool.size``
+    cut to its rows (every block the block manager hands out must be a row of the
+    buffers); ``None``, after a one-time warning, where ``why`` rules it out or
+    kvcached's driver does not serve the device: the caller then builds SGLang's
+    own buffers."""
+    kv = None
+    if why is None:
+        shape, name = pool._kvcached_shape()
+        kv = build_joined(shape, device=pool.device, name=name)
+        why = None if kv is not None else "device not served by kvcached's driver"
+    if kv is None:
+        _native_once(pool, why or "not supported")
+        return None
+    pool.kvcached = kv
+    pool.size = kv.rows - pool.page_size
+    return kv
+
+
 def elastic_kv_of(kvcache: Any) -> ElasticKV | None:
     """The kvcached side of ``kvcache`` (or of its full-attention pool, for
     SGLang's hybrid linear-attention pool), or ``None`` for a native pool."""
@@ -89,27 +109,24 @@ class ElasticMHATokenToKVPool(MHATokenToKVPool):
             why = f"layout {self.kv_cache_layout!r}"
         elif self.enable_custom_mem_pool:
             why = "a custom memory pool (PD over NVLink)"
-        kv = None
-        if why is None:
-            shape = KVShape(
-                layers=self.layer_num,
-                block_tokens=self.page_size,
-                size=self.size,
-                heads=self.head_num,
-                head_dim=self.head_dim,
-                v_head_dim=self.v_head_dim,
-                dtype=self.store_dtype,
-            )
-            kv = build_joined(shape, device=self.device, name=self.allocation_label or "kv")
-            why = None if kv is not None else "device not served by kvcached's driver"
+        kv = _elastic_or_native(self, why)
         if kv is None:
-            _native_once(self, why or "not supported")
             super()._create_buffers_normal()
             return
-        self.kvcached = kv
-        # Every block the block manager hands out must be a row of the buffers.
-        self.size = kv.rows - self.page_size
         self.k_buffer, self.v_buffer = kv.mha_buffers()
+
+    def _kvcached_shape(self) -> tuple[KVShape, str]:
+        """The shape and name of kvcached's pool for these buffers."""
+        shape = KVShape(
+            layers=self.layer_num,
+            block_tokens=self.page_size,
+            size=self.size,
+            heads=self.head_num,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            dtype=self.store_dtype,
+        )
+        return shape, self.allocation_label or "kv"
 
     def get_kv_size_bytes(self) -> Any:
         # The virtual size; kvcached reports what is mapped (kvctl, snapshots).
@@ -127,26 +144,24 @@ class ElasticMLATokenToKVPool(MLATokenToKVPool):
             why = "a custom memory pool (PD over NVLink)"
         elif self.use_dsa:
             why = "DSA sparse attention"
-        kv = None
-        if why is None:
-            shape = KVShape(
-                layers=self.layer_num,
-                block_tokens=self.page_size,
-                size=self.size,
-                heads=1,
-                head_dim=self.kv_cache_dim,
-                dtype=self.store_dtype,
-                kv_buffers=1,
-            )
-            kv = build_joined(shape, device=self.device, name="mla")
-            why = None if kv is not None else "device not served by kvcached's driver"
+        kv = _elastic_or_native(self, why)
         if kv is None:
-            _native_once(self, why or "not supported")
             super()._create_buffers()
             return
-        self.kvcached = kv
-        self.size = kv.rows - self.page_size
         self.kv_buffer = kv.mla_buffers()
+
+    def _kvcached_shape(self) -> tuple[KVShape, str]:
+        """The shape and name of kvcached's pool for this buffer (K and V joined)."""
+        shape = KVShape(
+            layers=self.layer_num,
+            block_tokens=self.page_size,
+            size=self.size,
+            heads=1,
+            head_dim=self.kv_cache_dim,
+            dtype=self.store_dtype,
+            kv_buffers=1,
+        )
+        return shape, "mla"
 
 
 # -- allocators -------------------------------------------------------------------------------

@@ -9,5 +9,7 @@ device and SGLang version), ``DIR/details.json`` and the servers' logs.
 
 Needs a GPU, the gpu-sglang bundle installed (``tools/gpu-sglang``: SGLang 0.5.17 with
 kvcached, and its ``make_model.py``). The check logic is in :mod:`.checks` (no GPU,
-no SGLang: ``tests/gpu/sglang_e2e/test_checks.py`` runs in CI).
+no SGLang: ``tests/gpu/sglang_e2e/test_checks.py`` runs in CI); the steps and the
+run's frame it shares with the vLLM runner in ``tests/gpu/e2e_cases.py`` and
+``tests/gpu/e2e_run.py``.
 """

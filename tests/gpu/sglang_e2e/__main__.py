@@ -16,35 +16,33 @@ measured), ``DIR/details.json`` and ``DIR/logs.tar.gz``.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import sys
-import tarfile
-import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kvharness import gpu_prompts as prompts
 from benchmarks.kvharness.gpu_models import MODELS, make_model
-from benchmarks.kvharness.gpu_server import gpu_pids
+from benchmarks.kvharness.gpu_server import Server, log_verdicts
+from tests.gpu.e2e_cases import (
+    LIMIT_NAME,
+    drive_each,
+    elastic_steps,
+    limit_steps,
+    run_phases,
+    servers_ready,
+    start_kvcached_first,
+    without_top,
+)
+from tests.gpu.e2e_run import provenance as base_provenance
+from tests.gpu.e2e_run import run_groups
 from tests.gpu.sglang_e2e import checks as ck
 from tests.gpu.sglang_e2e.server import SGLangServer
 
 CASES = ("models", "limit", "elastic")
 #: Only when asked: needs gpu-vllm's bundle installed on the same machine (mixed.py).
 EXTRA_CASES = ("mixed",)
-
-
-def run_phases(server: SGLangServer, tokenizer: str) -> dict[str, Any]:
-    gen, apc = prompts.gen_prompts(tokenizer), prompts.apc_prompts(tokenizer)
-    out: dict[str, Any] = {}
-    out["gen_seq"] = server.complete_all(gen, ck.GEN_TOKENS, concurrent=False)
-    out["gen_conc"] = server.complete_all(gen, ck.GEN_TOKENS, concurrent=True)
-    out["reset_status"] = server.reset_prefix_cache()
-    for i in range(3):
-        out[f"apc_{i}"] = server.complete_all(apc, ck.APC_TOKENS, concurrent=False)
-    out["apc_conc"] = server.complete_all(apc, ck.APC_TOKENS, concurrent=True)
-    return out
 
 
 def text_of(log: Path) -> str:
@@ -79,37 +77,15 @@ def model_cases(args: argparse.Namespace, path: Path, details: dict) -> dict[str
         )
         for i, kind in enumerate(k for k in ck.KINDS if k in args.kinds)
     }
-    ready: dict[str, float | None] = {}
-    for kind, s in servers.items():
-        if kind != "native":
-            s.start()
-    for kind, s in servers.items():
-        if kind != "native":
-            ready[kind] = s.wait_ready(args.ready_s)
-    if "native" in servers:
-        servers["native"].start()
-        ready["native"] = servers["native"].wait_ready(args.ready_s)
-    results: dict[str, dict] = {}
+    ready = start_kvcached_first(servers, args.ready_s)
 
-    def drive(kind: str, s: SGLangServer) -> None:
-        r: dict[str, Any] = {"ready_s": ready[kind]}
-        if r["ready_s"] is not None:
-            try:
-                r["phases"] = run_phases(s, tok)
-            except Exception as exc:  # recorded: its checks fail
-                r["error"] = repr(exc)
-            r["alive_after_load"] = s.alive()
-        pid = s.proc.pid
-        r["exit_s"] = s.stop()
-        time.sleep(2)
-        r["gpu_process_left"] = pid in gpu_pids()
-        results[kind] = r
+    def load(s: SGLangServer) -> dict[str, Any]:
+        try:
+            return {"phases": run_phases(s, tok)}
+        except Exception as exc:  # recorded: its checks fail
+            return {"error": repr(exc)}
 
-    threads = [threading.Thread(target=drive, args=kv) for kv in servers.items()]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    results = drive_each(servers, ready, load)
     out: dict[str, dict] = {}
     native = (results.get("native") or {}).get("phases")
     for kind, r in results.items():
@@ -131,12 +107,7 @@ def model_cases(args: argparse.Namespace, path: Path, details: dict) -> dict[str
             **{k: v for k, v in r.items() if k != "phases"},
             "log": found,
             **figures,
-            "phases": {
-                k: [{kk: vv for kk, vv in x.items() if kk != "top"} for x in v]
-                if isinstance(v, list)
-                else v
-                for k, v in (r.get("phases") or {}).items()
-            },
+            "phases": without_top(r.get("phases") or {}),
         }
     co = [k for k in ("kv_c1", "kv_c0") if k in servers]
     if len(co) == 2:
@@ -147,10 +118,8 @@ def model_cases(args: argparse.Namespace, path: Path, details: dict) -> dict[str
 
 
 def limit_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str, dict]:
-    from tests.gpu.vllm_e2e.limit import NAME, Peak, fill, kvctl, usage
-
     tok = MODELS[args.model]["tokenizer"]
-    server = new_server(args, path, NAME, args.port + 10,
+    server = new_server(args, path, LIMIT_NAME, args.port + 10,
                         {"ENABLE_KVCACHED": "true", "KVCACHED_MAX_CACHED_TOKENS": "-1"},
                         args.kv_fraction)  # fmt: skip
     rec: dict[str, Any] = {}
@@ -161,31 +130,8 @@ def limit_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
         c["server_ready"] = rec["ready_s"] is not None
         if rec["ready_s"] is None:
             raise RuntimeError("the server did not start")
-        rec["idle"] = idle = usage()
-        c["fill_ok"] = fill(server, tok, 11, args.fill, args.fill_words)
-        rec["filled"] = filled = usage()
-        rec["limit"] = limit = idle + (filled - idle) // 4
-        rec["set"] = kvctl("limit", NAME, str(limit), "--wait", "0")
-        start, rec["within_s"] = time.monotonic(), None
-        while time.monotonic() - start < 30:
-            if usage() <= limit:
-                rec["within_s"] = round(time.monotonic() - start, 2)
-                break
-            time.sleep(0.1)
-        c["idle_usage_within_limit_in_30s"] = rec["within_s"] is not None
-        with Peak() as peak:
-            short = prompts.word_maker(tok, 12)
-            replies = server.complete_all([prompts.text(short, 150) for _ in range(100)], 16, True)
-            long_ = prompts.word_maker(tok, 13)
-            replies += [server.complete(prompts.text(long_, 1500), 16) for _ in range(4)]
-        rec["peak_under_limit"] = peak.peak
-        c["every_request_under_the_limit_ok"] = ck.ok_replies(replies)
-        c["usage_stayed_within_limit"] = peak.peak <= limit
-        rec["removed"] = kvctl("limit", NAME, "none", "--wait", "0")
-        c["refill_ok"] = fill(server, tok, 14, args.fill, args.fill_words)
-        rec["regrown"] = usage()
-        c["regrew_past_the_limit"] = rec["regrown"] > limit
-        c["alive_after_load"] = server.alive()
+        limit_steps(server, tok, rec, c, fill_count=args.fill, fill_words=args.fill_words,
+                    long_words=1500)  # fmt: skip
     except Exception as exc:  # recorded: a check not reached fails
         rec["error"] = repr(exc)
         c["no_error"] = False
@@ -193,17 +139,31 @@ def limit_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
         rec["exit_s"] = server.stop()
         c["clean_exit_within_90s"] = rec["exit_s"] is not None
     found = ck.log_findings(text_of(server.log), True)
-    c["no_traceback_cuda_error_or_patch_failure"] = bool(
-        found["no_traceback_or_cuda_error"] and not found["bad"]
-    )
-    c["kvcached_active"] = bool(found["kvcached_active"])
+    c.update(log_verdicts([found]))
     details["limit"] = {**rec, "log": found}
     return {f"sglang-{args.model}/limit": c}
 
 
-def elastic_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str, dict]:
-    from tests.gpu.vllm_e2e.elastic import charged, headroom, load_until, probe
+@contextlib.contextmanager
+def running(
+    servers: dict[str, Server], rec: dict[str, Any], checks: dict[str, bool]
+) -> Iterator[None]:
+    """Start ``servers`` for the block; an exception in it is recorded
+    (``rec["error"]``, the check ``no_error`` fails), not raised; after it every
+    server is stopped (``rec["exit_s"]``, the check ``clean_exit_within_90s``)."""
+    for s in servers.values():
+        s.start()
+    try:
+        yield
+    except Exception as exc:  # recorded: a check not reached fails
+        rec["error"] = repr(exc)
+        checks["no_error"] = False
+    finally:
+        rec["exit_s"] = {k: s.stop() for k, s in servers.items()}
+        checks["clean_exit_within_90s"] = None not in rec["exit_s"].values()
 
+
+def elastic_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str, dict]:
     tok = MODELS[args.model]["tokenizer"]
     env = {
         "ENABLE_KVCACHED": "true",
@@ -215,69 +175,18 @@ def elastic_case(args: argparse.Namespace, path: Path, details: dict) -> dict[st
     servers = {"a": a, "b": b}
     rec: dict[str, Any] = {}
     c: dict[str, bool] = {}
-    for s in servers.values():
-        s.start()
-    try:
-        rec["ready_s"] = {k: s.wait_ready(args.ready_s) for k, s in servers.items()}
-        c["servers_ready"] = None not in rec["ready_s"].values()
-        if not c["servers_ready"]:
-            raise RuntimeError("a server did not start")
-        before = {k: probe(s, tok) for k, s in servers.items()}
-        names = {s.name for s in servers.values()}
-        rec["free_start"] = free0 = headroom(names)
-        rec["a_idle"] = a_idle = charged(a.name)
-        ok, rec["a_peak"] = load_until(a, a.name, tok, 1, a_idle + free0 // 2, args.words)
-        rec["free_at_a_peak"] = headroom(names)
-        c["a_load_ok"] = ok
-        c["a_holds_over_half_the_free_memory"] = rec["a_peak"] - a_idle > free0 / 2
-        rec["reset_status"] = a.reset_prefix_cache()
-        time.sleep(2)  # the flush runs in the scheduler's next round
-        rec["a_after_reset"] = charged(a.name)
-        c["a_reset_releases_over_half_of_its_growth"] = (
-            rec["a_peak"] - rec["a_after_reset"] > (rec["a_peak"] - a_idle) / 2
-        )
-        b_idle = charged(b.name)
-        ok, rec["b_peak"] = load_until(b, b.name, tok, 2, b_idle + rec["free_at_a_peak"],
-                                       args.words)  # fmt: skip
-        c["b_load_ok"] = ok
-        c["b_grows_past_what_was_free_at_a_peak"] = rec["b_peak"] - b_idle > rec["free_at_a_peak"]
-        b.reset_prefix_cache()
-        results: dict[str, list[dict]] = {}
-
-        def load(key: str, seed: int) -> None:
-            make = prompts.word_maker(tok, seed)
-            results[key] = servers[key].complete_all(
-                [prompts.text(make, args.words) for _ in range(32)], 16, concurrent=True
-            )
-
-        threads = [threading.Thread(target=load, args=(k, 3 + i)) for i, k in enumerate("ab")]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        c["both_at_once_every_request_ok"] = all(ck.ok_replies(r) for r in results.values())
-        after = {k: probe(s, tok) for k, s in servers.items()}
-        c["probes_unchanged"] = before == after and all(any(p) for p in before.values())
-        c["alive_after_load"] = all(s.alive() for s in servers.values())
-    except Exception as exc:  # recorded: a check not reached fails
-        rec["error"] = repr(exc)
-        c["no_error"] = False
-    finally:
-        rec["exit_s"] = {k: s.stop() for k, s in servers.items()}
-        c["clean_exit_within_90s"] = None not in rec["exit_s"].values()
+    with running(servers, rec, c):
+        servers_ready(servers, args.ready_s, rec, c)
+        # SGLang's flush runs in the scheduler's next round.
+        elastic_steps(servers, tok, rec, c, words=args.words, flush_s=2)
     found = {k: ck.log_findings(text_of(s.log), True) for k, s in servers.items()}
-    c["no_traceback_cuda_error_or_patch_failure"] = all(
-        f["no_traceback_or_cuda_error"] and not f["bad"] for f in found.values()
-    )
-    c["kvcached_active"] = all(f["kvcached_active"] for f in found.values())
+    c.update(log_verdicts(found.values()))
     details["elastic"] = {**rec, "log": found}
     return {f"sglang-{args.model}/elastic": c}
 
 
 def provenance(argv: list[str]) -> dict[str, Any]:
-    from tests.gpu.vllm_e2e.__main__ import provenance as base
-
-    rec = base(argv, "tests.gpu.sglang_e2e")
+    rec = base_provenance(argv, "tests.gpu.sglang_e2e")
     rec.pop("vllm_version", None)
     try:
         from importlib import metadata
@@ -350,22 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     from tests.gpu.sglang_e2e.mixed import mixed_case
 
     run = {"models": model_cases, "limit": limit_case, "elastic": elastic_case, "mixed": mixed_case}
-    for case in args.cases:
-        t = time.time()
-        got = run[case](args, path, details)
-        summary["cases"].update(got)
-        details["timings_s"][case] = round(time.time() - t, 1)
-        print(
-            json.dumps({"case": case, "s": details["timings_s"][case], "checks": got}), flush=True
-        )
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        (out / "details.json").write_text(json.dumps(details, indent=1, default=str) + "\n")
-        if Path(args.logs).is_dir():
-            with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-                tar.add(args.logs, arcname="logs")
-    failed = ck.failed_checks(summary["cases"])
-    print(json.dumps({"failed_checks": failed}), flush=True)
-    return 1 if failed else 0
+    groups = [(case, lambda case=case: run[case](args, path, details)) for case in args.cases]
+    return run_groups(groups, "case", out, summary, details, args.logs,
+                      timings=details["timings_s"])  # fmt: skip
 
 
 if __name__ == "__main__":

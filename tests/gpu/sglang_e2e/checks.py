@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.gpu.e2e_cases import ok_replies
+
 LOGPROB_TOL = 0.05
-GEN_TOKENS, APC_TOKENS = 64, 32
 
 #: The seed plan's three SGLang kinds. kvcached's SGLang pools always use the
 #: per-layer layout (SGLang indexes a layer's K and V as strided token rows), so
@@ -128,13 +129,6 @@ def kv_tokens(text: str) -> int | None:
     return None
 
 
-def ok_replies(replies: list[dict]) -> bool:
-    """Every reply an HTTP 200 with at least one generated token (and some replies)."""
-    return bool(replies) and all(
-        r.get("status") == 200 and (r.get("completion_tokens") or 0) > 0 for r in replies
-    )
-
-
 def compare(ours: list[dict], native: list[dict]) -> tuple[bool, float, bool]:
     """(tokens equal, largest top-5 logprob gap over shared tokens, top-5 sets equal);
     replies of different counts are unequal."""
@@ -218,10 +212,3 @@ def engines_listed(rows: list[dict[str, Any]], want: dict[str, str]) -> bool:
     with that engine named."""
     seen = {r.get("name"): r.get("engine") for r in rows}
     return bool(want) and all(seen.get(name) == engine for name, engine in want.items())
-
-
-def failed_checks(cases: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
-    """Every (case, check) that is not exactly ``True``; a case with no checks
-    counts as failed."""
-    out = [(case, k) for case, c in cases.items() for k, v in c.items() if v is not True]
-    return out + [(case, "(no checks)") for case, c in cases.items() if not c]

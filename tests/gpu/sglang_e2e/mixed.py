@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kvharness import gpu_prompts as prompts
 from benchmarks.kvharness.gpu_models import MODELS
-from benchmarks.kvharness.gpu_server import Server, log_findings
+from benchmarks.kvharness.gpu_server import Server, log_findings, log_verdicts
+from tests.gpu.e2e_cases import (
+    charged,
+    headroom,
+    kvctl,
+    load_at_once,
+    load_until,
+    ok_replies,
+    servers_ready,
+)
 from tests.gpu.sglang_e2e import checks as ck
 
 VLLM_SITE = Path("/tmp/site")
@@ -47,9 +54,7 @@ def vllm_server(args: argparse.Namespace, path: Path, env: dict[str, str]) -> Se
 
 
 def mixed_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str, dict]:
-    from tests.gpu.sglang_e2e.__main__ import new_server, text_of
-    from tests.gpu.vllm_e2e.elastic import charged, headroom, load_until
-    from tests.gpu.vllm_e2e.limit import kvctl
+    from tests.gpu.sglang_e2e.__main__ import new_server, running, text_of
 
     case = f"mixed-vllm-0.26+sglang-0.5.17-{args.model}"
     if not (VLLM_SITE / "vllm").is_dir():
@@ -67,13 +72,8 @@ def mixed_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
     servers = {"vllm": vl, "sglang": sg}
     rec: dict[str, Any] = {}
     c: dict[str, bool] = {"vllm_bundle_installed": True}
-    for s in servers.values():
-        s.start()
-    try:
-        rec["ready_s"] = {k: s.wait_ready(args.ready_s) for k, s in servers.items()}
-        c["servers_ready"] = None not in rec["ready_s"].values()
-        if not c["servers_ready"]:
-            raise RuntimeError("a server did not start")
+    with running(servers, rec, c):
+        servers_ready(servers, args.ready_s, rec, c)
         rec["list"] = kvctl("list")
         c["kvctl_lists_both_with_engine"] = ck.engines_listed(
             rec["list"], {vl.name: "vllm", sg.name: "sglang"}
@@ -91,31 +91,10 @@ def mixed_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
             time.sleep(2)
             rec[f"{key}_after_reset"] = after = charged(s.name)
             c[f"{key}_reset_gives_back_over_half"] = peak - after > (peak - idle) / 2
-        results: dict[str, list[dict]] = {}
-
-        def load(key: str, seed: int) -> None:
-            make = prompts.word_maker(tok, seed)
-            results[key] = servers[key].complete_all(
-                [prompts.text(make, args.words) for _ in range(32)], 16, concurrent=True
-            )
-
-        threads = [threading.Thread(target=load, args=(k, 23 + i)) for i, k in enumerate(servers)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        c["both_at_once_every_request_ok"] = all(ck.ok_replies(r) for r in results.values())
+        results = load_at_once(servers, tok, args.words, 23)
+        c["both_at_once_every_request_ok"] = all(ok_replies(r) for r in results.values())
         c["alive_after_load"] = all(s.alive() for s in servers.values())
-    except Exception as exc:  # recorded: a check not reached fails
-        rec["error"] = repr(exc)
-        c["no_error"] = False
-    finally:
-        rec["exit_s"] = {k: s.stop() for k, s in servers.items()}
-        c["clean_exit_within_90s"] = None not in rec["exit_s"].values()
     found = {"sglang": ck.log_findings(text_of(sg.log), True), "vllm": log_findings(vl.log, True)}
-    c["no_traceback_cuda_error_or_patch_failure"] = all(
-        f["no_traceback_or_cuda_error"] and not f["bad"] for f in found.values()
-    )
-    c["kvcached_active"] = all(f["kvcached_active"] for f in found.values())
+    c.update(log_verdicts(found.values()))
     details["mixed"] = {**rec, "log": found}
     return {case: c}

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.gpu.e2e_run import failed_checks
 from tests.gpu.sglang_e2e import checks as ck
 from tests.gpu.sglang_e2e.__main__ import parse
 
@@ -154,6 +155,6 @@ def test_server_checks_every_check_can_fail() -> None:
 
 def test_failed_checks_and_the_summary_shape() -> None:
     cases = {"a": {"x": True, "y": False}, "b": {}, "c": {"z": None}}
-    assert ck.failed_checks(cases) == [("a", "y"), ("c", "z"), ("b", "(no checks)")]
-    assert ck.failed_checks({"a": {"x": True}}) == []
+    assert failed_checks(cases) == [("a", "y"), ("c", "z"), ("b", "(no checks)")]
+    assert failed_checks({"a": {"x": True}}) == []
     json.dumps({"cases": cases})  # what summary.json holds is plain JSON

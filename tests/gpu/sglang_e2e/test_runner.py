@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu import e2e_cases
 from tests.gpu.sglang_e2e import __main__ as runner
 from tests.gpu.sglang_e2e.test_checks import KV_LOG
 
@@ -59,7 +60,7 @@ class FakeServer:
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(runner, "SGLangServer", FakeServer)
-    monkeypatch.setattr(runner, "gpu_pids", set)
+    monkeypatch.setattr(e2e_cases, "gpu_pids", set)
     monkeypatch.setattr(runner, "make_model", lambda name, out, script: out)
     monkeypatch.setattr(runner.time, "sleep", lambda s: None)
     FakeServer.wrong = ""
@@ -91,3 +92,20 @@ def test_a_kvcached_server_with_other_tokens_fails_the_run(fake, tmp_path) -> No
     c = cases["sglang-qwen2.5-0.5b-kv_c0"]
     assert c["gen_seq_tokens_equal_native"] is False and c["top5_logprobs_within_tol"] is False
     assert cases["sglang-qwen2.5-0.5b-native"]["every_request_200_with_tokens"] is True
+
+
+def test_a_case_that_breaks_off_records_its_error_and_stops_its_servers(
+    fake, tmp_path, monkeypatch
+) -> None:
+    def no_ledger(*args: str) -> None:
+        raise RuntimeError("kvctl: no ledger")
+
+    monkeypatch.setattr(e2e_cases, "kvctl", no_ledger)
+    argv = [*fake[:-1], "elastic"]
+    assert runner.main(argv) == 1
+    out = tmp_path / "out"
+    c = json.loads((out / "summary.json").read_text())["cases"]["sglang-qwen2.5-0.5b/elastic"]
+    assert c["servers_ready"] is True and c["no_error"] is False
+    assert c["clean_exit_within_90s"] is True and "a_load_ok" not in c
+    details = json.loads((out / "details.json").read_text())["elastic"]
+    assert "no ledger" in details["error"] and details["exit_s"] == {"a": 0.5, "b": 0.5}

@@ -16,4 +16,6 @@ GPU, vLLM with kvcached installed, and the gpu-vllm bundle's ``make_model.py``.
 The models, the server and the prompts are shared with the GPU benchmarks and live
 in ``benchmarks/kvharness`` (``gpu_models``, ``gpu_server``, ``gpu_prompts``); run
 from the repository root, this package imports them as ``benchmarks.kvharness``.
+What it shares with ``tests/gpu/sglang_e2e`` lives in ``tests/gpu``: the cases'
+steps (``e2e_cases``) and the multi-case run's frame (``e2e_run``).
 """

@@ -18,23 +18,23 @@ wrong KV entry (random-weight logits move by >0.5 when a KV block is wrong).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import sys
-import tarfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kvharness import gpu_prompts as prompts
 from benchmarks.kvharness.gpu_models import MODELS, make_model
-from benchmarks.kvharness.gpu_server import Server, gpu_pids, log_findings
+from benchmarks.kvharness.gpu_server import Server, log_findings
+from tests.gpu.e2e_cases import (
+    drive_each,
+    ok_replies,
+    run_phases,
+    start_kvcached_first,
+    without_top,
+)
+from tests.gpu.e2e_run import provenance, run_groups
 
 LOGPROB_TOL = 0.05
-GEN_TOKENS, APC_TOKENS = 64, 32
 READY_S = 600.0
 #: 1/1000 of the capacity: more than one kvcached page on every model here
 #: (qwen2.5-0.5b's page is 4,096 tokens of 11.4 M), far less than native's 25.21 vs 0.89 GiB.
@@ -53,22 +53,6 @@ KINDS = {
     "kvcached-per-layer": {"ENABLE_KVCACHED": "true", "KVCACHED_CONTIGUOUS_LAYOUT": "false"},
     "native": {"ENABLE_KVCACHED": "false"},
 }
-
-
-def run_phases(server: Server, tokenizer: str) -> dict[str, Any]:
-    gen, apc = prompts.gen_prompts(tokenizer), prompts.apc_prompts(tokenizer)
-    out: dict[str, Any] = {}
-    out["gen_seq"] = server.complete_all(gen, GEN_TOKENS, concurrent=False)
-    out["gen_conc"] = server.complete_all(gen, GEN_TOKENS, concurrent=True)
-    out["reset_status"] = server.reset_prefix_cache()
-    for i in range(3):
-        out[f"apc_{i}"] = server.complete_all(apc, APC_TOKENS, concurrent=False)
-    out["apc_conc"] = server.complete_all(apc, APC_TOKENS, concurrent=True)
-    return out
-
-
-def ok_replies(replies: list[dict]) -> bool:
-    return all(r["status"] == 200 and r.get("completion_tokens", 0) > 0 for r in replies)
 
 
 def compare(ours: list[dict], native: list[dict]) -> tuple[bool, float, bool]:
@@ -120,44 +104,15 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
             env,
             Path(args.logs) / f"{name}-{kind}.log",
         )
-    # The kvcached servers start together; the native one after them, alone: vLLM's
-    # profiler counts memory that others take while it profiles as its own (the
-    # co-start case shows that), and this case is about outputs, not startup.
-    ready: dict[str, float | None] = {}
-    for kind, s in servers.items():
-        if kind != "native":
-            s.start()
-    for kind, s in servers.items():
-        if kind != "native":
-            ready[kind] = s.wait_ready(READY_S)
-    if "native" in servers:
-        servers["native"].start()
-        ready["native"] = servers["native"].wait_ready(READY_S)
-    results: dict[str, dict] = {}
-
-    def drive(kind: str, s: Server) -> None:
-        r: dict[str, Any] = {"ready_s": ready[kind]}
-        if r["ready_s"] is not None:
-            r["phases"] = run_phases(s, spec["tokenizer"])
-            r["alive_after_load"] = s.alive()
-        pid = s.proc.pid
-        r["exit_s"] = s.stop()
-        time.sleep(2)
-        r["gpu_process_left"] = pid in gpu_pids()
-        results[kind] = r
-
-    threads = [threading.Thread(target=drive, args=kv) for kv in servers.items()]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    ready = start_kvcached_first(servers, READY_S)
+    results = drive_each(servers, ready, lambda s: {"phases": run_phases(s, spec["tokenizer"])})
     checks: dict[str, dict] = {}
     native = results.get("native", {}).get("phases")
     for kind, r in results.items():
         c: dict[str, Any] = {"server_ready": r["ready_s"] is not None}
         ph = r.get("phases") or {}
         replies = [x for k, v in ph.items() if isinstance(v, list) for x in v]
-        c["every_request_200_with_tokens"] = bool(replies) and ok_replies(replies)
+        c["every_request_200_with_tokens"] = ok_replies(replies)
         c["alive_after_load"] = bool(r.get("alive_after_load"))
         c["clean_exit_within_90s"] = r["exit_s"] is not None
         found = log_findings(servers[kind].log, kind != "native")
@@ -194,14 +149,7 @@ def model_cases(name: str, args: argparse.Namespace, details: dict) -> dict[str,
             "log": found,
             "max_logprob_gap": r.get("max_logprob_gap"),
             "cached_tokens": r.get("cached_tokens"),
-            "phases": {
-                k: (
-                    [{kk: vv for kk, vv in x.items() if kk != "top"} for x in v]
-                    if isinstance(v, list)
-                    else v
-                )
-                for k, v in ph.items()
-            },
+            "phases": without_top(ph),
         }
     co = [k for k in ("kvcached-contiguous", "kvcached-per-layer") if k in servers]
     if len(co) == 2:
@@ -235,47 +183,6 @@ def kv_cache_tokens(log: Path) -> int | None:
         if "GPU KV cache size:" in line:
             return int(line.rsplit(":", 1)[1].split()[0].replace(",", ""))
     return None
-
-
-def provenance(argv: list[str], module: str = "tests.gpu.vllm_e2e") -> dict[str, Any]:
-    def sh(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
-        except Exception:
-            return ""
-
-    try:
-        import vllm
-
-        version = vllm.__version__
-    except Exception:
-        version = None
-    commit = os.environ.get("KVCACHED_BENCH_COMMIT") or sh(["git", "rev-parse", "HEAD"])
-    device = sh(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
-    )
-    block = {  # benchmarks/_provenance.py's block, which tests/test_readme_figures.py reads
-        "commit": commit,
-        "command": f"python -m {module} " + " ".join(argv),
-        "machine": {
-            "device": device,
-            "host": platform.node(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-        },
-        "load_average_start": [round(x, 2) for x in os.getloadavg()],
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    return {
-        "provenance": block,
-        "commit": commit,
-        "command": f"python -m {module} " + " ".join(argv),
-        "device": device,
-        "vllm_version": version,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_avg": os.getloadavg()[0],
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,27 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {**provenance(argv), "logprob_tol": LOGPROB_TOL, "cases": {}}
+    summary: dict[str, Any] = {
+        **provenance(argv, "tests.gpu.vllm_e2e"),
+        "logprob_tol": LOGPROB_TOL,
+        "cases": {},
+    }
     details: dict[str, Any] = {"provenance": summary["provenance"]}
-    for name in args.models:
-        t = time.time()
-        checks = model_cases(name, args, details)
-        for case, c in checks.items():
-            summary["cases"][case + (f"/{args.label}" if args.label else "")] = c
-        print(
-            json.dumps({"model": name, "s": round(time.time() - t, 1), "checks": checks}),
-            flush=True,
-        )
-        # After each model, so a run cut short still brings back what it measured.
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        (out / "details.json").write_text(json.dumps(details, indent=1) + "\n")
-        with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
-            tar.add(args.logs, arcname="logs")
-    failed = [
-        (case, k) for case, c in summary["cases"].items() for k, v in c.items() if v is not True
-    ]
-    print(json.dumps({"failed_checks": failed}), flush=True)
-    return 1 if failed else 0
+    groups = [(name, lambda name=name: model_cases(name, args, details)) for name in args.models]
+    suffix = f"/{args.label}" if args.label else ""
+    return run_groups(groups, "model", out, summary, details, args.logs, suffix=suffix)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,19 @@ def write_model(directory: Path, shape: str) -> Path:
 
 def words(*ids: int) -> str:
     return " ".join(f"w{i}" for i in ids)
+
+
+def dummy_vllm_args(max_model_len: int, max_num_seqs: int) -> list[str]:
+    """A vLLM CPU engine's arguments for these models: dummy weights, eager,
+    32-token blocks, ``max_model_len`` tokens, ``max_num_seqs`` at once."""
+    return [
+        "--load-format",
+        "dummy",
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]

@@ -27,45 +27,20 @@ from tests.engines import require_engine_version
 require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
-from tests.integration.serve.serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_models import dummy_vllm_args, words, write_model  # noqa: E402
+from tests.integration.serve.serve_process import free_port, start_serve  # noqa: E402
+from tests.integration.serve.serve_process import serve_env as process_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 START_S = 600.0
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-VLLM_ARGS = [
-    "--load-format",
-    "dummy",
-    "--enforce-eager",
-    "--block-size",
-    "32",
-    "--max-model-len",
-    "512",
-    "--max-num-seqs",
-    "4",
-]
+VLLM_ARGS = dummy_vllm_args(max_model_len=512, max_num_seqs=4)
 
 
 def serve_env(work: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "KVCACHED_LEDGER_DIR": str(work),
-            "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.pop("KVCACHED_IPC_NAME", None)
+    env = process_env(work)
     env.pop("XDG_RUNTIME_DIR", None)  # the default state directory: /dev/shm
     return env
 
@@ -178,14 +153,7 @@ def test_direct_clients_keep_it_awake_probes_are_open_and_ctrl_c_leaves_nothing(
     before = _shm(tag, port)
     assert not before
     log = tmp_path / "serve.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcached", "serve", str(path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=serve_env(tmp_path),
-            start_new_session=True,
-        )
+    proc = start_serve(path, serve_env(tmp_path), log)
     state_dir = f"/dev/shm/kvcached-serve-{port}"
     try:
         deadline = time.monotonic() + START_S
@@ -278,14 +246,7 @@ def test_a_router_killed_while_its_vllm_starts_adopts_it_and_starts_no_second(tm
     log = tmp_path / "serve.log"
 
     def start() -> subprocess.Popen[bytes]:
-        with open(log, "ab") as out:
-            return subprocess.Popen(
-                [sys.executable, "-m", "kvcached", "serve", str(path)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=serve_env(tmp_path),
-                start_new_session=True,
-            )
+        return start_serve(path, serve_env(tmp_path), log)
 
     def model_state() -> dict[str, Any]:
         return request(port, f"/v1/models/{name}/state")[1]

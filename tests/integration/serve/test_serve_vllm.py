@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,32 +31,22 @@ openai = pytest.importorskip("openai", reason="the client: vLLM brings it (pip i
 require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
-from tests.integration.serve.serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_models import dummy_vllm_args, words, write_model  # noqa: E402
+from tests.integration.serve.serve_process import (  # noqa: E402
+    free_port,
+    serve_env,
+    start_serve,
+    stop_serve,
+)
 
 pytestmark = pytest.mark.slow
 
 START_S = 900.0  # an engine start on a loaded two-core machine
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def vllm_args() -> list[str]:
     return [
-        "--load-format",
-        "dummy",
-        "--enforce-eager",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "16",
+        *dummy_vllm_args(max_model_len=1024, max_num_seqs=16),
         "--seed",
         "0",
         "--enable-prefix-caching",
@@ -155,17 +146,6 @@ class Served:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
-def start_serve(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvcached", "serve", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-
 def wait_ready(served: Served, timeout_s: float = START_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -178,6 +158,30 @@ def wait_ready(served: Served, timeout_s: float = START_S) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"serve not ready in {timeout_s:g} s; log:\n{served.log_tail()}")
+
+
+@contextlib.contextmanager
+def serving(work: Path, cfg: dict[str, Any], tag: str) -> Iterator[Served]:
+    """``kvcached serve`` of ``cfg`` (written to ``work/serve.yaml``; its ``port``,
+    ``state_dir`` and ``models``), ready; on exit Ctrl-C, then SIGKILL to the
+    process group of every vLLM engine a failed test left running."""
+    config = work / "serve.yaml"
+    config.write_text(json.dumps(cfg))  # JSON is YAML
+    env = serve_env(work)
+    log = work / "serve.log"
+    s = Served(start_serve(config, env, log), cfg["port"], config, env, work, log, tag)
+    try:
+        wait_ready(s)
+        yield s
+    finally:
+        stop_serve(s.proc)
+        for model in cfg["models"]:
+            record = Path(cfg["state_dir"]) / f"{model['name']}.json"
+            if model.get("engine", "vllm") == "vllm" and record.exists():
+                pid = json.loads(record.read_text()).get("pid")
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -214,37 +218,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             },
         ],
     }
-    config = work / "serve.yaml"
-    config.write_text(json.dumps(cfg))  # JSON is YAML
-    env = dict(os.environ)
-    env.update(
-        {
-            "KVCACHED_LEDGER_DIR": str(work),
-            "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.pop("KVCACHED_IPC_NAME", None)
-    log = work / "serve.log"
-    s = Served(start_serve(config, env, log), port, config, env, work, log, tag)
-    try:
-        wait_ready(s)
+    with serving(work, cfg, tag) as s:
         yield s
-    finally:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGINT)
-            try:
-                s.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-        for model in ("alpha", "beta"):  # whatever a failed test left running
-            record = work / "state" / f"{s.name(model)}.json"
-            if record.exists():
-                pid = json.loads(record.read_text()).get("pid")
-                if pid:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
 
 
 def greedy(client: openai.OpenAI, model: str, prompt: str, n: int = 8) -> str:

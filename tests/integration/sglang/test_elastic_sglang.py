@@ -217,6 +217,26 @@ def test_configurator_builds_elastic_mla(monkeypatch, pools_group):
         pool.kvcached.close()
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_device_kvcached_does_not_serve_keeps_sglangs_buffers_said_once(
+    monkeypatch, pools_group, kind
+):
+    said: list[str] = []
+    monkeypatch.setattr(pools, "build_joined", lambda shape, device, name: None)
+    monkeypatch.setattr(pools.log, "warning", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setattr(pools, "_logged", set())
+    conf = _configurator(monkeypatch, 1)
+    conf.use_mla_backend = kind == "mla"
+    first, second = _pool(conf, 64, kind), _pool(conf, 64, kind)
+    cls = pools.ElasticMHATokenToKVPool if kind == "mha" else pools.ElasticMLATokenToKVPool
+    assert type(first) is cls and type(second) is cls
+    assert first.kvcached is None and first.size == 64
+    buffers = first.k_buffer if kind == "mha" else first.kv_buffer
+    assert buffers[0].shape[0] == 64 + 1  # SGLang's own: size plus the padding page
+    why = "device not served by kvcached's driver"
+    assert said == [f"{cls.__name__} keeps SGLang's own KV buffers: {why}"]
+
+
 def test_without_the_group_or_for_a_draft_worker_sglang_builds_its_own(monkeypatch, pools_group):
     conf = _configurator(monkeypatch, 1, draft=True)  # shares the target's allocator
     pool = _pool(conf, 64)
