@@ -20,6 +20,37 @@
 * ``EngineCoreProc`` flushes page ops to the workers whenever it is about to
   wait idle, and serves control requests on ``WAKEUP``;
   ``EngineCore.reset_prefix_cache`` flushes the released pages at once.
+
+Settings come from ``STATE.settings``, the :class:`~kvcached.config.Config`
+this process' entry point read (:func:`kvcached.integrations.vllm.apply`), and
+go on to our own functions as parameters; nothing here reads the environment.
+The workers' page size is their own entry point's, read from the environment
+the engine core started them with, so the same value: vLLM's one carrier of a
+value the engine core resolves for its workers is the ``KVCacheConfig`` it
+sends them, and a field of ours on vLLM's dataclass, pickled to every rank,
+would be a second channel for one setting beside the ones the workers need
+anyway (host device, utilization, ledger).
+
+Three things stay, each for a reason vLLM gives:
+
+* ``ENGINE.sizing``, a flag set only while ``_initialize_kv_caches`` runs:
+  vLLM reaches ``get_kv_cache_config_from_groups`` from
+  ``get_kv_cache_configs`` through its module's namespace, with no argument of
+  ours, and calls it outside the sizing too (a worker's minimal cache for
+  CUDA-graph profiling, which must stay unrounded); the flag tells the two
+  apart and carries no setting.
+* ``num_gpu_blocks_override``, set for one call of vLLM's builder and put
+  back: the builder derives every tensor's size, strides and offsets from
+  ``num_blocks`` inside one function and takes the count only from the
+  available memory or from that override, which wins over the memory (so a
+  user's own override would defeat a memory-based request); vLLM sets it the
+  same way for its profiling cache (``_init_minimal_kv_cache_for_profiling``).
+* ``kvcached_describe``, one RPC after the workers allocated: the engine core
+  has no device, and which device each rank's buffer is on (the ledger is per
+  device), its free and total memory, and whether the rank could open a buffer
+  at all are known only there; the geometry comes with them so the engine core
+  plans over what each rank really reserved from the per-rank configs it never
+  sees (``_initialize_kv_caches`` returns only the scheduler's copy).
 """
 
 from __future__ import annotations
