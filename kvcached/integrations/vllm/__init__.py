@@ -144,10 +144,11 @@ def apply(config: Config | None = None) -> bool:
         from kvcached.config import get_config
 
         config = get_config()
-    STATE.settings = config  # before any group is installed: every patch reads it
     from kvcached.control.naming import instance_name
 
-    instance_name("vllm")  # resolved here, inherited by every process this one starts
+    name = instance_name("vllm")  # resolved here, inherited by every process this one starts
+    # Before any group is installed: every patch takes its settings from here.
+    STATE.settings = config.replace(ipc_name=name)
     return STATE.start(groups(version))
 
 

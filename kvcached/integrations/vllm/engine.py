@@ -37,8 +37,8 @@ Three things stay, each for a reason vLLM gives:
   vLLM reaches ``get_kv_cache_config_from_groups`` from
   ``get_kv_cache_configs`` through its module's namespace, with no argument of
   ours, and calls it outside the sizing too (a worker's minimal cache for
-  CUDA-graph profiling, which must stay unrounded); the flag tells the two
-  apart and carries no setting.
+  CUDA-graph profiling, which stays as vLLM sizes it); the flag tells the
+  two apart and carries no setting.
 * ``num_gpu_blocks_override``, set for one call of vLLM's builder and put
   back: the builder derives every tensor's size, strides and offsets from
   ``num_blocks`` inside one function and takes the count only from the
