@@ -6,6 +6,8 @@ unset there is the documented default (:func:`kvcached.config.defaults`), not th
 environment. Only the entry points (the engine integrations, the CLIs, ``serve``)
 call :func:`~kvcached.config.get_config`. The first test reads the modules'
 source with :mod:`ast` (calls hidden inside functions count too).
+The vLLM integration reads them only in its entry points (``plugin()``,
+``apply()``) and parks none in its engine-core or worker state.
 """
 
 from __future__ import annotations
@@ -63,6 +65,60 @@ def test_no_layer_below_the_entry_points_reads_the_settings():
     assert "get_config(" not in text
 
 
+VLLM = ROOT / "kvcached" / "integrations" / "vllm"
+#: The vLLM integration's entry points: vLLM's plugin hook and ``apply()`` (an
+#: embedder's), in its ``__init__.py``; the only code there that reads settings.
+VLLM_ENTRY_POINTS = {"plugin", "apply"}
+
+
+def readers(path: Path) -> set[str]:
+    """The top-level functions of ``path`` that use a name in :data:`FORBIDDEN`
+    (``"<module>"`` for a use outside any function)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    for top in tree.body:
+        name = top.name if isinstance(top, ast.FunctionDef | ast.AsyncFunctionDef) else "<module>"
+        for node in ast.walk(top):
+            used = getattr(node, "id", None) or getattr(node, "attr", None)
+            if isinstance(node, ast.alias):
+                used = node.name.rpartition(".")[2]
+            if used in FORBIDDEN:
+                found.add(name)
+    return found
+
+
+def test_the_vllm_patch_reads_its_settings_only_at_its_entry_points():
+    """Every vLLM patch (engine core, workers, executor, ...) takes its settings
+    from what the entry point handed in (``STATE.settings``, then parameters);
+    only ``plugin()`` and ``apply()`` read the environment."""
+    paths = sorted(VLLM.glob("*.py"))
+    assert len(paths) > 8 and VLLM / "engine.py" in paths
+    found = [hit for p in paths if p.name != "__init__.py" for hit in settings_reads(p)]
+    assert not found, (
+        "the vLLM patch takes its settings from STATE.settings (handed in by plugin()/"
+        "apply()) and passes them on as parameters: " + ", ".join(found)
+    )
+    assert readers(VLLM / "__init__.py") == VLLM_ENTRY_POINTS
+
+
+def test_no_setting_is_parked_in_the_vllm_patch_state():
+    """The engine core's and the workers' module state hold no setting (the page
+    size once sat in ``ENGINE.rounding_page_size`` while vLLM sized the cache):
+    settings live in ``STATE.settings`` alone."""
+    import dataclasses
+
+    from kvcached.config import Config
+    from kvcached.integrations.vllm import engine, worker
+
+    settings = {f.name for f in dataclasses.fields(Config)}
+    for state in (engine.ENGINE, worker.WORKER):
+        names = set(vars(type(state))) | set(vars(state))
+        parked = sorted(n for n in names if n in settings or "page_size" in n)
+        assert not parked, f"{type(state).__name__} holds settings {parked}"
+    text = "".join(p.read_text() for p in VLLM.glob("*.py"))
+    assert "rounding_page_size" not in text
+
+
 def test_the_check_finds_a_hidden_read(tmp_path):
     module = tmp_path / "m.py"
     module.write_text(
@@ -73,6 +129,7 @@ def test_the_check_finds_a_hidden_read(tmp_path):
     )
     found = [hit.split(" ")[1] for hit in settings_reads(module, tmp_path)]
     assert found.count("get_config") == 2 and "environ" in found
+    assert readers(module) == {"f"}
 
 
 def test_defaults_ignore_the_environment(monkeypatch):

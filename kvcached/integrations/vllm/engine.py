@@ -20,13 +20,44 @@
 * ``EngineCoreProc`` flushes page ops to the workers whenever it is about to
   wait idle, and serves control requests on ``WAKEUP``;
   ``EngineCore.reset_prefix_cache`` flushes the released pages at once.
+
+Settings come from ``STATE.settings``, the :class:`~kvcached.config.Config`
+this process' entry point read (:func:`kvcached.integrations.vllm.apply`), and
+go on to our own functions as parameters; nothing here reads the environment.
+The workers' page size is their own entry point's, read from the environment
+the engine core started them with, so the same value: vLLM's one carrier of a
+value the engine core resolves for its workers is the ``KVCacheConfig`` it
+sends them, and a field of ours on vLLM's dataclass, pickled to every rank,
+would be a second channel for one setting beside the ones the workers need
+anyway (host device, utilization, ledger).
+
+Three things stay, each for a reason vLLM gives:
+
+* ``ENGINE.sizing``, a flag set only while ``_initialize_kv_caches`` runs:
+  vLLM reaches ``get_kv_cache_config_from_groups`` from
+  ``get_kv_cache_configs`` through its module's namespace, with no argument of
+  ours, and calls it outside the sizing too (a worker's minimal cache for
+  CUDA-graph profiling, which stays as vLLM sizes it); the flag tells the
+  two apart and carries no setting.
+* ``num_gpu_blocks_override``, set for one call of vLLM's builder and put
+  back: the builder derives every tensor's size, strides and offsets from
+  ``num_blocks`` inside one function and takes the count only from the
+  available memory or from that override, which wins over the memory (so a
+  user's own override would defeat a memory-based request); vLLM sets it the
+  same way for its profiling cache (``_init_minimal_kv_cache_for_profiling``).
+* ``kvcached_describe``, one RPC after the workers allocated: the engine core
+  has no device, and which device each rank's buffer is on (the ledger is per
+  device), its free and total memory, and whether the rank could open a buffer
+  at all are known only there; the geometry comes with them so the engine core
+  plans over what each rank really reserved from the per-rank configs it never
+  sees (``_initialize_kv_caches`` returns only the scheduler's copy).
 """
 
 from __future__ import annotations
 
 import inspect
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import KVCachedError
 from kvcached.integrations.patching import Patcher, check_params, original, wrapped
@@ -36,13 +67,16 @@ from kvcached.integrations.vllm.worker import refusal_reason
 from kvcached.log import get_logger
 from kvcached.units import format_bytes
 
+if TYPE_CHECKING:
+    from kvcached.config import Config
+
 log = get_logger("integrations.vllm")
 
 
 class _Engine:
     """This process' engine-core state."""
 
-    rounding_page_size: int | None = None  # set while vLLM sizes the KV cache
+    sizing = False  # inside the engine core's _initialize_kv_caches (module docstring)
     pending: Any = None  # an EngineContext waiting for vLLM to build its block pool
     block_size = 16
 
@@ -74,14 +108,14 @@ def _get_kv_cache_config_from_groups(
 ) -> Any:
     orig = original(_get_kv_cache_config_from_groups)
     config = orig(vllm_config, kv_cache_groups, available_memory)
-    page_size = ENGINE.rounding_page_size
-    if page_size is None or not STATE.active or not config.kv_cache_tensors:
+    if not ENGINE.sizing or not STATE.active or not config.kv_cache_tensors:
         return config
     from kvcached.integrations.vllm.geometry import PlanError, blocks_per_page
 
+    settings = STATE.settings
     try:
-        config, shapes = _paged(vllm_config, config)
-        bpp = blocks_per_page(shapes, page_size)
+        config, shapes = _paged(vllm_config, config, settings.contiguous_layout)
+        bpp = blocks_per_page(shapes, settings.page_size)
     except PlanError:
         return config  # the workers find the same and stay native
     if config.num_blocks % bpp == 0:
@@ -92,26 +126,26 @@ def _get_kv_cache_config_from_groups(
     override = cache_config.num_gpu_blocks_override
     cache_config.num_gpu_blocks_override = -(-config.num_blocks // bpp) * bpp
     try:
-        return _paged(vllm_config, orig(vllm_config, kv_cache_groups, available_memory))[0]
+        rounded = orig(vllm_config, kv_cache_groups, available_memory)
+        return _paged(vllm_config, rounded, settings.contiguous_layout)[0]
     finally:
         cache_config.num_gpu_blocks_override = override
 
 
-def _paged(vllm_config: Any, config: Any) -> tuple[Any, list[Any]]:
+def _paged(vllm_config: Any, config: Any, contiguous: bool | None) -> tuple[Any, list[Any]]:
     """The KV config the workers will get, and its tensors' byte geometry.
     ``kv_alloc = "views"``: vLLM's config under its resolved layout. ``"raw"``
-    (0.26): with ``KVCACHED_CONTIGUOUS_LAYOUT=true`` the config in vLLM's packed
-    layout where its backends can view that (:func:`.raw_kv.pack`)."""
+    (0.26): with ``contiguous`` (``KVCACHED_CONTIGUOUS_LAYOUT``) true the config
+    in vLLM's packed layout where its backends can view that (:func:`.raw_kv.pack`)."""
     from kvcached.integrations.vllm.geometry import tensor_shapes
     from kvcached.integrations.vllm.releases import row
 
     if row(STATE.version).kv_alloc == "views":
         layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
         return config, tensor_shapes(config, layout)
-    from kvcached.config import get_config
     from kvcached.integrations.vllm import raw_kv
 
-    if get_config().contiguous_layout:
+    if contiguous:
         packed = raw_kv.pack(config)
         if packed is not None:
             config = packed
@@ -137,9 +171,7 @@ def _resolve_kv_cache_layout(
     orig = original(_resolve_kv_cache_layout)
     from vllm import envs
 
-    from kvcached.config import get_config
-
-    want = get_config().contiguous_layout
+    want = STATE.settings.contiguous_layout
     if (
         not STATE.active
         or want is None
@@ -187,13 +219,11 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
             reason,
         )
         return orig(self, vllm_config)
-    from kvcached.config import get_config
-
-    ENGINE.rounding_page_size = get_config().page_size
+    ENGINE.sizing = True
     try:
         kv_cache_config = orig(self, vllm_config)
     finally:
-        ENGINE.rounding_page_size = None
+        ENGINE.sizing = False
     descs = self.collective_rpc("kvcached_describe")
     oks = [bool(d.get("ok")) for d in descs]
     if not any(oks):
@@ -209,7 +239,7 @@ def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
     ENGINE.block_size = vllm_config.cache_config.block_size
     scheduler = getattr(vllm_config, "scheduler_config", None)
     step_tokens = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
-    context = build_context(kv_cache_config, descs, step_tokens=step_tokens)
+    context = build_context(kv_cache_config, descs, STATE.settings, step_tokens=step_tokens)
     # Idle data-parallel ranks run dummy batches that may read the null block
     # (docs/vllm-integration.md, open points): keep its page mapped there.
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -238,11 +268,11 @@ def step_reserve(
 
 
 def build_context(
-    kv_cache_config: Any, descs: list[dict[str, Any]], *, step_tokens: int = 0
+    kv_cache_config: Any, descs: list[dict[str, Any]], settings: Config, *, step_tokens: int = 0
 ) -> Any:
-    """Ledger pools for every rank, the planner, and the control instance;
+    """Ledger pools for every rank, the planner, and the control instance, as
+    ``settings`` say (ledger directory, margin, reserve, overlap);
     ``step_tokens`` sizes the reserve (:func:`step_reserve`)."""
-    from kvcached.config import get_config
     from kvcached.control.instance import get_instance
     from kvcached.integrations.vllm.control import EngineContext
     from kvcached.integrations.vllm.planner import StepPlanner, planner_geometry
@@ -259,8 +289,7 @@ def build_context(
             f"the workers' {first['num_pages']} pages of {first['blocks_per_page']} blocks are "
             f"not vLLM's {kv_cache_config.num_blocks} blocks"
         )
-    config = get_config()
-    instance = get_instance("vllm", STATE.version, ipc_name=config.ipc_name)
+    instance = get_instance("vllm", STATE.version, ipc_name=settings.ipc_name)
     ledgers: dict[str, Any] = {}
     pools: list[Any] = []
     try:
@@ -270,8 +299,8 @@ def build_context(
                 ledgers[device] = Ledger.open(
                     device,
                     _ReportedMemInfo(d["free"], d["total"]),
-                    directory=config.ledger_dir,
-                    gpu_utilization=config.gpu_utilization,
+                    directory=settings.ledger_dir,
+                    gpu_utilization=settings.gpu_utilization,
                 )
             pools.append(ledgers[device].register_pool(instance.name))
         budget = CompositeBudget(pools, devices=[d["device_id"] for d in descs])
@@ -282,8 +311,8 @@ def build_context(
             step_tokens,
             first["blocks_per_page"] * ENGINE.block_size,
             first["num_pages"],
-            config.min_reserved_pages,
-            config.max_reserved_pages,
+            settings.min_reserved_pages,
+            settings.max_reserved_pages,
         )
         planner = StepPlanner(
             geometry,
@@ -291,7 +320,7 @@ def build_context(
             world_size=len(descs),
             min_reserved=min_reserved,
             max_reserved=max_reserved,
-            overlap=config.overlap_page_ops,
+            overlap=settings.overlap_page_ops,
         )
     except BaseException:
         for pool in pools:
@@ -326,11 +355,10 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
     values.pop("self", None)
     if values["num_gpu_blocks"] != context.planner.num_blocks:
         return native(*args, **kwargs)
-    from kvcached.config import get_config
     from kvcached.integrations.vllm.block_pool import KvcachedBlockPool
 
     ENGINE.pending = None
-    max_tokens = get_config().max_cached_tokens
+    max_tokens = STATE.settings.max_cached_tokens
     cap = max_tokens // ENGINE.block_size if max_tokens >= 0 else -1
     pool = KvcachedBlockPool(context.planner, cap_blocks=cap, **values)
     pool.kvcached = context

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from kvcached.config import Config
 from kvcached.driver.base import Driver
 from kvcached.errors import CapacityError
 from kvcached.log import get_logger
@@ -85,7 +86,14 @@ def _restore_switch_interval() -> None:
 class PageExecutor:
     """See the module docstring. One per worker process (per KV allocation)."""
 
-    def __init__(self, driver: Driver, lanes: PageLanes, *, calibrate: bool = True) -> None:
+    def __init__(
+        self,
+        driver: Driver,
+        lanes: PageLanes,
+        *,
+        calibrate: bool = True,
+        settings: Config | None = None,
+    ) -> None:
         self.driver = driver
         self.lanes = lanes
         self.tensors = RangeKVTensors(driver, lanes)
@@ -109,10 +117,9 @@ class PageExecutor:
                     f"({lanes.page_bytes / MIB:.1f} MiB, the null block's) on {driver!r}"
                 )
             if calibrate:
-                from kvcached.config import get_config
                 from kvcached.ledger import open_ledger
 
-                ledger = open_ledger(driver, config=get_config())
+                ledger = open_ledger(driver, config=settings)
                 self.calibrator = ledger.calibrator(driver).start()
         except BaseException:
             self.close()

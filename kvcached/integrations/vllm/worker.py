@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcached.errors import KVCachedError
 from kvcached.integrations.patching import Patcher, check_params, original
@@ -39,6 +39,9 @@ from kvcached.integrations.vllm.releases import Release
 from kvcached.integrations.vllm.state import STATE
 from kvcached.log import get_logger
 from kvcached.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvcached.config import Config
 
 log = get_logger("integrations.vllm")
 
@@ -86,15 +89,14 @@ def refusal_reason(vllm_config: Any) -> str | None:
     return None
 
 
-def _driver_for(device: Any) -> Any:
+def _driver_for(device: Any, settings: Config) -> Any:
     import torch
 
-    from kvcached.config import get_config
     from kvcached.driver import get_driver
 
     device = torch.device(device)
     if device.type == "cpu":
-        return get_driver(get_config().host_device, "host", config=get_config())
+        return get_driver(settings.host_device, "host", config=settings)
     if device.type == "cuda":
         backend = "hip" if getattr(torch.version, "hip", None) else "cuda"
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -107,16 +109,16 @@ def _serving() -> bool:
     return STATE.active and WORKER.allocating and WORKER.native_reason is None
 
 
-def _open_buffer(plan: Any, device: Any) -> Any:
+def _open_buffer(plan: Any, device: Any, settings: Config) -> Any:
     """The virtual buffer of a new :class:`PageExecutor` (``WORKER.executor``)
-    for the pages ``plan()`` returns; ``None`` (logged once) when kvcached
-    cannot page this cache."""
+    for the pages ``plan(settings.page_size)`` returns; ``None`` (logged once)
+    when kvcached cannot page this cache."""
     from kvcached.integrations.vllm.executor import PageExecutor
     from kvcached.integrations.vllm.geometry import PlanError
 
     try:
-        lanes = plan()
-        driver = _driver_for(device)
+        lanes = plan(settings.page_size)
+        driver = _driver_for(device, settings)
     except (PlanError, KVCachedError) as exc:
         WORKER.native_reason = str(exc)
         log.warning(
@@ -125,7 +127,7 @@ def _open_buffer(plan: Any, device: Any) -> Any:
         return None
     if WORKER.executor is not None:  # a second real allocation (re-initialisation)
         WORKER.executor.close()
-    executor = PageExecutor(driver, lanes)
+    executor = PageExecutor(driver, lanes, settings=settings)
     WORKER.executor = executor
     return executor.buffer()
 
@@ -164,10 +166,11 @@ def allocate_kv_cache(
         return native(kv_cache_config, device, layout, kernel_block_sizes)
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs, create_kv_cache_views
 
-    from kvcached.config import get_config
     from kvcached.integrations.vllm.geometry import plan_lanes
 
-    buf = _open_buffer(lambda: plan_lanes(kv_cache_config, layout, get_config().page_size), device)
+    buf = _open_buffer(
+        lambda page_size: plan_lanes(kv_cache_config, layout, page_size), device, STATE.settings
+    )
     if buf is None:
         return native(kv_cache_config, device, layout, kernel_block_sizes)
     kv_caches: dict[str, Any] = {}
@@ -214,11 +217,12 @@ def _raw_kv_tensors(kv_cache_config: Any, device: Any, runner: str) -> Any:
     ``runner`` ("V1" or "V2") is named in the log line, which the GPU runs read."""
     if not (_serving() and kv_cache_config.kv_cache_tensors):
         return None
-    from kvcached.config import get_config
     from kvcached.integrations.vllm import raw_kv
 
     buf = _open_buffer(
-        lambda: raw_kv.plan_raw_lanes(kv_cache_config, get_config().page_size), device
+        lambda page_size: raw_kv.plan_raw_lanes(kv_cache_config, page_size),
+        device,
+        STATE.settings,
     )
     if buf is None:
         return None
@@ -398,10 +402,9 @@ def _gpu_determine_available_memory(self: Any) -> int:
         return orig(self)
     import torch
 
-    from kvcached.config import get_config
-
+    utilization = STATE.settings.gpu_utilization
     total = self.init_snapshot.total_memory
-    cache.kv_cache_memory_bytes = max(1, int(total * get_config().gpu_utilization))
+    cache.kv_cache_memory_bytes = max(1, int(total * utilization))
     try:
         orig(self)
     finally:
@@ -411,7 +414,15 @@ def _gpu_determine_available_memory(self: Any) -> int:
         own = torch.cuda.max_memory_reserved(self.device)
     except Exception as e:  # no CUDA statistics: the worker's own use counts as 0
         log.warning("torch.cuda.max_memory_reserved(%s) failed (%s); counting none", self.device, e)
-    return max(1, int(total * get_config().gpu_utilization) - own)
+    return max(1, int(total * utilization) - own)
+
+
+def _host_capacity(settings: Config) -> int:
+    """The host backend's capacity (``KVCACHED_HOST_CAPACITY``), which every
+    kvcached server on the host shares."""
+    from kvcached.driver import get_driver
+
+    return get_driver(settings.host_device, "host", config=settings).info().total_bytes
 
 
 def _cpu_worker_init(
@@ -428,12 +439,7 @@ def _cpu_worker_init(
     (``KVCACHED_HOST_CAPACITY``), which every kvcached server on the host shares."""
     cache = vllm_config.cache_config
     if STATE.active and refusal_reason(vllm_config) is None and not cache.kv_cache_memory_bytes:
-        from kvcached.config import get_config
-        from kvcached.driver import get_driver
-
-        cache.kv_cache_memory_bytes = (
-            get_driver(get_config().host_device, "host", config=get_config()).info().total_bytes
-        )
+        cache.kv_cache_memory_bytes = _host_capacity(STATE.settings)
     original(_cpu_worker_init)(
         self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker
     )
@@ -448,10 +454,7 @@ def _cpu_determine_available_memory(self: Any) -> int:
         self.model_runner.warming_up_model()
     size = self.cache_config.kv_cache_memory_bytes
     if not size:
-        from kvcached.config import get_config
-        from kvcached.driver import get_driver
-
-        size = get_driver(get_config().host_device, "host", config=get_config()).info().total_bytes
+        size = _host_capacity(STATE.settings)
     log.debug("vLLM CPU worker: virtual KV cache of %s", format_bytes(size))
     return size
 

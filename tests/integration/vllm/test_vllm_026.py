@@ -95,15 +95,15 @@ def _config(hybrid: bool, num_blocks: int = 256):
 @pytest.mark.parametrize("contiguous", ["true", "false"])
 def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(monkeypatch, contiguous) -> None:
     """0.26's config builder, asked again with its own ``num_gpu_blocks_override``
-    at the count rounded up to whole pages (packed or per layer); the override
-    set before is back afterwards."""
-    from kvcached.config import reload_config
+    at the count rounded up to whole pages (packed or per layer, as the settings
+    the entry point handed in say); the override set before is back afterwards."""
+    from kvcached.config import Config
     from kvcached.integrations.patching import MARKER, original
     from kvcached.integrations.vllm import engine
     from kvcached.integrations.vllm.state import STATE
 
-    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", contiguous)
-    reload_config()
+    settings = Config.from_env({"KVCACHED_CONTIGUOUS_LAYOUT": contiguous})
+    monkeypatch.setattr(STATE, "settings", settings)
     monkeypatch.setattr(STATE, "active", True)
     monkeypatch.setattr(STATE, "version", vllm.__version__)
     monkeypatch.setattr(
@@ -112,7 +112,7 @@ def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(monkeypatch, con
         original(get_kv_cache_config_from_groups),
         raising=False,
     )
-    monkeypatch.setattr(engine.ENGINE, "rounding_page_size", 2 * MIB)
+    monkeypatch.setattr(engine.ENGINE, "sizing", True)
     groups = [KVCacheGroupSpec([f"full{i}" for i in range(4)], _spec())]
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(num_gpu_blocks_override=1000), kv_transfer_config=None
@@ -121,7 +121,6 @@ def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(monkeypatch, con
         config = engine._get_kv_cache_config_from_groups(vllm_config, groups, 0)
     finally:
         monkeypatch.undo()
-        reload_config()
     assert raw_kv.is_packed(config) == (contiguous == "true")
     bpp = raw_kv.plan_raw_lanes(config, 2 * MIB).blocks_per_page
     assert 1000 % bpp, "the case needs a count that is not a whole number of pages"
@@ -170,15 +169,19 @@ def test_each_runners_hook_hands_vllm_its_own_tensors_in_kvcached_memory(
     from vllm.v1.worker.gpu import attn_utils
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvcached.config import reload_config
+    from kvcached.config import Config
     from kvcached.integrations.patching import MARKER
     from kvcached.integrations.vllm import worker
     from kvcached.integrations.vllm.state import STATE
 
-    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
-    monkeypatch.setenv("KVCACHED_HOST_DEVICE", "33")
-    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "256M")
-    reload_config()
+    settings = Config.from_env(
+        {
+            "KVCACHED_LEDGER_DIR": str(tmp_path),
+            "KVCACHED_HOST_DEVICE": "33",
+            "KVCACHED_HOST_CAPACITY": "256M",
+        }
+    )
+    monkeypatch.setattr(STATE, "settings", settings)
     monkeypatch.setattr(STATE, "active", True)
     monkeypatch.setattr(STATE, "version", vllm.__version__)
     monkeypatch.setattr(worker.WORKER, "allocating", True)
@@ -212,7 +215,6 @@ def test_each_runners_hook_hands_vllm_its_own_tensors_in_kvcached_memory(
         executor.close()
         worker.WORKER.executor = None
         monkeypatch.undo()
-        reload_config()
 
 
 def test_pack_keeps_vllms_layout_when_a_backend_cannot_view_it() -> None:

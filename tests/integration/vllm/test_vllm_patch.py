@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcached.config import reload_config
+from kvcached.config import Config, defaults
 from kvcached.integrations import vllm as vllm_plugin
 from kvcached.integrations.patching import MARKER, PatchGroup, original
 from kvcached.integrations.vllm import engine, worker
@@ -56,19 +56,22 @@ SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=t
 
 @pytest.fixture
 def kvcached_on(monkeypatch, tmp_path):
-    """kvcached switched on in this process, on a host device and ledger of its own."""
-    monkeypatch.setenv("KVCACHED_LEDGER_DIR", str(tmp_path))
-    monkeypatch.setenv("KVCACHED_HOST_DEVICE", str(HOST_INDEX))
-    monkeypatch.setenv("KVCACHED_HOST_CAPACITY", "256M")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    reload_config()
-    saved = (STATE.active, STATE.off_reason, STATE.version)
+    """kvcached switched on in this process, on a host device and ledger of its
+    own: the settings an entry point would hand the patch (``STATE.settings``)."""
+    settings = Config.from_env(
+        {
+            "KVCACHED_LEDGER_DIR": str(tmp_path),
+            "KVCACHED_HOST_DEVICE": str(HOST_INDEX),
+            "KVCACHED_HOST_CAPACITY": "256M",
+            "KVCACHED_MIN_RESERVED_PAGES": "0",
+            "KVCACHED_MAX_RESERVED_PAGES": "0",
+        }
+    )
+    saved = (STATE.active, STATE.off_reason, STATE.version, STATE.settings)
     STATE.active, STATE.off_reason, STATE.version = True, None, VLLM_VERSION
-    yield
-    STATE.active, STATE.off_reason, STATE.version = saved
-    monkeypatch.undo()
-    reload_config()
+    STATE.settings = settings
+    yield settings
+    STATE.active, STATE.off_reason, STATE.version, STATE.settings = saved
 
 
 def vllm_config_for(layout, num_blocks: int) -> SimpleNamespace:
@@ -93,24 +96,29 @@ def kv_config(layout, num_blocks: int = 1024, hybrid: bool = False):
     return get_kv_cache_config_from_groups(vllm_config_for(layout, num_blocks), groups, 0)
 
 
+@pytest.mark.parametrize("page_mib", [2, 4])
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda x: x.name)
-def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(kvcached_on, layout) -> None:
+def test_engine_core_sizing_rounds_num_blocks_up_to_whole_pages(
+    kvcached_on, layout, page_mib
+) -> None:
     """While the engine core sizes the KV cache, vLLM's config builder is asked
     again with its own ``num_gpu_blocks_override`` at the count rounded up to
-    whole pages; the override set before is back afterwards."""
+    whole pages of the page size the entry point handed in (``STATE.settings``);
+    the override set before is back afterwards."""
     setattr(
         engine._get_kv_cache_config_from_groups,
         MARKER,
         original(get_kv_cache_config_from_groups),
     )
+    STATE.settings = kvcached_on.replace(page_size=page_mib * MIB)
     vllm_config = vllm_config_for(layout, 1000)
     groups = [KVCacheGroupSpec(["a0", "a1"], SPEC)]
-    engine.ENGINE.rounding_page_size = 2 * MIB
+    engine.ENGINE.sizing = True
     try:
         config = engine._get_kv_cache_config_from_groups(vllm_config, groups, 0)
     finally:
-        engine.ENGINE.rounding_page_size = None
-    bpp = blocks_per_page(tensor_shapes(config, layout), 2 * MIB)
+        engine.ENGINE.sizing = False
+    bpp = blocks_per_page(tensor_shapes(config, layout), page_mib * MIB)
     assert 1000 % bpp, "the case needs a count that is not a whole number of pages"
     assert config.num_blocks == -(-1000 // bpp) * bpp, (config.num_blocks, bpp)
     assert all(t.size % config.num_blocks == 0 for t in config.kv_cache_tensors)
@@ -206,6 +214,9 @@ NUM_BLOCKS = 2048  # 8 pages of 256 blocks
 
 
 def make_manager(budget_pages: int | None = None, cap_tokens: int = -1):
+    """vLLM's ``KVCacheManager``, over a kvcached pool when ``budget_pages`` is
+    given, with ``KVCACHED_MAX_CACHED_TOKENS`` = ``cap_tokens`` in the settings
+    the pool is built with."""
     config = kv_config(KVCacheLayout.LBHNC, NUM_BLOCKS)
     planner = None
     if budget_pages is not None:
@@ -213,15 +224,14 @@ def make_manager(budget_pages: int | None = None, cap_tokens: int = -1):
         planner = StepPlanner(g, ExactBudget(budget_pages * g.page_bytes))
         engine.ENGINE.pending = FakeContext(planner)
         engine.ENGINE.block_size = BLOCK
-    os.environ["KVCACHED_MAX_CACHED_TOKENS"] = str(cap_tokens)
-    reload_config()
+    saved = STATE.settings
+    STATE.settings = defaults().replace(max_cached_tokens=cap_tokens)
     try:
         manager = kv_cache_manager.KVCacheManager(
             config, max_model_len=8192, scheduler_block_size=BLOCK, hash_block_size=BLOCK
         )
     finally:
-        os.environ.pop("KVCACHED_MAX_CACHED_TOKENS")
-        reload_config()
+        STATE.settings = saved
         engine.ENGINE.pending = None
     return manager, planner
 
@@ -314,9 +324,8 @@ def test_contiguous_layout_picks_among_what_the_backends_support(
 ) -> None:
     from vllm.v1.attention.backends import utils as backend_utils
 
-    monkeypatch.setenv("KVCACHED_CONTIGUOUS_LAYOUT", want)
+    STATE.settings = Config.from_env({"KVCACHED_CONTIGUOUS_LAYOUT": want})
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    reload_config()
     monkeypatch.setattr(
         engine._resolve_kv_cache_layout,
         "__kvcached_original__",

@@ -27,9 +27,12 @@ config_loaded = "kvcached.config" in sys.modules
 name = os.environ.get("KVCACHED_IPC_NAME")
 again = apply()
 from kvcached.integrations.vllm.state import STATE
+from kvcached.config import get_config
 print(json.dumps({"active": STATE.active, "pending": list(first),
                   "pending_again": list(import_hook.pending()), "again": again,
-                  "name": name, "pid": os.getpid(), "config_loaded": config_loaded}))
+                  "name": name, "pid": os.getpid(), "config_loaded": config_loaded,
+                  "page_size": STATE.settings.page_size,
+                  "settings_are_the_parse": STATE.settings == get_config()}))
 """
 
 
@@ -93,6 +96,23 @@ def test_supported_version_waits_for_vllm_modules_and_applies_once(tmp_path: Pat
     assert out["pending_again"] == out["pending"], "a second apply() must add nothing"
     assert out["name"] == f"vllm-{out['pid']}", "the first process names the instance"
     assert "[kvcached]" not in err, "nothing to say before vLLM builds its KV cache"
+
+
+@pytest.mark.parametrize("autopatch", ["1", "0"], ids=["plugin", "embedder-apply"])
+def test_the_entry_point_hands_its_settings_to_the_patch(tmp_path: Path, autopatch: str) -> None:
+    """The settings every patch of the process uses (``STATE.settings``) are the
+    ones its entry point parsed (the plugin's, or ``apply()``'s for an
+    embedder), with the instance name ``apply()`` resolved: what the process'
+    own configuration says after it."""
+    out, _ = run_probe(
+        tmp_path,
+        "0.32.0",
+        ENABLE_KVCACHED="true",
+        KVCACHED_AUTOPATCH=autopatch,
+        KVCACHED_PAGE_SIZE_MB="4",
+    )
+    assert out["active"] is True and out["page_size"] == 4 << 20
+    assert out["settings_are_the_parse"] is True
 
 
 def test_a_configured_name_is_kept(tmp_path: Path) -> None:
