@@ -71,7 +71,7 @@ def test_the_plugin_asks_before_it_patches(monkeypatch) -> None:
     monkeypatch.setenv("ENABLE_KVCACHED", "true")
     reload_config()
     monkeypatch.setattr(amx, "request_amx_permission", lambda: calls.append("amx") or True)
-    monkeypatch.setattr(vllm_integration, "apply", lambda: calls.append("apply"))
+    monkeypatch.setattr(vllm_integration, "apply", lambda config=None: calls.append("apply"))
     vllm_integration.plugin()
     assert calls == ["amx", "apply"]
     calls.clear()
