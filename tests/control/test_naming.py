@@ -43,3 +43,17 @@ def test_default_names_are_valid_instance_names():
         check_instance_name(default_name(engine, pid=4_194_304))
     assert default_name("SGLang 0.5", pid=7) == "SGLang-0.5-7"
     assert default_name("", pid=7) == "kvcached-7"
+
+
+def test_current_instance_before_there_is_one_says_what_creates_it():
+    code = (
+        "from kvcached.control.instance import current_instance\n"
+        "try:\n"
+        "    current_instance()\n"
+        "except LookupError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "no kvcached instance yet" in out.stdout and "open_kv_cache()" in out.stdout
