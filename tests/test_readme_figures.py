@@ -408,32 +408,33 @@ FIGURES: list[Figure] = [
         lambda d: [100 * r["peak_fill_of_total"] for r in d["runs"]],
     ),
     Figure(
-        "command and the 1-minute load average after each round: {2.93–5.15}, with another job "
-        "of this project running at idle priority). Speeds are ratios against the seed PR's "
-        "design on the same accounting code (a blocking whole-file `flock` behind a lock object "
-        "and a thread lock around every update, every grant to the ledger), taken round by "
-        "round and reported as medians of {21} alternating rounds. On equal work (every grant to "
-        "the ledger) the ledger runs at {1.164}x that design (the worst of 1, 2 and 4 "
-        "processes; key `no_recycle_vs_flock`; target 1.0), {1.191}x with one process. In the "
-        "grow/shrink pattern (32 grants, then 32 refunds) it runs at {1.044}x (the worst, with "
-        "4 processes; key `growshrink_vs_flock`; target 1.0), {1.051}x with one process and "
-        "{1.387}x with 2.",
+        "command and the 1-minute load average after each round: {1.36–2.16}; re-measured "
+        "after issue #36 split the ledger into one class per job and handed its settings "
+        "down). Speeds are ratios against the seed PR's design on the same accounting code (a "
+        "blocking whole-file `flock` behind a lock object and a thread lock around every "
+        "update, every grant to the ledger), taken round by round and reported as medians of "
+        "{21} alternating rounds. On equal work (every grant to the ledger) the ledger runs at "
+        "{1.15}x that design (the worst of 1, 2 and 4 processes, here one; key "
+        "`no_recycle_vs_flock`; target 1.0), {1.851}x with 2 and {1.416}x with 4. In the "
+        "grow/shrink pattern (32 grants, then 32 refunds) it runs at {1.139}x (the worst, again "
+        "with one process; key `growshrink_vs_flock`; target 1.0), {1.562}x with 2 and "
+        "{1.249}x with 4.",
         "ledger-host.json",
         (
             "machine.load_average_1min_per_round",
             "rounds",
             "no_recycle_vs_flock",
-            "no_recycle_vs_flock_by_procs.1",
+            "no_recycle_vs_flock_by_procs.2",
+            "no_recycle_vs_flock_by_procs.4",
             "growshrink_vs_flock",
-            "growshrink_vs_flock_by_procs.1",
             "growshrink_vs_flock_by_procs.2",
+            "growshrink_vs_flock_by_procs.4",
         ),
     ),
     Figure(
-        "the bare lock and unlock costing {1462} ns of CPU, where the seed's lock object and "
-        "thread lock cost {2519} ns (key `profile_cpu_ns`); a grant+refund pair costs {5111} ns "
-        "against {5720} ns. Single one-process rounds ranged {0.491–1.868}x on this shared "
-        "machine,",
+        "the bare lock and unlock costing {393} ns of CPU, where the seed's lock object and "
+        "thread lock cost {647} ns (key `profile_cpu_ns`); a grant+refund pair costs {1488} ns "
+        "against {1713} ns. Single one-process rounds ranged {1.095–1.176}x, so",
         "ledger-host.json",
         (
             "profile_cpu_ns.flock_lock_unlock",
@@ -449,9 +450,9 @@ FIGURES: list[Figure] = [
         ("no_recycle_vs_flock", "growshrink_vs_flock"),
     ),
     Figure(
-        "ran at {0.708–0.844}x of the flock design on equal work (key "
-        "`ofd_no_recycle_vs_flock_by_procs`): the kernel's POSIX-lock path costs {3058} ns of "
-        "CPU per lock and unlock against {1462} ns for `flock`",
+        "ran at {0.849–0.894}x of the flock design on equal work (key "
+        "`ofd_no_recycle_vs_flock_by_procs`): the kernel's POSIX-lock path costs {660} ns of "
+        "CPU per lock and unlock against {393} ns for `flock`",
         "ledger-host.json",
         (
             lambda d: list(d["ofd_no_recycle_vs_flock_by_procs"].values()),
@@ -460,8 +461,8 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "makes the shipped ledger {2.101–2.509}x the flock design (key `speedup_vs_flock`), at "
-        "{2.79} µs per pair",
+        "makes the shipped ledger {1.746–5.021}x the flock design (key `speedup_vs_flock`), at "
+        "{0.93} µs per pair",
         "ledger-host.json",
         (lambda d: list(d["speedup_vs_flock"].values()), "pair_p50_us"),
     ),
