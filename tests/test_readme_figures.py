@@ -149,7 +149,7 @@ FIGURES: list[Figure] = [
         "overhead_ratio_64MiB",
     ),
     Figure(
-        "On the host backend, {1.03}x (`driver-host.json`)", "driver-host.json", "overhead_ratio"
+        "On the host backend, {1.02}x (`driver-host.json`)", "driver-host.json", "overhead_ratio"
     ),
     Figure(
         "CUDA graphs on (as vLLM serves by default): 3 rounds before the call's deadline, "
