@@ -134,11 +134,20 @@ def test_contended_requests_ok(elastic: ElasticRecord) -> None:
     assert not failed, failed[:3]
     assert r.contended_peak <= r.budget
     assert r.contended_head_start_s is not None, "B's load never held half the free memory"
-    assert r.contended_misses.get(r.a.name, 0) + r.contended_misses.get(r.b.name, 0) > 0, (
-        "both loads together exceed the device: some allocation must have missed",
+    # Both loads together exceed the device. vLLM's scheduler checks the free blocks
+    # before it allocates, so a request mostly waits; an allocation misses only when
+    # the other engine takes the memory between that check and the allocation (CI on
+    # vLLM 0.30 once saw none, with the device filled to 0.99 of the budget). Either
+    # shows the contention; one load beside the other's idle cache filled 0.89 of it.
+    misses = r.contended_misses.get(r.a.name, 0) + r.contended_misses.get(r.b.name, 0)
+    filled = r.contended_peak / r.budget
+    assert misses > 0 or filled >= 0.95, (
+        "both loads together exceed the device: an allocation must miss or the device fill",
         r.contended_misses,
+        filled,
     )
-    assert any("KV memory is full" in line for line in r.a.kvcached_lines + r.b.kvcached_lines)
+    if misses:
+        assert any("KV memory is full" in line for line in r.a.kvcached_lines + r.b.kvcached_lines)
 
 
 def test_probes_unchanged(elastic: ElasticRecord) -> None:
