@@ -665,6 +665,20 @@ class Configuration:
         self._cpu = []
 
 
+def write_requests(out: Path, runs: list[Any]) -> None:
+    """Every run's requests beside the report ``out``, as ``<stem>-requests.json``."""
+    out.with_name(out.stem + "-requests.json").write_text(
+        json.dumps(
+            [
+                {"config": r.config, "round": r.round, "peak": r.peak, "requests": r.requests}
+                for r in runs
+            ],
+            separators=(",", ":"),
+        )
+        + "\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
@@ -833,16 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         prov["command"] = report["command"]  # as given, also when main() is called in-process
         _provenance.write_result(out, report, prov, indent=1)
-        out.with_name(out.stem + "-requests.json").write_text(
-            json.dumps(
-                [
-                    {"config": r.config, "round": r.round, "peak": r.peak, "requests": r.requests}
-                    for r in runs
-                ],
-                separators=(",", ":"),
-            )
-            + "\n"
-        )
+        write_requests(out, runs)
         return report
 
     stopped = ""

@@ -103,16 +103,7 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
         "provenance": merged_provenance(parts),
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_name(out.stem + "-requests.json").write_text(
-        json.dumps(
-            [
-                {"config": r.config, "round": r.round, "peak": r.peak, "requests": r.requests}
-                for r in runs
-            ],
-            separators=(",", ":"),
-        )
-        + "\n"
-    )
+    mm.write_requests(out, runs)
     return report
 
 
