@@ -362,8 +362,9 @@ def test_a_killed_engine_is_seen_and_restarted_with_backoff(tmp_path):
     run(body())
 
 
-def test_wake_timeout_is_a_503_with_retry_after_then_it_serves(tmp_path):
-    cfg = config(
+def slow_lazy_config(tmp_path):
+    """One lazy model whose start (2 s) outlasts its wake_timeout (0.3 s)."""
+    return config(
         tmp_path,
         [
             fake_model(
@@ -375,6 +376,10 @@ def test_wake_timeout_is_a_503_with_retry_after_then_it_serves(tmp_path):
             )
         ],
     )
+
+
+def test_wake_timeout_is_a_503_with_retry_after_then_it_serves(tmp_path):
+    cfg = slow_lazy_config(tmp_path)
 
     async def body() -> None:
         async with Serve(cfg) as serve:
@@ -395,18 +400,7 @@ def test_wake_timeout_is_a_503_with_retry_after_then_it_serves(tmp_path):
 def test_an_admin_wake_that_times_out_is_the_same_503(tmp_path):
     """``POST /admin/models/M/wake`` answers a model that misses its wake_timeout
     as a request for it does: 503, ``model_unavailable``, ``Retry-After``."""
-    cfg = config(
-        tmp_path,
-        [
-            fake_model(
-                "alpha",
-                tmp_path / "a.log",
-                start="lazy",
-                wake_timeout=0.3,
-                extra=["--slow-start", "2"],
-            )
-        ],
-    )
+    cfg = slow_lazy_config(tmp_path)
 
     async def body() -> None:
         async with Serve(cfg) as serve:
