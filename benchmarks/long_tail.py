@@ -125,6 +125,7 @@ from pathlib import Path
 from typing import Any
 
 import serve_gpu as sg  # (its Run, serve start and stop, model, log packing)
+from gpu_plan import l1_models, static_fit  # the card's arithmetic, one copy
 from kvharness.vllm_server import free_port
 from multi_model_trace import prompt_tokens, trace_request
 from serve import http_json
@@ -133,9 +134,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 GIB = 1 << 30
 CONFIGS = ("static", "kvcached")
-#: per-engine host memory (API server and engine core) assumed by :func:`l1_models`
-ENGINE_HOST_BYTES = 4 * GIB
-HOST_RESERVE_BYTES = 16 * GIB
 #: CUDA context, activations and buffers of one eager 8B engine, beside weights and KV
 ENGINE_OVERHEAD_BYTES = 2 * GIB
 SHUTDOWN_RESERVE_S = sg.SHUTDOWN_RESERVE_S
@@ -262,26 +260,6 @@ def models_per_gpu_at(steps: dict[str, dict[str, Any]], config: str, bound_s: fl
         if s.get("status") == "done" and isinstance(s.get("requests"), list)
     }
     return models_per_gpu(graded, config)
-
-
-def l1_models(
-    n: int,
-    host_bytes: int,
-    weights_bytes: int,
-    per_engine: int = ENGINE_HOST_BYTES,
-    reserve: int = HOST_RESERVE_BYTES,
-) -> int:
-    """How many models can sleep at vLLM level 1 (weights kept in pinned host memory)
-    beside ``n`` engines' own host memory."""
-    if weights_bytes <= 0:
-        return n
-    room = host_bytes - reserve - n * per_engine
-    return max(0, min(n, room // weights_bytes))
-
-
-def static_fit(gpu_bytes: int, weights_bytes: int, kv_bytes: int, overhead: int) -> int:
-    """Models a static split of ``gpu_bytes`` holds, each weights + KV share + overhead."""
-    return max(0, gpu_bytes // (weights_bytes + kv_bytes + overhead))
 
 
 def plan_steps(static_ns: list[int], kvcached_ns: list[int]) -> list[tuple[str, int]]:
