@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvharness.vllm_model import TINY_LLAMA_CONFIG
+
 VOCAB = 512
 SHAPES: dict[str, dict[str, int]] = {
     # hidden, layers, heads, KV heads, head_dim: two different KV geometries
@@ -46,18 +48,11 @@ def write_model(directory: Path, shape: str) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
+    # The vLLM tests' tiny Llama (alpha is its shape), reshaped and with a shorter context.
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **TINY_LLAMA_CONFIG,
         "vocab_size": VOCAB,
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
         **SHAPES[shape],
     }
     (directory / "config.json").write_text(json.dumps(config, indent=1))
