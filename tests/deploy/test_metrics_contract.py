@@ -22,11 +22,24 @@ from collections.abc import Iterator
 import pytest
 
 from kvcached.serve import podlabels
-from tests.integration.serve.serve_models import words, write_model
-from tests.integration.serve.serve_process import free_port
-from tests.integration.serve.test_serve_vllm import START_S, Served, serving, vllm_args
+from tests.engines import require_engine_version
 
+# test_serve_vllm's own skips, taken here first: once pytest has collected that
+# module and it skipped, importing from it finds a half-made module (ImportError
+# in a venv without vLLM, e.g. `pytest tests/integration/serve tests/deploy`).
+pytest.importorskip("openai", reason="the client: vLLM brings it (pip install openai)")
+require_engine_version("vllm")
+pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 prometheus = pytest.importorskip("prometheus_client.parser", reason='pip install -e ".[test]"')
+
+from tests.integration.serve.serve_models import words, write_model  # noqa: E402
+from tests.integration.serve.serve_process import free_port  # noqa: E402
+from tests.integration.serve.test_serve_vllm import (  # noqa: E402
+    START_S,
+    Served,
+    serving,
+    vllm_args,
+)
 
 pytestmark = pytest.mark.slow
 
