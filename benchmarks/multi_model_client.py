@@ -12,12 +12,18 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvharness.vllm_server import SERVED_MODEL_NAME, ServerError
+from kvharness.vllm_server import (
+    SERVED_MODEL_NAME,
+    ServerError,
+    chunk_token_ids,
+    completion_chunks,
+)
 from kvharness.vllm_server import group_cpu_s as process_group_cpu_s
 from multi_model_trace import prompt_tokens
 
@@ -83,30 +89,27 @@ def send(
         if resp.status != 200:
             out["error"] = f"HTTP {resp.status}: {resp.read()[:300].decode(errors='replace')}"
             return out
-        while True:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    out["cut"] = True
-                    break
-                # A timeout bounds one read, not the stream: each read gets what is left.
-                with contextlib.suppress(OSError, AttributeError):
-                    sock.settimeout(max(0.05, left))
-            raw = resp.readline()
-            if not raw:
-                break
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                ids = choice.get("token_ids") or []
-                if ids and out["ttft_s"] is None:
-                    out["ttft_s"] = time.monotonic() - start
-                out["tokens"] += len(ids)
+
+        def lines() -> Iterator[bytes]:
+            while True:
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        out["cut"] = True
+                        return
+                    # A timeout bounds one read, not the stream: each read gets what is left.
+                    with contextlib.suppress(OSError, AttributeError):
+                        sock.settimeout(max(0.05, left))
+                raw = resp.readline()
+                if not raw:
+                    return
+                yield raw
+
+        for chunk in completion_chunks(lines()):
+            ids = chunk_token_ids(chunk)
+            if ids and out["ttft_s"] is None:
+                out["ttft_s"] = time.monotonic() - start
+            out["tokens"] += len(ids)
             queue_ms = (chunk.get("metrics") or {}).get("queue_time_ms")
             if queue_ms is not None:
                 out["queue_s"] = queue_ms / 1e3

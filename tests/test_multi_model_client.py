@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import multi_model_client as mc
+from kvharness.vllm_server import chunk_token_ids, completion_chunks
 
 
 class Stalling(BaseHTTPRequestHandler):
@@ -53,3 +54,16 @@ def test_a_stalled_stream_is_cut_at_the_deadline_not_a_read_timeout_later(port):
     assert out["cut"] and not out["ok"] and out["tokens"] == 2, out
     assert out["ttft_s"] is not None and out["ttft_s"] < 0.5
     assert took < 1.4, took
+
+
+def test_completion_chunks_stop_at_done_and_skip_what_is_not_an_event():
+    lines = [
+        b": keep-alive\n",
+        b'data: {"choices": [{"token_ids": [1, 2]}, {"token_ids": [3]}]}\n',
+        b"\n",
+        b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n',
+        b"data: [DONE]\n",
+        b'data: {"choices": [{"token_ids": [9]}]}\n',
+    ]
+    chunks = list(completion_chunks(lines))
+    assert [chunk_token_ids(c) for c in chunks] == [[1, 2, 3], []]

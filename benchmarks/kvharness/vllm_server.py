@@ -26,10 +26,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvcached.integrations.amx import cpu_has_amx
 
@@ -61,6 +62,24 @@ def cpu_binding(ranks: int) -> str:
     return "|".join(
         ",".join(str(c) for c in cpus[r * share : (r + 1) * share]) for r in range(ranks)
     )
+
+
+def completion_chunks(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI server-sent-event stream, up to ``[DONE]``
+    (lines that are not ``data:`` events are skipped)."""
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def chunk_token_ids(chunk: Mapping[str, Any]) -> list[int]:
+    """The token ids a completion chunk carries (vLLM's ``return_token_ids``), all choices."""
+    return [t for choice in chunk.get("choices") or [] for t in choice.get("token_ids") or []]
 
 
 @dataclass(frozen=True)
@@ -412,19 +431,11 @@ class VllmServer:
             if resp.status != 200:
                 error = resp.read()[:500].decode(errors="replace")
                 return StreamedCompletion(resp.status, [], -1.0, time.monotonic() - start, error)
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                for choice in chunk.get("choices") or []:
-                    ids = choice.get("token_ids") or []
-                    if ids and ttft < 0:
-                        ttft = time.monotonic() - start
-                    tokens.extend(ids)
+            for chunk in completion_chunks(resp):
+                ids = chunk_token_ids(chunk)
+                if ids and ttft < 0:
+                    ttft = time.monotonic() - start
+                tokens.extend(ids)
             return StreamedCompletion(resp.status, tokens, ttft, time.monotonic() - start)
         except (OSError, ValueError) as exc:
             return StreamedCompletion(0, tokens, ttft, time.monotonic() - start, repr(exc))
