@@ -3,7 +3,7 @@ scraped from a real ``kvcached serve`` in front of a real vLLM CPU engine and pa
 with Prometheus' own parser: each is there per served model, with its type and range,
 and moves as docs/kubernetes.md says while a model serves, sleeps, wakes or fails.
 
-One serve for the module (the helpers of tests/integration/serve/test_serve_vllm.py):
+One serve for the module (tests/integration/serve/served.py):
 ``alpha`` (vLLM, eager, alias ``a-``), ``beta`` (vLLM, lazy: never started here) and
 ``gamma`` (a command that exits at once, never restarted: failed, with
 ``on_model_failure: keep-serving``). One engine start in all.
@@ -24,9 +24,6 @@ import pytest
 from kvcached.serve import podlabels
 from tests.engines import require_engine_version
 
-# test_serve_vllm's own skips, taken here first: once pytest has collected that
-# module and it skipped, importing from it finds a half-made module (ImportError
-# in a venv without vLLM, e.g. `pytest tests/integration/serve tests/deploy`).
 pytest.importorskip("openai", reason="the client: vLLM brings it (pip install openai)")
 require_engine_version("vllm")
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
@@ -34,7 +31,7 @@ prometheus = pytest.importorskip("prometheus_client.parser", reason='pip install
 
 from tests.integration.serve.serve_models import words, write_model  # noqa: E402
 from tests.integration.serve.serve_process import free_port  # noqa: E402
-from tests.integration.serve.test_serve_vllm import (  # noqa: E402
+from tests.integration.serve.served import (  # noqa: E402
     START_S,
     Served,
     serving,
