@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,15 +18,8 @@ from typing import Any
 import pytest
 
 from kvcached.serve.engine import MARKER, marked_groups
+from tests.integration.serve.serve_process import free_port, http_get, http_post
 from tests.serve.serve_helpers import FAKE, fake_model
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Cli:
@@ -55,25 +46,11 @@ class Cli:
 
 
 def get(port: int, path: str) -> tuple[int, Any]:  # noqa: ANN401
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_get(port, path, timeout_s=10)
 
 
 def post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:  # noqa: ANN401
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_post(port, path, body)
 
 
 def wait_for(check: Any, timeout_s: float, what: str, cli: Cli | None = None) -> Any:  # noqa: ANN401

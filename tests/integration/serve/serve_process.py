@@ -1,14 +1,19 @@
 """A ``kvcached serve`` process for the serve tests: a free port, the environment
-it runs in, its start and its stop (no engine imported here, no client needed)."""
+it runs in, its start and its stop, and plain JSON over HTTP to it (no engine
+imported here, no client needed)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -53,3 +58,33 @@ def stop_serve(proc: subprocess.Popen[bytes], grace_s: float = 120) -> None:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def http_get(port: int, path: str, timeout_s: float = 30) -> tuple[int, Any]:  # noqa: ANN401
+    """``GET`` on loopback: the status and the JSON body (its text if not JSON),
+    error statuses included."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as r:
+            body, status = r.read(), r.status
+    except urllib.error.HTTPError as exc:
+        body, status = exc.read(), exc.code
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
+
+
+def http_post(port: int, path: str, body: object, timeout_s: float = 30) -> tuple[int, Any]:  # noqa: ANN401
+    """``POST`` of ``body`` as JSON on loopback: the status and the JSON answer,
+    error statuses included."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tests.integration.serve.serve_models import dummy_vllm_args
-from tests.integration.serve.serve_process import serve_env, start_serve, stop_serve
+from tests.integration.serve.serve_process import (
+    http_get,
+    http_post,
+    serve_env,
+    start_serve,
+    stop_serve,
+)
 
 if TYPE_CHECKING:
     import openai
@@ -69,37 +75,12 @@ class Served:
         )
 
     def get(self, path: str) -> tuple[int, object]:
-        import urllib.error
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
-                body = r.read()
-                status = r.status
-        except urllib.error.HTTPError as exc:
-            body, status = exc.read(), exc.code
-        try:
-            return status, json.loads(body)
-        except ValueError:
-            return status, body.decode()
+        return http_get(self.port, path)
 
     def post(
         self, path: str, body: dict[str, object], port: int | None = None
     ) -> tuple[int, object]:
-        import urllib.error
-        import urllib.request
-
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port or self.port}{path}",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=600) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return http_post(port or self.port, path, body, timeout_s=600)
 
     def state(self, model: str) -> dict[str, object]:
         status, doc = self.get(f"/v1/models/{self.name(model)}/state")
