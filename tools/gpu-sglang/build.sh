@@ -45,7 +45,7 @@ sgl_kernel/sm90/common_ops.abi3.so"
 # sampling, triton attention; sglang imports flashinfer.sampling at module level on CUDA), and
 # xgrammar's compiled library (its __init__ is replaced by xgrammar_lite_init.py).
 DEP_DROPS="flashinfer/data xgrammar/lib xgrammar/libxgrammar_bindings.so xgrammar/__init__.py"
-FORMAT=1   # bump when the layout of the built part changes
+FORMAT=2   # bump when the layout of the built part changes (2: sgl_kernel's FlashInfer switch)
 
 say() { printf '%s\n' "$*"; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
@@ -117,6 +117,12 @@ else
     "$PY" "$HERE/buildtool.py" unpack "$work/site" "$WHL/$SGLANG_WHL" "${drops[@]}"
     drops=(); for d in $KERNEL_DROPS; do drops+=(--drop "$d"); done
     "$PY" "$HERE/buildtool.py" unpack "$work/site" "$WHL/$KERNEL_WHL" "${drops[@]}"
+    # sgl_kernel's norms and samplers call FlashInfer's when it imports, and FlashInfer would
+    # JIT-compile them from flashinfer/data (not shipped): they take sgl_kernel's own sm_90 ops.
+    for f in elementwise sampling; do
+        "$PY" "$HERE/buildtool.py" edit "$work/site/sgl_kernel/$f.py" "    _has_flashinfer = True" \
+            "    _has_flashinfer = False  # gpu-sglang: no FlashInfer JIT sources; sgl_kernel's own ops"
+    done
     "$PY" - "$WHL/$KERNEL_WHL" "$work/common_ops_full.so" <<'PYEOF'
 import shutil, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z, z.open("sgl_kernel/sm90/common_ops.abi3.so") as s, open(sys.argv[2], "wb") as d:
@@ -136,7 +142,7 @@ PYEOF
         echo "packages in site.tar.xz:"
         (cd "$work/site" && ls -d *.dist-info | sed 's/\.dist-info$//; s/^/  /')
         echo "left out of the SGLang wheel: $(echo $SGLANG_DROPS)"
-        echo "left out of sglang-kernel: $(echo $KERNEL_DROPS) (sm90/common_ops ships cut to sm_90)"
+        echo "left out of sglang-kernel: $(echo $KERNEL_DROPS) (sm90/common_ops ships cut to sm_90; elementwise.py and sampling.py: _has_flashinfer = False)"
         echo "left out of the packages: $(echo $DEP_DROPS) (xgrammar/__init__.py: xgrammar_lite_init.py)"
         echo "unpacked: $(du -sm "$work/site" | cut -f1) MB"
     } > "$work/MANIFEST.txt"

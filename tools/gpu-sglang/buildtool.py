@@ -13,6 +13,9 @@ buildtool.py cut-sm90 SRC DST
     ``.nv_fatbin`` section to the sm_90 cubins (or, in a container without
     one, its PTX for <= 9.0). Containers with nothing for sm_90 stay as they
     are. Layout, symbols and relocations are unchanged.
+buildtool.py edit FILE OLD NEW
+    Replace the one line of FILE that equals OLD (whitespace included) by NEW;
+    no such line, or more than one, is an error (the wheel changed: look again).
 """
 
 from __future__ import annotations
@@ -116,6 +119,17 @@ def cut_sm90(src: str, dst: str) -> None:
     )
 
 
+def edit(path: str, old: str, new: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    hits = [i for i, line in enumerate(lines) if line == old]
+    if len(hits) != 1:
+        sys.exit(f"buildtool: edit {path}: {len(hits)} lines equal {old!r}, not one")
+    lines[hits[0]] = new
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "unpack":
         rest, drops, wheels = argv[2:], [], []
@@ -128,6 +142,8 @@ def main(argv: list[str]) -> None:
         unpack(argv[1], wheels, drops)
     elif len(argv) == 3 and argv[0] == "cut-sm90":
         cut_sm90(argv[1], argv[2])
+    elif len(argv) == 4 and argv[0] == "edit":
+        edit(argv[1], argv[2], argv[3])
     else:
         sys.exit(__doc__)
 

@@ -104,6 +104,10 @@ PYEOF
 case ":${PYTHONPATH:-}:" in *:/tmp/sgsite:*) ;; *) export PYTHONPATH=/tmp/sgsite${PYTHONPATH:+:$PYTHONPATH} ;; esac
 case ":$PATH:" in *:/tmp/sgsite/bin:*) ;; *) export PATH=/tmp/sgsite/bin:$PATH ;; esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 SGLANG_IS_FLASHINFER_AVAILABLE=false
+# SGLang's JIT kernels (rope, ...) are built by tvm-ffi, which links -lcudart from $CUDA_HOME and
+# otherwise takes the folder above the nvcc on PATH (a wrapper script there has no lib64).
+if [ -z "${CUDA_HOME:-}" ]; then for _d in /usr/local/cuda /usr/local/cuda-13*; do
+  [ -x "$_d/bin/nvcc" ] && [ -e "$_d/lib64/libcudart.so" ] && { export CUDA_HOME=$_d; break; }; done; fi
 # The arguments every bundle server needs (what the bundle carries): Triton attention (no FA3),
 # torch sampling (no FlashInfer kernels), no grammar backend (no xgrammar library).
 GS_ARGS="--attention-backend triton --sampling-backend pytorch --grammar-backend none"
@@ -126,7 +130,7 @@ gs_stop() { local pid i; pid=$(cat "/tmp/gpu-sglang/$1.pid" 2>/dev/null) || retu
 ENVEOF
     . "$state/env.sh"
     echo "gpu-sglang: ready in $(_gs_dt "$t0") s. Environment (also in $state/env.sh, with gs_serve/gs_wait/gs_stop):"
-    sed -n '1,5p' "$state/env.sh"
+    sed -n '1,3p' "$state/env.sh"; echo "CUDA_HOME=${CUDA_HOME:-(unset)}"
 }
 
 if (return 0 2>/dev/null); then

@@ -3,13 +3,14 @@
 #   bash .gpu/sglang/selftest.sh [SHAPE]                       (SHAPE: qwen2.5-0.5b)
 # 1. the imports a server needs (sglang, its scheduler and model runner, sgl_kernel's sm_90
 #    ops, flashinfer.sampling, the xgrammar stand-in, kvcached), each reported on its own;
-# 2. make_model.py SHAPE with real random weights under /tmp/gs-model (timed);
-# 3. SGLang's HTTP server on it natively ($GS_ARGS, --disable-cuda-graph): a completion, a chat
+# 2. sgl_kernel's RMSNorm and SGLang's JIT rope outside a server (built by the device's nvcc);
+# 3. make_model.py SHAPE with real random weights under /tmp/gs-model (timed);
+# 4. SGLang's HTTP server on it natively ($GS_ARGS, --disable-cuda-graph): a completion, a chat
 #    completion, one 128-token greedy stream; no `[kvcached]` line in its log;
-# 4. the same with ENABLE_KVCACHED=true: kvcached's "patch on" line and elastic pools in the log,
+# 5. the same with ENABLE_KVCACHED=true: kvcached's "patch on" line and elastic pools in the log,
 #    `kvctl list` while it runs, the same greedy completion as natively;
-# 5. each server stopped by its process group, nothing of it left, no GPU process left.
-# Stage 4 runs only if the run is still under GS_BEFORE seconds (default 330).
+# 6. each server stopped by its process group, nothing of it left, no GPU process left.
+# Stage 5 runs only if the run is still under GS_BEFORE seconds (default 330).
 # A server wait gives up GS_DEADLINE - 30 s after the start (default 540 s: stay under timeout_s).
 # Summary: $OUT/selftest.txt (or /tmp/gpu-sglang/selftest.txt); server logs beside it.
 set -u
@@ -38,6 +39,28 @@ for m in sglang sglang.srt.managers.scheduler sglang.srt.model_executor.model_ru
         bad "import $m: $(echo "$r" | grep -E 'Error|error' | tail -1 | cut -c1-300)"
     fi
 done
+# The kernels a dense model's forward calls first, outside a server: sgl_kernel's RMSNorm (its own
+# sm_90 op: FlashInfer's would need JIT sources the bundle lacks) against torch, and SGLang's
+# fused rope, JIT-built by tvm-ffi with the device's nvcc (its build time is a server's first start).
+r=$(python3 - 2>&1 <<'PYEOF'
+import time, torch
+from sgl_kernel import rmsnorm
+from sglang.kernels.ops.attention.rope import apply_rope_with_cos_sin_cache_inplace
+x = torch.randn(8, 896, device="cuda", dtype=torch.bfloat16)
+w = torch.rand(896, device="cuda", dtype=torch.bfloat16)
+ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float())
+err = (rmsnorm(x, w, 1e-6).float() - ref).abs().max().item()
+q = torch.randn(8, 14, 64, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+t = time.time()
+apply_rope_with_cos_sin_cache_inplace(q, k, torch.randn(4096, 64, device="cuda"),
+                                      torch.arange(8, device="cuda"), is_neox=True)
+torch.cuda.synchronize()
+print(f"rmsnorm max error {err:.3g}; fused rope built and ran in {time.time() - t:.1f} s")
+assert err < 0.1, err
+PYEOF
+) && say "kernels: $(echo "$r" | tail -1) (CUDA_HOME=${CUDA_HOME:-unset})" ||
+    bad "kernels: $(echo "$r" | grep -E 'Error|error|ninja|ld:' | tail -3 | cut -c1-300)"
 say "make_model $SHAPE: $(python3 "$GS/make_model.py" --shape "$SHAPE" --out "$M" 2>"$OUTD/make_model.err" | tail -1)"
 [ -f "$M/config.json" ] || { bad "make_model (see make_model.err)"; exit 1; }
 

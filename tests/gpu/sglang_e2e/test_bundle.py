@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.gpu.sglang_e2e import checks as ck
@@ -61,3 +62,24 @@ def test_the_xgrammar_stand_in_names_what_is_missing() -> None:
     # What SGLang 0.5.17 imports from xgrammar at module level.
     assert "StructuralTag" in text and "get_model_structural_tag" in text
     assert "--grammar-backend none" in text
+
+
+def test_the_build_edit_replaces_exactly_one_line(tmp_path: Path) -> None:
+    """build.sh switches sgl_kernel off FlashInfer's JIT norms by editing one line;
+    a wheel where that line is missing or doubled stops the build instead of
+    shipping a bundle whose first forward fails on the device."""
+    tool = [sys.executable, str(TOOL / "buildtool.py"), "edit"]
+    old, new = "    _has_flashinfer = True", "    _has_flashinfer = False"
+    one = tmp_path / "one.py"
+    one.write_text(f"try:\n    import flashinfer.norm\n{old}\nexcept ImportError:\n{new}\n")
+    done = subprocess.run([*tool, str(one), old, new], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert one.read_text().count(new) == 2 and old not in one.read_text()
+    for body in ("nothing here\n", f"{old}\n{old}\n"):
+        bad = tmp_path / "bad.py"
+        bad.write_text(body)
+        done = subprocess.run([*tool, str(bad), old, new], capture_output=True, text=True)
+        assert done.returncode != 0 and "not one" in done.stderr
+        assert bad.read_text() == body
+    build = (TOOL / "build.sh").read_text()
+    assert "_has_flashinfer = True" in build and "elementwise sampling" in build
