@@ -64,6 +64,13 @@ def commit() -> tuple[str, bool | None]:
     return head, (bool(status) if status is not None else None)
 
 
+def commit_label() -> str:
+    """The commit as one string, ``-dirty`` appended where tracked files differ:
+    for result files that carry a top-level ``commit`` beside their block."""
+    sha, dirty = commit()
+    return sha + ("-dirty" if dirty else "")
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -35,7 +35,6 @@ import gc
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -269,19 +268,7 @@ def environment(driver) -> dict:
         v = ctypes.c_int()
         if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v)) == 0:
             env["cuda_driver_version"] = v.value
-    try:
-        env["git_commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+    env["git_commit"] = _provenance.commit()[0]
     return env
 
 

@@ -34,7 +34,6 @@ import os
 import platform
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -165,18 +164,6 @@ SHAPES = {
 }
 
 
-def _git_head() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or "?"
-        )
-    except OSError:
-        return "?"
-
-
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="cuda", choices=("cuda", "hip", "host"))
@@ -205,7 +192,7 @@ def main() -> dict:
     result = {
         "benchmark": "driver_threads",
         "command": " ".join(["python3", *sys.argv]),
-        "commit": os.environ.get("KVCACHED_COMMIT") or _git_head(),
+        "commit": _provenance.commit()[0],
         "machine": platform.node(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "device": driver.info().as_dict(),

@@ -51,7 +51,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -340,27 +339,6 @@ def profile(repeats: int = 9, n: int = 20000) -> dict:
     return out
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-            timeout=10,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "kvcached", "benchmarks"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=0.5)
@@ -449,7 +427,7 @@ def main() -> None:
         "benchmark": "ledger grant+refund pairs (2 MiB pages), one pool per process, one "
         "ledger file in /dev/shm; pairs/s summed over the processes",
         "command": "python benchmarks/ledger.py " + " ".join(sys.argv[1:]),
-        "commit": _commit(),
+        "commit": _provenance.commit_label(),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

@@ -510,28 +510,6 @@ def explain_growth(result: dict) -> dict:
     }
 
 
-def _commit() -> str:
-    """The checkout's commit (``KVCACHED_COMMIT`` where the tree travelled
-    without its .git, as to the GPU machine)."""
-    import subprocess
-
-    if os.environ.get("KVCACHED_COMMIT"):
-        return os.environ["KVCACHED_COMMIT"]
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                cwd=Path(__file__).parent,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or "?"
-        )
-    except OSError:
-        return "?"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=("host", "cuda", "hip"), default="host")
@@ -562,7 +540,7 @@ def main() -> None:
         "benchmark": "memory",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": prov["commit"],
         "machine": platform.node(),
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "device": info.as_dict(),

@@ -69,6 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import _provenance
 from kvharness.vllm_model import write_tiny_llama
 from kvharness.vllm_server import free_port, group_cpu_s, group_stats
 
@@ -125,17 +126,6 @@ def pin_group(pgid: int, cpus: set[int]) -> int:
                     os.sched_setaffinity(int(tid), cpus)
                     n += 1
     return n
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def utc_now() -> str:
@@ -326,7 +316,7 @@ def main() -> int:
     env.pop("KVCACHED_IPC_NAME", None)
     result: dict[str, Any] = {
         "benchmark": "serve",
-        "commit": commit(),
+        "commit": _provenance.commit_label(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
         "machine": machine(),

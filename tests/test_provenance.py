@@ -146,3 +146,22 @@ def test_every_committed_result_made_from_a_dirty_tree_says_so():
         prov = data.get("provenance") if isinstance(data, dict) else None
         if isinstance(prov, dict) and prov.get("tree_dirty") is True:
             assert "tree with uncommitted changes" in prov.get("dirty_tree_note", ""), path
+
+
+def test_only_provenance_asks_git_for_the_commit():
+    """A benchmark that read ``git rev-parse`` itself recorded the GPU machine's
+    stale copy of .git (bc48425 in memory-h100.json, whose tree was 382c7a6):
+    every top-level ``commit`` now comes from _provenance, which honours
+    KVCACHED_BENCH_COMMIT."""
+    bench = Path(_provenance.__file__).parent
+    asking = [
+        p.name
+        for p in sorted(bench.rglob("*.py"))
+        if p.name != "_provenance.py" and "rev-parse" in p.read_text(encoding="utf-8")
+    ]
+    assert asking == []
+
+
+def test_commit_label_marks_a_copied_tree_by_its_name(monkeypatch):
+    monkeypatch.setenv("KVCACHED_BENCH_COMMIT", "abc1234")
+    assert _provenance.commit_label() == "abc1234"
