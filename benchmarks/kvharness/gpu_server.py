@@ -49,6 +49,9 @@ class Server:
         self.env = {**os.environ, **env}
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
+        #: The log's size when the stop signal went out: what the server wrote
+        #: before it (an engine that prints no shutdown line of its own).
+        self.log_bytes_at_stop: int | None = None
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +104,8 @@ class Server:
         if self.proc is None:
             return 0.0
         t = time.time()
+        with contextlib.suppress(OSError):
+            self.log_bytes_at_stop = self.log.stat().st_size
         try:
             os.killpg(self.proc.pid, signal.SIGINT)
         except ProcessLookupError:

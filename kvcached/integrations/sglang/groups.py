@@ -401,6 +401,44 @@ def _install_scheduler(
     p.replace(scheduler_cls, "get_next_batch_to_run", get_next_batch_to_run)
     p.replace(scheduler_cls, "_get_new_batch_prefill_raw", _get_new_batch_prefill_raw)
     p.replace(batch_cls, "prepare_for_extend", prepare_for_extend)
+    _install_pool_accounting(p)
+
+
+def unbacked_tokens(slots: Any, total: int, available: int) -> int:
+    """The tokens of SGLang's pool of ``total`` that are neither held (SGLang's
+    live blocks) nor ``available`` (what the allocator reported): capacity the
+    physical budget does not back now. A static pool has none; an elastic one
+    has all of it that other processes hold or that was never mapped."""
+    return total - slots.n_live * slots.block_tokens - available
+
+
+def _install_pool_accounting(p: Patcher) -> None:
+    """SGLang's invariant checker (idle, and busy when asked) accounts the pool
+    as ``available + evictable + protected + session_held + uncached == total``
+    and raises on a difference by default (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``).
+    Over an elastic allocator ``available`` is what the physical budget allows,
+    below ``total`` whenever memory is elsewhere, so the unbacked rest is
+    counted with ``uncached``: the check then is SGLang's own over what is held
+    (cached + protected + in flight == SGLang's live blocks), and still fails
+    on a real leak."""
+    from sglang.srt.managers.scheduler_components import invariant_checker as module
+
+    checker_cls = module.SchedulerInvariantChecker
+    check_full = original(checker_cls._check_full_pool)
+
+    @functools.wraps(check_full)
+    def _check_full_pool(self: Any, ps: Any, uncached: int = 0) -> Any:
+        slots = getattr(self.token_to_kv_pool_allocator, "kvcached_slots", None)
+        if (
+            slots is None
+            or getattr(self, "is_hybrid_swa", False)
+            or getattr(self, "is_hybrid_ssm", False)
+        ):
+            return check_full(self, ps, uncached=uncached)
+        extra = unbacked_tokens(slots, self.max_total_num_tokens, ps.full_available_size)
+        return check_full(self, ps, uncached=uncached + extra)
+
+    p.replace(checker_cls, "_check_full_pool", _check_full_pool)
 
 
 def _install_scheduler_with_decode_gate(p: Patcher, module: ModuleType) -> None:

@@ -49,6 +49,16 @@ def text_of(log: Path) -> str:
     return log.read_text(errors="replace") if log.exists() else ""
 
 
+def findings(server: Server, kvcached: bool) -> dict[str, Any]:
+    """:func:`checks.log_findings` of a server's log, split where the harness
+    sent its stop signal (the whole log if it never did)."""
+    data = server.log.read_bytes() if server.log.exists() else b""
+    cut = server.log_bytes_at_stop
+    cut = len(data) if cut is None else min(cut, len(data))
+    before, after = (data[:cut].decode(errors="replace"), data[cut:].decode(errors="replace"))
+    return ck.log_findings(before, kvcached, shutdown=after)
+
+
 def new_server(args: argparse.Namespace, path: Path, name: str, port: int, env: dict[str, str],
                mem_fraction: float) -> SGLangServer:  # fmt: skip
     argv = ck.server_args(
@@ -90,7 +100,7 @@ def model_cases(args: argparse.Namespace, path: Path, details: dict) -> dict[str
     native = (results.get("native") or {}).get("phases")
     for kind, r in results.items():
         kvcached = kind != "native"
-        found = ck.log_findings(text_of(servers[kind].log), kvcached)
+        found = findings(servers[kind], kvcached)
         c: dict[str, Any] = ck.server_checks(r, found, kvcached)
         figures: dict[str, Any] = {}
         if kvcached:
@@ -138,7 +148,7 @@ def limit_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
     finally:
         rec["exit_s"] = server.stop()
         c["clean_exit_within_90s"] = rec["exit_s"] is not None
-    found = ck.log_findings(text_of(server.log), True)
+    found = findings(server, True)
     c.update(log_verdicts([found]))
     details["limit"] = {**rec, "log": found}
     return {f"sglang-{args.model}/limit": c}
@@ -179,7 +189,7 @@ def elastic_case(args: argparse.Namespace, path: Path, details: dict) -> dict[st
         servers_ready(servers, args.ready_s, rec, c)
         # SGLang's flush runs in the scheduler's next round.
         elastic_steps(servers, tok, rec, c, words=args.words, flush_s=2)
-    found = {k: ck.log_findings(text_of(s.log), True) for k, s in servers.items()}
+    found = {k: findings(s, True) for k, s in servers.items()}
     c.update(log_verdicts(found.values()))
     details["elastic"] = {**rec, "log": found}
     return {f"sglang-{args.model}/elastic": c}

@@ -99,16 +99,21 @@ def server_args(
     return argv + list(extra)
 
 
-def log_findings(text: str, kvcached: bool) -> dict[str, Any]:
+def log_findings(text: str, kvcached: bool, shutdown: str = "") -> dict[str, Any]:
     """What one server's log shows: bad lines, kvcached's lines, and the one
-    verdict this kind needs (``kvcached_active`` or ``no_kvcached_line``)."""
-    bad = [b for b in BAD_LINES if b in text]
-    kv_lines = [ln for ln in text.splitlines() if "[kvcached]" in ln]
+    verdict this kind needs (``kvcached_active`` or ``no_kvcached_line``).
+    ``shutdown`` is what it wrote after the harness' stop signal: SGLang's
+    children print a ``KeyboardInterrupt`` traceback there on every Ctrl-C,
+    so only a CUDA error counts in it (vLLM's runner does the same after
+    vLLM's own ``[shutdown]`` line)."""
+    bad = [b for b in BAD_LINES if b in text] + [b for b in BAD_LINES[1:] if b in shutdown]
+    kv_lines = [ln for ln in (text + shutdown).splitlines() if "[kvcached]" in ln]
     kv_bad = [b for b in KVCACHED_BAD if any(b in ln for ln in kv_lines)]
     found: dict[str, Any] = {
         "no_traceback_or_cuda_error": not bad,
         "bad": bad + kv_bad,
         "kvcached_lines": kv_lines[:12],
+        "shutdown_tracebacks": shutdown.count(BAD_LINES[0]),
     }
     if kvcached:
         active = all(any(a in ln for ln in kv_lines) for a in KVCACHED_ACTIVE)

@@ -54,7 +54,7 @@ def vllm_server(args: argparse.Namespace, path: Path, env: dict[str, str]) -> Se
 
 
 def mixed_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str, dict]:
-    from tests.gpu.sglang_e2e.__main__ import new_server, running, text_of
+    from tests.gpu.sglang_e2e.__main__ import findings, new_server, running
 
     case = f"mixed-vllm-0.26+sglang-0.5.17-{args.model}"
     if not (VLLM_SITE / "vllm").is_dir():
@@ -94,7 +94,7 @@ def mixed_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
         results = load_at_once(servers, tok, args.words, 23)
         c["both_at_once_every_request_ok"] = all(ok_replies(r) for r in results.values())
         c["alive_after_load"] = all(s.alive() for s in servers.values())
-    found = {"sglang": ck.log_findings(text_of(sg.log), True), "vllm": log_findings(vl.log, True)}
+    found = {"sglang": findings(sg, True), "vllm": log_findings(vl.log, True)}
     c.update(log_verdicts(found.values()))
     details["mixed"] = {**rec, "log": found}
     return {case: c}

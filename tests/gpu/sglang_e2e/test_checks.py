@@ -158,3 +158,30 @@ def test_failed_checks_and_the_summary_shape() -> None:
     assert failed_checks(cases) == [("a", "y"), ("c", "z"), ("b", "(no checks)")]
     assert failed_checks({"a": {"x": True}}) == []
     json.dumps({"cases": cases})  # what summary.json holds is plain JSON
+
+
+def test_a_traceback_after_the_stop_signal_is_shutdown_noise_a_cuda_error_is_not() -> None:
+    """SGLang 0.5.17's detokenizer prints a KeyboardInterrupt traceback on every
+    Ctrl-C (the first GPU run failed its native server on it): after the stop
+    only a CUDA error counts; before it a traceback still fails."""
+    interrupt = "Traceback (most recent call last):\n  KeyboardInterrupt\n"
+    quiet = ck.log_findings(KV_LOG, kvcached=True, shutdown=interrupt)
+    assert quiet["no_traceback_or_cuda_error"] and quiet["shutdown_tracebacks"] == 1
+    cuda = ck.log_findings(KV_LOG, kvcached=True, shutdown="CUDA error: an illegal access\n")
+    assert not cuda["no_traceback_or_cuda_error"]
+    early = ck.log_findings(KV_LOG + interrupt, kvcached=True, shutdown="")
+    assert not early["no_traceback_or_cuda_error"]
+
+
+def test_findings_split_the_log_where_the_stop_signal_went_out(tmp_path) -> None:
+    from types import SimpleNamespace as NS
+
+    from tests.gpu.sglang_e2e.__main__ import findings
+
+    log = tmp_path / "s.log"
+    before = KV_LOG
+    log.write_text(before + "Traceback (most recent call last):\n  KeyboardInterrupt\n")
+    stopped = NS(log=log, log_bytes_at_stop=len(before.encode()))
+    assert findings(stopped, True)["no_traceback_or_cuda_error"]
+    never_stopped = NS(log=log, log_bytes_at_stop=None)
+    assert not findings(never_stopped, True)["no_traceback_or_cuda_error"]

@@ -26,6 +26,7 @@ class FakeServer:
     def __init__(self, name: str, port: int, args: list[str], env: dict, log: Path) -> None:
         self.name, self.log, self.env, self.proc = name, log, env, FakeProc()
         self.kvcached = env.get("ENABLE_KVCACHED") == "true"
+        self.log_bytes_at_stop: int | None = None
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -38,6 +39,7 @@ class FakeServer:
         return True
 
     def stop(self) -> float:
+        self.log_bytes_at_stop = self.log.stat().st_size if self.log.exists() else None
         return 0.5
 
     def reset_prefix_cache(self) -> int:

@@ -17,6 +17,8 @@ Skips without SGLang; fails instead under ``KVCACHED_REQUIRE_ENGINES=sglang``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -685,3 +687,79 @@ def test_profiling_ignores_memory_other_engines_hold(monkeypatch, pools_group, t
     finally:
         other.refund(grab)
         other.close()
+
+
+# -- SGLang's pool invariant check over an elastic pool --------------------------------------
+
+
+def _invariant_checker(alloc, total: int, protected: int):
+    """SGLang's own ``SchedulerInvariantChecker`` over ``alloc`` (the state its
+    ``_check_full_pool`` reads, for a plain, non-hybrid pool)."""
+    from sglang.srt.managers.scheduler_components.invariant_checker import (
+        SchedulerInvariantChecker,
+    )
+
+    state = {
+        "token_to_kv_pool_allocator": alloc,
+        "max_total_num_tokens": total,
+        "is_hybrid_swa": False,
+        "is_hybrid_ssm": False,
+        "page_size": alloc.page_size,
+        "tree_cache": NS(protected_size=lambda: protected),
+        "pool_stats_observer": NS(session_held_tokens=lambda: 0),
+        "server_args": NS(dcp_size=1),
+    }
+    # A slotted dataclass whose fields differ between releases: ours where we
+    # have them, None for what this check does not read.
+    fields = dataclasses.fields(SchedulerInvariantChecker)
+    return SchedulerInvariantChecker(
+        **{f.name: state.get(f.name) for f in fields if f.name in state or _required(f)}
+    )
+
+
+def _single_process():
+    """0.5.22 on reads the decode-context-parallel width from a published
+    parallel config; one process, none published: say it is off."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:  # 0.5.17-0.5.21: the check reads server_args.dcp_size
+        return contextlib.nullcontext()
+    return get_parallel().override(dcp_enabled=False)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def test_sglangs_idle_pool_check_counts_what_the_budget_does_not_back(scheduler_group):
+    """A real H100 run (results/h100/sglang-0.5.17/models-1) died at the first
+    idle moment: SGLang's strict check (on by default) found ``available +
+    cached + held != total`` because an elastic pool's ``available`` is what
+    the physical budget allows. With the scheduler group the unbacked rest is
+    counted, the check passes on an exact account and still finds a real leak."""
+    alloc, kv, usable = elastic_allocator(48, 1, budget_pages=2)
+    try:
+        assert usable == 31
+        assert alloc.alloc(10) is not None  # held: 4 tokens cached, 6 protected
+        available = alloc.available_size()
+        assert available == 21
+        ps = NS(full_available_size=available, full_evictable_size=4, full_capacity=48)
+        with _single_process():
+            leak, msg = _invariant_checker(alloc, 48, protected=6)._check_full_pool(ps)
+            assert not leak, msg
+            leak, msg = _invariant_checker(alloc, 48, protected=3)._check_full_pool(ps)
+        assert leak, "three held tokens that nothing accounts for are a leak"
+    finally:
+        kv.close()
+
+
+def test_without_the_scheduler_group_sglangs_check_calls_an_elastic_pool_a_leak():
+    alloc, kv, _ = elastic_allocator(48, 1, budget_pages=2)
+    try:
+        assert alloc.alloc(10) is not None
+        ps = NS(full_available_size=alloc.available_size(), full_evictable_size=4, full_capacity=48)
+        with _single_process():
+            leak, _ = _invariant_checker(alloc, 48, protected=6)._check_full_pool(ps)
+        assert leak  # what the H100 run met: the reason for the group's wrapper
+    finally:
+        kv.close()
