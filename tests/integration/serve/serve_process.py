@@ -60,31 +60,40 @@ def stop_serve(proc: subprocess.Popen[bytes], grace_s: float = 120) -> None:
             proc.kill()
 
 
-def http_get(port: int, path: str, timeout_s: float = 30) -> tuple[int, Any]:  # noqa: ANN401
-    """``GET`` on loopback: the status and the JSON body (its text if not JSON),
-    error statuses included."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as r:
-            body, status = r.read(), r.status
-    except urllib.error.HTTPError as exc:
-        body, status = exc.read(), exc.code
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode(errors="replace")
-
-
-def http_post(port: int, path: str, body: object, timeout_s: float = 30) -> tuple[int, Any]:  # noqa: ANN401
-    """``POST`` of ``body`` as JSON on loopback: the status and the JSON answer,
-    error statuses included."""
+def http_json(
+    port: int,
+    path: str,
+    body: object = None,
+    *,
+    key: str | None = None,
+    timeout_s: float = 30,
+) -> tuple[int, Any]:  # noqa: ANN401
+    """``GET`` (no ``body``) or ``POST`` of ``body`` as JSON on loopback, with a
+    bearer ``key`` if given: the status and the JSON answer (its text if not
+    JSON), error statuses included."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
+        data=None if body is None else json.dumps(body).encode(),
+        method="GET" if body is None else "POST",
+        headers=headers,
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.status, json.loads(r.read())
+            raw, status = r.read(), r.status
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def http_get(port: int, path: str, timeout_s: float = 30) -> tuple[int, Any]:  # noqa: ANN401
+    return http_json(port, path, timeout_s=timeout_s)
+
+
+def http_post(port: int, path: str, body: object, timeout_s: float = 30) -> tuple[int, Any]:  # noqa: ANN401
+    return http_json(port, path, {} if body is None else body, timeout_s=timeout_s)

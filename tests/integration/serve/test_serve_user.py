@@ -15,8 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ require_engine_version("vllm")  # in a child: importing vLLM rewrites os.environ
 pytest.importorskip("aiohttp", reason='kvcached serve needs aiohttp: pip install ".[serve]"')
 
 from tests.integration.serve.serve_models import dummy_vllm_args, words, write_model  # noqa: E402
-from tests.integration.serve.serve_process import free_port, start_serve  # noqa: E402
+from tests.integration.serve.serve_process import free_port, http_json, start_serve  # noqa: E402
 from tests.integration.serve.serve_process import serve_env as process_env  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -48,24 +46,7 @@ def serve_env(work: Path) -> dict[str, str]:
 def request(
     port: int, path: str, body: dict[str, Any] | None = None, key: str | None = None
 ) -> tuple[int, Any]:  # noqa: ANN401
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}",
-        data=None if body is None else json.dumps(body).encode(),
-        method="GET" if body is None else "POST",
-        headers=headers,
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            raw, status = r.read(), r.status
-    except urllib.error.HTTPError as exc:
-        raw, status = exc.read(), exc.code
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
+    return http_json(port, path, body, key=key, timeout_s=300)
 
 
 def test_a_vllm_that_cannot_start_stops_serve_with_its_own_error(tmp_path):
