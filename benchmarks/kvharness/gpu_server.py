@@ -200,11 +200,18 @@ def gpu_pids() -> set[int]:
 SHUTDOWN_MARK = "[shutdown]"
 
 
+def error_lines(before: str, shutdown: str = "") -> list[str]:
+    """The error signatures in a server's log: any of :data:`BAD_LINES` in what
+    it wrote before its shutdown; in what it wrote after, only a CUDA error (a
+    child's traceback on the stop signal is shutdown noise)."""
+    return [b for b in BAD_LINES if b in before] + [b for b in BAD_LINES[1:] if b in shutdown]
+
+
 def log_findings(log: Path, kvcached: bool) -> dict[str, Any]:
     full = log.read_text(errors="replace") if log.exists() else ""
     cut = full.find(SHUTDOWN_MARK)
     text, tail = (full, "") if cut < 0 else (full[:cut], full[cut:])
-    bad = [b for b in BAD_LINES if b in text] + [b for b in BAD_LINES[1:] if b in tail]
+    bad = error_lines(text, tail)
     kv_lines = [ln for ln in full.splitlines() if "[kvcached]" in ln]
     kv_bad = [b for b in KVCACHED_BAD if b in full]
     active = all(any(a in ln for ln in kv_lines) for a in KVCACHED_ACTIVE)

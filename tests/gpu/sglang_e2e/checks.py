@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.kvharness.gpu_server import BAD_LINES, error_lines
 from tests.gpu.e2e_cases import ok_replies
 
 LOGPROB_TOL = 0.05
@@ -39,8 +40,6 @@ BUNDLE_ARGS = (
     "none",
 )
 
-#: What a log must not contain, whatever the case.
-BAD_LINES = ("Traceback (most recent call last)", "CUDA error", "RuntimeError: CUDA")
 #: kvcached's own failure lines: a patch group undone, a version not supported,
 #: pools left native.
 KVCACHED_BAD = (
@@ -104,9 +103,9 @@ def log_findings(text: str, kvcached: bool, shutdown: str = "") -> dict[str, Any
     verdict this kind needs (``kvcached_active`` or ``no_kvcached_line``).
     ``shutdown`` is what it wrote after the harness' stop signal: SGLang's
     children print a ``KeyboardInterrupt`` traceback there on every Ctrl-C,
-    so only a CUDA error counts in it (vLLM's runner does the same after
-    vLLM's own ``[shutdown]`` line)."""
-    bad = [b for b in BAD_LINES if b in text] + [b for b in BAD_LINES[1:] if b in shutdown]
+    so only a CUDA error counts in it (:func:`~benchmarks.kvharness.gpu_server.error_lines`,
+    which vLLM's runner applies after vLLM's own ``[shutdown]`` line)."""
+    bad = error_lines(text, shutdown)
     kv_lines = [ln for ln in (text + shutdown).splitlines() if "[kvcached]" in ln]
     kv_bad = [b for b in KVCACHED_BAD if any(b in ln for ln in kv_lines)]
     found: dict[str, Any] = {
