@@ -7,7 +7,9 @@ prefix-cache reset (``/flush_cache``), apc x3 and apc_conc at once.
 ``limit``: ``kvctl limit`` on one kvcached server (usage within it in 30 s, load
 under it, regrowth once lifted). ``elastic``: two kvcached servers, A grows past
 half the free memory, its flush releases over half, B then grows past what was
-free at A's peak, both loaded at once, probes unchanged. ``mixed`` (only when
+free at A's peak, both loaded at once, probes unchanged. ``serve``: ``kvcached
+serve`` with an ``engine: sglang`` model, its ``kv`` sleep and wake (serve_case.py).
+``mixed`` (only when
 asked): one vLLM 0.26 and one SGLang 0.5.17 server sharing one ledger (mixed.py).
 Writes ``DIR/summary.json`` after each case group (a run cut short keeps what it
 measured), ``DIR/details.json`` and ``DIR/logs.tar.gz``.
@@ -40,7 +42,7 @@ from tests.gpu.e2e_run import run_groups
 from tests.gpu.sglang_e2e import checks as ck
 from tests.gpu.sglang_e2e.server import SGLangServer
 
-CASES = ("models", "limit", "elastic")
+CASES = ("models", "limit", "elastic", "serve")
 #: Only when asked: needs gpu-vllm's bundle installed on the same machine (mixed.py).
 EXTRA_CASES = ("mixed",)
 
@@ -267,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     path = make_model(args.model, Path(args.models_dir) / args.model, args.make_model)
     details["timings_s"]["make_model"] = round(time.time() - t, 1)
     from tests.gpu.sglang_e2e.mixed import mixed_case
+    from tests.gpu.sglang_e2e.serve_case import serve_case
 
-    run = {"models": model_cases, "limit": limit_case, "elastic": elastic_case, "mixed": mixed_case}
+    run = {"models": model_cases, "limit": limit_case, "elastic": elastic_case,
+           "serve": serve_case, "mixed": mixed_case}  # fmt: skip
     groups = [(case, lambda case=case: run[case](args, path, details)) for case in args.cases]
     return run_groups(groups, "case", out, summary, details, args.logs,
                       timings=details["timings_s"])  # fmt: skip

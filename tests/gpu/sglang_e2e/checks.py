@@ -53,33 +53,23 @@ KVCACHED_BAD = (
 KVCACHED_ACTIVE = ("patch on", "virtual budget")
 
 
-def server_args(
+def engine_args(
     *,
-    model: str,
-    name: str,
-    port: int,
     context_length: int,
     mem_fraction: float,
     max_running: int,
     graphs: bool,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
-    """``python -m sglang.launch_server`` arguments of one case's server: the seed
-    plan's (``--random-seed 42 --enable-cache-report``, served name, context
-    length, batch limit, memory fraction) and the bundle's."""
+    """A case server's ``sglang.launch_server`` arguments after its model, name,
+    host and port (what a ``kvcached serve`` entry's ``args`` take): the seed
+    plan's (``--random-seed 42 --enable-cache-report``, context length, batch
+    limit, memory fraction) and the bundle's."""
     if not 0 < mem_fraction < 1:
         raise ValueError(f"mem_fraction={mem_fraction}: a fraction in (0, 1)")
     if max_running < 1 or context_length < 1:
         raise ValueError(f"max_running={max_running}, context_length={context_length}: both >= 1")
     argv = [
-        "--model-path",
-        model,
-        "--served-model-name",
-        name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--random-seed",
         "42",
         "--enable-cache-report",
@@ -96,6 +86,13 @@ def server_args(
     if not graphs:
         argv.append("--disable-cuda-graph")
     return argv + list(extra)
+
+
+def server_args(*, model: str, name: str, port: int, **engine: Any) -> list[str]:  # noqa: ANN401
+    """``python -m sglang.launch_server`` arguments of one case's server: its
+    model, served name and port on loopback, then :func:`engine_args`."""
+    launch = ["--model-path", model, "--served-model-name", name, "--host", "127.0.0.1"]
+    return [*launch, "--port", str(port), *engine_args(**engine)]
 
 
 def log_findings(text: str, kvcached: bool, shutdown: str = "") -> dict[str, Any]:

@@ -59,7 +59,7 @@ def test_server_args_refuse_what_sglang_would_misread(bad: dict) -> None:
 
 def test_parse_defaults_and_refusals(tmp_path) -> None:
     args = parse(["--out", str(tmp_path)])
-    assert args.cases == ["models", "limit", "elastic"] and args.kinds == list(ck.KINDS)
+    assert args.cases == ["models", "limit", "elastic", "serve"] and args.kinds == list(ck.KINDS)
     assert args.make_model == ".gpu/sglang/make_model.py" and not args.logs.startswith(
         str(tmp_path)
     )
