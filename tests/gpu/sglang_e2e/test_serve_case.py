@@ -94,3 +94,30 @@ def test_a_good_record_passes_every_check() -> None:
 def test_each_check_fails_on_its_fault(change: dict, fails: str) -> None:
     checks = sc.serve_checks({**good_record(), **change})
     assert [k for k, v in checks.items() if not v] == [fails]
+
+
+def test_steps_record_what_the_checks_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The case's steps on stand-ins of the router, kvctl and serve's state: the
+    record they leave passes every check of :func:`serve_checks` it feeds."""
+    states = iter(["ready", "sleeping", "ready"])
+    charges = iter([3 << 20, 0])
+
+    class Router:
+        def complete(self, prompt: str, max_tokens: int) -> dict:
+            return {"status": 200, "tokens": ["x"] * max_tokens}
+
+        def complete_all(self, prompts: list[str], max_tokens: int, concurrent: bool) -> list:
+            return [{"status": 200, "completion_tokens": max_tokens} for _ in prompts]
+
+    monkeypatch.setattr(sc, "kvctl", lambda *a: [{"name": sc.SERVE_NAME, "engine": "sglang"}])
+    monkeypatch.setattr(sc, "charged", lambda name: next(charges))
+    monkeypatch.setattr(sc, "gpu_pids", lambda: {4242})
+    monkeypatch.setattr(sc, "_state", lambda port: {"state": next(states)})
+    monkeypatch.setattr(sc, "get", lambda url, timeout: (200, SGLANG_METRICS.encode()))
+    monkeypatch.setattr(sc.time, "sleep", lambda s: None)
+    rec: dict = {"ready_s": 40.0}
+    sc._steps(Router(), 1, 2, rec, "word-level")
+    rec.update(exit_s=1.0, exit_code=0, engine_left=False, gpu_left=[])
+    checks = sc.serve_checks(rec)
+    assert all(checks.values()), checks
+    assert rec["gpu_pids_loaded"] == [4242] and rec["charged_asleep"] == 0
