@@ -417,6 +417,11 @@ class BlockManager:
         self._limit_pages = pages
         self._pages.set_cap(min(self._limit_pages, self._resize_pages))
 
+    @property
+    def limit_pages(self) -> int:
+        """The pages :meth:`set_limit` allows now (the startup size without a limit)."""
+        return self._limit_pages
+
     def resize(self, num_blocks: int | None) -> None:
         """Cap the cache at the pages ``num_blocks`` blocks need (``None``:
         the startup size); same lazy shrink as :meth:`set_limit`."""

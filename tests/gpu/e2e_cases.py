@@ -250,9 +250,23 @@ def elastic_steps(servers: dict[str, Server], tok: str, rec: dict, checks: dict,
     past half the free memory, its prefix-cache reset (given ``flush_s`` to take
     effect) releases over half of that growth, B then grows past what was free
     at A's peak, both loaded at once, and three greedy probes per server answer
-    the same before and after."""
+    the same before and after (each set from an empty prefix cache)."""
     a, b = servers["a"], servers["b"]
-    before = {k: probe(s, tok) for k, s in servers.items()}
+
+    def probes() -> dict[str, list[list[str]]]:
+        # Each set from an empty prefix cache: a prompt whose first tokens hit
+        # another prompt's cache is prefilled in two parts, and on random weights
+        # (near-even logits) that alone can flip a greedy token (the H100's
+        # SGLang run, results/h100/sglang-0.5.17/elastic-limit-1).
+        out = {}
+        for k, s in servers.items():
+            s.reset_prefix_cache()
+            if flush_s:
+                time.sleep(flush_s)
+            out[k] = probe(s, tok)
+        return out
+
+    rec["probes_before"] = before = probes()
     names = {s.name for s in servers.values()}
     rec["free_start"] = free0 = headroom(names)
     rec["a_idle"] = a_idle = charged(a.name)
@@ -274,6 +288,6 @@ def elastic_steps(servers: dict[str, Server], tok: str, rec: dict, checks: dict,
     b.reset_prefix_cache()
     results = load_at_once(servers, tok, words, 3)
     checks["both_at_once_every_request_ok"] = all(ok_replies(r) for r in results.values())
-    after = {k: probe(s, tok) for k, s in servers.items()}
+    rec["probes_after"] = after = probes()
     checks["probes_unchanged"] = before == after and all(any(p) for p in before.values())
     checks["alive_after_load"] = all(s.alive() for s in servers.values())

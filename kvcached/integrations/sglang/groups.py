@@ -357,6 +357,7 @@ def _install_scheduler(
     next_batch = original(scheduler_cls.get_next_batch_to_run)
     prefill_raw = original(scheduler_cls._get_new_batch_prefill_raw)
     prepare_extend = original(batch_cls.prepare_for_extend)
+    on_idle = original(scheduler_cls.on_idle)
     cap = get_config().max_cached_tokens
 
     @functools.wraps(next_batch)
@@ -366,6 +367,8 @@ def _install_scheduler(
             return next_batch(self, *args, **kwargs)
         if not slots.bound_scheduler:
             _bind_scheduler(self, slots)
+        if slots.blocks.null_parked:  # before the round's forecast and any forward
+            slots.unpark_padding()
         slots.begin_round()
         try:
             enforce_cache_cap(slots, self.tree_cache, cap)
@@ -398,10 +401,37 @@ def _install_scheduler(
             reserve_for_extend(slots, allocator, self.tree_cache, self.reqs, bounds)
         return prepare_extend(self)
 
+    @functools.wraps(on_idle)
+    def on_idle_parking(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = slots_of(self)
+        if slots is not None and not slots.blocks.null_parked:
+            park_padding_if_idle(self, slots)
+        return on_idle(self, *args, **kwargs)
+
     p.replace(scheduler_cls, "get_next_batch_to_run", get_next_batch_to_run)
+    p.replace(scheduler_cls, "on_idle", on_idle_parking)
     p.replace(scheduler_cls, "_get_new_batch_prefill_raw", _get_new_batch_prefill_raw)
     p.replace(batch_cls, "prepare_for_extend", prepare_for_extend)
     _install_pool_accounting(p)
+
+
+def park_padding_if_idle(scheduler: Any, slots: Any) -> bool:
+    """SGLang's idle round (``Scheduler.on_idle``, before its own checks and any
+    sleep): park the padding page (:meth:`SlotAllocator.park_padding`) when the
+    scheduler is fully idle (nothing running, waiting, chunked or in the
+    overlap queue: no forward in flight, none before the next round's unpark)
+    and not under DP attention, whose idle ranks run dummy forwards."""
+    if slots.blocks.limit_pages >= 1 or getattr(scheduler, "enable_dp_attention", False):
+        return False
+    if not scheduler.is_fully_idle():
+        return False
+    if slots.park_padding():
+        _log_once(
+            "the padding page is released while the instance is held at zero "
+            "(kvctl limit or serve's kv sleep); it is mapped again once a page is allowed"
+        )
+        return True
+    return False
 
 
 def unbacked_tokens(slots: Any, total: int, available: int) -> int:

@@ -229,6 +229,34 @@ class SlotAllocator:
         if not self.agreement.in_round:
             self.release_stash()
 
+    # -- the padding page, parked while held at zero ---------------------------------------
+    def park_padding(self) -> bool:
+        """Give back block 0's page (SGLang's padding page, kvcached's null
+        block) while the instance's limit is below one page and SGLang holds
+        no block: an idle instance held at zero (``kvcached serve``'s ``kv``
+        sleep) then holds nothing. The caller guarantees that no forward is in
+        flight or runs before :meth:`unpark_padding` (the scheduler is fully
+        idle). True when it was parked now."""
+        blocks = self.blocks
+        if blocks.null_parked or self.n_live or self._stash or blocks.limit_pages >= 1:
+            return False
+        if not blocks.park_null_block():
+            return False
+        blocks.trim()
+        return True
+
+    def unpark_padding(self) -> bool:
+        """Map the padding page again once the limit allows a page (the
+        scheduler thread, at a round's start, before any forward). True when
+        it is mapped; False while the limit or the budget holds it back (the
+        block manager then grants nothing, so nothing is scheduled)."""
+        blocks = self.blocks
+        if not blocks.null_parked:
+            return True
+        if blocks.limit_pages < 1:
+            return False
+        return blocks.unpark_null_block()
+
     def request_eviction(self, tokens: int) -> None:
         """Ask the scheduler thread to evict ``tokens`` of unreferenced prefix
         cache at its next round (any thread; the largest pending request wins)."""

@@ -523,6 +523,12 @@ class _Scheduler:
     def get_next_batch_to_run(self, running_batch, last_batch):
         return self._get_new_batch_prefill_raw(None, running_batch=running_batch)
 
+    def is_fully_idle(self) -> bool:
+        return not self.waiting_queue and self.chunked_req is None
+
+    def on_idle(self) -> None:
+        self.idle_rounds = getattr(self, "idle_rounds", 0) + 1
+
     def _get_new_batch_prefill_raw(self, prefill_delayer_single_pass, running_batch):
         batch, self.waiting_queue = self.waiting_queue[:2], self.waiting_queue[2:]
         for r in batch:
@@ -761,5 +767,66 @@ def test_without_the_scheduler_group_sglangs_check_calls_an_elastic_pool_a_leak(
         with _single_process():
             leak, _ = _invariant_checker(alloc, 48, protected=6)._check_full_pool(ps)
         assert leak  # what the H100 run met: the reason for the group's wrapper
+    finally:
+        kv.close()
+
+
+def test_held_at_zero_an_idle_scheduler_gives_back_the_padding_page(scheduler_group):
+    """A real H100 run (results/h100/sglang-0.5.17/models-serve-2) found one page
+    (the padding page, block 0's) still mapped under serve's ``kv`` sleep. With
+    the limit below one page and the scheduler fully idle, SGLang's idle round
+    gives it back: the instance holds nothing and SGLang's idle pool check still
+    passes; once the limit is lifted the next round maps it before admission,
+    and a request runs as before."""
+    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=None)
+    try:
+        slots = alloc.kvcached_slots
+        req = _req("a", 0)
+        _set_extend(req, 0, 16)
+        sched = _Scheduler(alloc, [req])
+        running = object()
+        kv.cache.set_limit(1)  # serve's kv sleep: one byte
+        kv.cache.trim()
+        sched.waiting_queue = [req]
+        sched.on_idle()  # not fully idle: a request waits
+        assert not slots.blocks.null_parked and sched.idle_rounds == 1
+        sched.waiting_queue = []
+        sched.on_idle()
+        assert slots.blocks.null_parked and sched.idle_rounds == 2
+        assert kv.cache.usage().bytes_mapped == 0
+        ps = NS(full_available_size=alloc.available_size(), full_evictable_size=0,
+                full_capacity=64)  # fmt: skip
+        with _single_process():
+            leak, msg = _invariant_checker(alloc, 64, protected=0)._check_full_pool(ps)
+        assert not leak, msg
+        sched.waiting_queue = [req]
+        assert sched.get_next_batch_to_run(running, None) == (None, running)  # still held
+        assert slots.blocks.null_parked and sched.waiting_queue == [req]
+        kv.cache.set_limit(None)  # the wake
+        batch, _ = sched.get_next_batch_to_run(running, None)
+        assert not slots.blocks.null_parked and batch.reqs == [req]
+        assert all(int(s) >= 4 for s in batch.allocated)  # block 0 stays the padding page
+    finally:
+        kv.close()
+
+
+def test_the_padding_page_stays_while_a_block_lives_or_a_page_is_allowed(scheduler_group):
+    alloc, kv, _ = elastic_allocator(64, 4, budget_pages=None)
+    try:
+        slots = alloc.kvcached_slots
+        sched = _Scheduler(alloc, [])
+        sched.on_idle()  # no limit: nothing parks
+        assert not slots.blocks.null_parked
+        held = alloc.alloc(4)
+        kv.cache.set_limit(1)
+        sched.on_idle()  # a block lives (the prefix cache, say): page 0 may hold it
+        assert not slots.blocks.null_parked
+        alloc.free(held)
+        sched.enable_dp_attention = True
+        sched.on_idle()  # DP attention: idle ranks run dummy forwards
+        assert not slots.blocks.null_parked
+        sched.enable_dp_attention = False
+        sched.on_idle()
+        assert slots.blocks.null_parked
     finally:
         kv.close()
