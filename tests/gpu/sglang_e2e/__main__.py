@@ -8,7 +8,8 @@ prefix-cache reset (``/flush_cache``), apc x3 and apc_conc at once.
 under it, regrowth once lifted). ``elastic``: two kvcached servers, A grows past
 half the free memory, its flush releases over half, B then grows past what was
 free at A's peak, both loaded at once, probes unchanged. ``serve``: ``kvcached
-serve`` with an ``engine: sglang`` model, its ``kv`` sleep and wake (serve_case.py).
+serve`` with an ``engine: sglang`` model (and a vLLM one beside it where gpu-vllm's
+bundle is installed), their ``kv`` sleep and wake (serve_case.py).
 ``mixed`` (only when
 asked): one vLLM 0.26 and one SGLang 0.5.17 server sharing one ledger (mixed.py).
 Writes ``DIR/summary.json`` after each case group (a run cut short keeps what it

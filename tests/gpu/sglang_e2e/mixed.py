@@ -35,17 +35,22 @@ from tests.gpu.sglang_e2e import checks as ck
 VLLM_SITE = Path("/tmp/site")
 
 
-def vllm_server(args: argparse.Namespace, path: Path, env: dict[str, str]) -> Server:
-    """gpu-vllm's vLLM 0.26 with kvcached, on its own site (gpu-vllm's env.sh)."""
-    env = {
+def vllm_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` and what gpu-vllm's vLLM 0.26 needs to run from its own site
+    (gpu-vllm's env.sh), beside gpu-sglang's on ``PYTHONPATH``."""
+    return {
         **env,
         "PYTHONPATH": str(VLLM_SITE),
         "PATH": f"{VLLM_SITE}/bin:{os.environ.get('PATH', '')}",
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "KVCACHED_IPC_NAME": "e2e-mixed-vllm",
     }
+
+
+def vllm_server(args: argparse.Namespace, path: Path, env: dict[str, str]) -> Server:
+    """gpu-vllm's vLLM 0.26 with kvcached, on its own site."""
+    env = {**vllm_env(env), "KVCACHED_IPC_NAME": "e2e-mixed-vllm"}
     extra = ["--max-model-len", str(MODELS[args.model]["max_model_len"]), "--seed", "0"]
     if not args.graphs:
         extra.append("--enforce-eager")
