@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,15 @@ from typing import Any
 from benchmarks.kvharness import gpu_prompts as prompts
 from benchmarks.kvharness.gpu_models import MODELS
 from benchmarks.kvharness.gpu_server import Server, get, gpu_pids, group_alive, log_findings
-from kvcached.serve.engines import ENGINE_KINDS, read_activity
+from kvcached.serve.engines import ENGINE_KINDS, read_activity, read_gauges
 from tests.gpu.e2e_cases import charged, kvctl
 from tests.gpu.sglang_e2e import checks as ck
+from tests.integration.serve.serve_process import http_get, start_serve
 
 SERVE_NAME = "e2e-serve-sglang"
 VLLM_NAME = "e2e-serve-vllm"
+#: Each model's engine kind (serve's engine table, ``kvctl list``'s engine column).
+ENGINES = {SERVE_NAME: "sglang", VLLM_NAME: "vllm"}
 #: Seconds without a request before serve's policy puts a model to sleep.
 IDLE_AFTER_S = 8.0
 #: Words of the probe prompt and of each of the fill's prompts.
@@ -98,14 +100,14 @@ def engine_reading(text: str, engine: str = "sglang") -> dict[str, Any]:
     its row of serve's engine table present, and the (busy, requests) reading."""
     kind = ENGINE_KINDS[engine]
     names = (*kind.busy_gauges, *kind.request_counters)
-    present = {n: any(ln.startswith((n + "{", n + " ")) for ln in text.splitlines()) for n in names}
-    return {"present": present, "reading": read_activity(text, kind)}
+    seen = read_gauges(text, names)
+    return {"present": {n: n in seen for n in names}, "reading": read_activity(text, kind)}
 
 
 def serve_checks(rec: dict[str, Any], name: str = SERVE_NAME) -> dict[str, bool]:
     """Model ``name``'s verdicts from the case's record (no GPU needed: tested on
     records): the serve-wide entries and ``rec["models"][name]``'s."""
-    engine = "vllm" if name == VLLM_NAME else "sglang"
+    engine = ENGINES[name]
     m = (rec.get("models") or {}).get(name) or {}
     first, woken = m.get("first") or {}, m.get("woken") or {}
     reading = m.get("metrics") or {}
@@ -131,8 +133,8 @@ def serve_checks(rec: dict[str, Any], name: str = SERVE_NAME) -> dict[str, bool]
 
 
 def _state(port: int, name: str) -> dict[str, Any]:
-    status, body = get(f"http://127.0.0.1:{port}/v1/models/{name}/state", 10)
-    return json.loads(body) if status == 200 else {}
+    status, doc = http_get(port, f"/v1/models/{name}/state", timeout_s=10)
+    return doc if status == 200 and isinstance(doc, dict) else {}
 
 
 def _wait_ready(proc: subprocess.Popen, port: int, limit_s: float) -> float | None:
@@ -160,17 +162,17 @@ def _steps(port: int, engine_ports: dict[str, int], rec: dict[str, Any], tok: st
     make = prompts.word_maker(tok, 31)
     probe = prompts.text(make, PROBE_WORDS)
     models: dict[str, dict[str, Any]] = rec.setdefault("models", {})
+    routers = {name: Server(name, port, "", [], {}, Path(os.devnull)) for name in engine_ports}
     for name, engine_port in engine_ports.items():
-        router = Server(name, port, "", [], {}, Path(os.devnull))
+        router = routers[name]
         m = models[name] = {"first": router.complete(probe, 16)}
         fill = [prompts.text(make, FILL_WORDS) for _ in range(FILL_COUNT)]
         replies = router.complete_all(fill, 32, concurrent=True)
         m["fill_ok"] = all(r["status"] == 200 and r["completion_tokens"] > 0 for r in replies)
         m["charged_loaded"] = charged(name)
         status, body = get(f"http://127.0.0.1:{engine_port}/metrics", 10)
-        engine = "vllm" if name == VLLM_NAME else "sglang"
         m["metrics"] = (
-            engine_reading(body.decode(errors="replace"), engine) if status == 200 else {}
+            engine_reading(body.decode(errors="replace"), ENGINES[name]) if status == 200 else {}
         )
     rec["gpu_pids_loaded"] = sorted(gpu_pids())
     for name, m in models.items():
@@ -180,7 +182,7 @@ def _steps(port: int, engine_ports: dict[str, int], rec: dict[str, Any], tok: st
         m["charged_asleep"] = charged(name)
     rec["list_asleep"] = kvctl("list")
     for name, m in models.items():
-        m["woken"] = Server(name, port, "", [], {}, Path(os.devnull)).complete(probe, 16)
+        m["woken"] = routers[name].complete(probe, 16)
         m["state_after_wake"] = _state(port, name).get("state")
 
 
@@ -227,10 +229,7 @@ def serve_case(args: argparse.Namespace, path: Path, details: dict) -> dict[str,
     cfg_path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
     rec: dict[str, Any] = {"with_vllm": with_vllm}
-    with open(logs / "serve.log", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvcached", "serve", str(cfg_path)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+    proc = start_serve(cfg_path, env, logs / "serve.log")
     engine_pids: list[int] = []
     try:
         rec["ready_s"] = _wait_ready(proc, port, args.ready_s + 30)
