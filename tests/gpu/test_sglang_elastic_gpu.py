@@ -112,6 +112,34 @@ def test_kv_written_by_cuda_kernels_reads_back_across_pages(env, page_size):
         kv.close()
 
 
+def test_held_at_zero_the_padding_page_is_unmapped_and_comes_back(env):
+    """The padding page (block 0's) parked under a limit below one page: the
+    CUDA driver's mappings drop to none; lifted, it is mapped again, padded
+    writes to block 0 and a request's K/V land, and nothing else moved."""
+    import torch
+
+    kv, slots = _kv(16, 64 * 1024)
+    try:
+        k_buf, _ = kv.mha_buffers()
+        kv.cache.set_limit(1)
+        kv.cache.trim()
+        assert slots.park_padding() and kv.cache.usage().bytes_mapped == 0
+        assert slots.alloc_blocks(1) is None  # nothing is granted while it is parked
+        kv.cache.set_limit(None)
+        assert slots.unpark_padding() and not slots.blocks.null_parked
+        k_buf[0][:16].fill_(1.0)  # SGLang's padded tokens write block 0
+        (page,) = slots.alloc_blocks(1)
+        assert page != 0
+        rows = torch.arange(page * 16, page * 16 + 16, device="cuda")
+        k_buf[0][rows] = 2.0
+        torch.cuda.synchronize()
+        assert float(k_buf[0][:16].float().mean()) == 1.0
+        assert float(k_buf[0][rows].float().mean()) == 2.0
+        slots.free_blocks([page])
+    finally:
+        kv.close()
+
+
 def test_ledger_bounds_what_the_allocator_reports(env):
     kv, slots = _kv(16, 64 * 1024)
     try:
