@@ -32,6 +32,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from kvcached.control.instance import note_step
 from kvcached.integrations.patching import Patcher, PatchGroup, original
 from kvcached.integrations.sglang.state import group_states
 
@@ -369,6 +370,7 @@ def _install_scheduler(
             _bind_scheduler(self, slots)
         if slots.blocks.null_parked:  # before the round's forecast and any forward
             slots.unpark_padding()
+        note_step()
         slots.begin_round()
         try:
             enforce_cache_cap(slots, self.tree_cache, cap)

@@ -453,6 +453,7 @@ def _schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
     context = _context_of(self)
     if context is None:
         return orig(self, *args, **kwargs)
+    context.instance.note_step()
     context.serve_control()
     output = orig(self, *args, **kwargs)
     ops, step, sync = context.planner.ops_for_step()
