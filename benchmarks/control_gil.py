@@ -42,47 +42,63 @@ ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("alone", "polling", "stepping")
 
 
-def _run(condition: str, seconds: float, ops: int, name: str) -> tuple[float, float]:
-    """Steps per second of the busy loop under ``condition``, and the control
-    thread's wake-ups per second (0 alone)."""
+def _run(
+    condition: str, seconds: float, ops: int, chunks_per_step: int, name: str
+) -> dict[str, float]:
+    """The busy loop under ``condition``: steps per second, the share of its
+    wall time spent stalled (chunks that took over 3x the median chunk, the
+    excess summed), and the control thread's wake-ups per second (0 alone)."""
     from kvcached.control.instance import Instance
 
     instance = None if condition == "alone" else Instance(name, engine="bench")
     a, b = torch.zeros(4), torch.ones(4)
     note = instance.note_step if condition == "stepping" else None
+    clock = time.perf_counter
+    chunks: list[float] = []
     try:
         if instance is not None:
             time.sleep(0.1)  # the thread is up and in its rhythm
         woke = instance.wakeups if instance is not None else 0
-        steps = 0
-        start = time.perf_counter()
+        start = clock()
         end = start + seconds
-        while time.perf_counter() < end:
+        t = start
+        while t < end:
             if note is not None:
                 note()
-            for _ in range(ops):
-                torch.add(a, b, out=a)
-            steps += 1
-        wall = time.perf_counter() - start
+            for _ in range(chunks_per_step):
+                for _ in range(ops):
+                    torch.add(a, b, out=a)
+                now = clock()
+                chunks.append(now - t)
+                t = now
+        wall = t - start
         wakeups = (instance.wakeups - woke) if instance is not None else 0
     finally:
         if instance is not None:
             instance.close()
-    return steps / wall, wakeups / wall
+    median = statistics.median(chunks)
+    stalled = sum(d - median for d in chunks if d > 3 * median)
+    return {
+        "steps_per_s": len(chunks) / chunks_per_step / wall,
+        "stalled_share": stalled / wall,
+        "chunk_us": median * 1e6,
+        "wakeups_per_s": wakeups / wall,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--seconds", type=float, default=2.0, help="per condition and round")
-    ap.add_argument("--ops", type=int, default=14000, help="torch ops per step (~10 ms here)")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--seconds", type=float, default=0.5, help="per condition and round")
+    ap.add_argument("--ops", type=int, default=64, help="torch ops per timed chunk (~50 us here)")
+    ap.add_argument("--chunks-per-step", type=int, default=200, help="chunks per step (~10 ms)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/control-gil.json")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.seconds <= 0 or args.ops < 1:
-        ap.error("--rounds and --ops must be at least 1, --seconds above 0")
+    if min(args.rounds, args.ops, args.chunks_per_step) < 1 or args.seconds <= 0:
+        ap.error("--rounds, --ops and --chunks-per-step must be at least 1, --seconds above 0")
     os.environ.setdefault("KVCACHED_LEDGER_DIR", tempfile.mkdtemp(prefix="control-gil-"))
     prov = _provenance.start()
-    _run("alone", 1.0, args.ops, "warm-up")
+    _run("alone", 1.0, args.ops, args.chunks_per_step, "warm-up")
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = CONDITIONS[r % 3 :] + CONDITIONS[: r % 3]
@@ -90,24 +106,32 @@ def main(argv: list[str] | None = None) -> int:
             order = order[::-1]
         row: dict[str, Any] = {"order": list(order)}
         for condition in order:
-            rate, wakeups = _run(condition, args.seconds, args.ops, f"control-gil-{r}-{condition}")
-            row[condition] = {"steps_per_s": rate, "wakeups_per_s": wakeups}
+            row[condition] = _run(
+                condition, args.seconds, args.ops, args.chunks_per_step, f"cg-{r}-{condition}"
+            )
         for condition in CONDITIONS[1:]:
             row[condition]["kept"] = row[condition]["steps_per_s"] / row["alone"]["steps_per_s"]
+            row[condition]["stalled_extra"] = (
+                row[condition]["stalled_share"] - row["alone"]["stalled_share"]
+            )
         rounds.append(row)
         print(
-            f"round {r}: polling kept {row['polling']['kept']:.4f} "
-            f"({row['polling']['wakeups_per_s']:.0f} wake-ups/s), stepping kept "
-            f"{row['stepping']['kept']:.4f} ({row['stepping']['wakeups_per_s']:.0f}/s)",
+            f"round {r}: polling kept {row['polling']['kept']:.4f} (stalled "
+            f"{row['polling']['stalled_extra']:+.2%}, {row['polling']['wakeups_per_s']:.0f} "
+            f"wake-ups/s), stepping kept {row['stepping']['kept']:.4f} (stalled "
+            f"{row['stepping']['stalled_extra']:+.2%}, {row['stepping']['wakeups_per_s']:.0f}/s)",
             flush=True,
         )
     summary: dict[str, Any] = {}
     for condition in CONDITIONS[1:]:
         kept = [row[condition]["kept"] for row in rounds]
         wake = [row[condition]["wakeups_per_s"] for row in rounds]
+        extra = [row[condition]["stalled_extra"] for row in rounds]
         summary[condition] = {
             "kept_median": statistics.median(kept),
             "kept_range": [min(kept), max(kept)],
+            "stalled_extra_median": statistics.median(extra),
+            "stalled_extra_mean": statistics.fmean(extra),
             "wakeups_per_s_median": statistics.median(wake),
         }
     step_ms = 1e3 / statistics.median(row["alone"]["steps_per_s"] for row in rounds)
@@ -122,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
     }
     print(
-        f"polling kept {summary['polling']['kept_median']:.4f}, stepping kept "
-        f"{summary['stepping']['kept_median']:.4f} (a step {step_ms:.2f} ms alone) -> {args.out}"
+        f"polling kept {summary['polling']['kept_median']:.4f} (stalled "
+        f"{summary['polling']['stalled_extra_median']:+.2%}), stepping kept "
+        f"{summary['stepping']['kept_median']:.4f} (stalled "
+        f"{summary['stepping']['stalled_extra_median']:+.2%}); a step {step_ms:.2f} ms alone "
+        f"-> {args.out}"
     )
     _provenance.write_result(args.out, result, prov)
     return 0
