@@ -31,6 +31,18 @@ MEMORY_RUNS_LOCKED = ("h200/run[5-9]/memory-h200.json", "h200/run[1-9][0-9]/memo
 GPU_GRAPHS_RUN = "h100/page-path-graphs/vllm-gpu-graphs.json"
 GPU_EAGER_RUN = "h100/page-path-eager/vllm-gpu-eager.json"
 GIL_RUNS = "h100/page-path-graphs/driver-gil*.json"
+# The same defaults with at least 700 requests a side (commit ec77bdf).
+GPU_700_GRAPHS = "h100/page-path-700/vllm-gpu-graphs.json"
+GPU_700_EAGER = "h100/page-path-700/vllm-gpu-eager*.json"
+
+
+def _tpot_over_baseline(run: dict) -> list[float]:
+    """kvcached's mean TPOT less the baseline's, per round, in ms."""
+    return [
+        sum(r["candidate"]["tpot_ms"]) / len(r["candidate"]["tpot_ms"])
+        - sum(r["baseline"]["tpot_ms"]) / len(r["baseline"]["tpot_ms"])
+        for r in run["rounds"]
+    ]
 # The multi-model harness on an H100, one round a call (peaks 1-1.5, then 2-2.5).
 H100_MULTI_MODEL = (
     "h100/multi-model-lowload/multi-model-gpu.json",
@@ -188,6 +200,52 @@ FIGURES: list[Figure] = [
             lambda d: -d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"],
             lambda d: -d["pooled"]["control"]["paired_ttft_delta_ms"]["median"],
         ),
+    ),
+    Figure(
+        "CUDA graphs: 3 rounds, {720} requests a side; throughput {1.0002}x, pooled mean TTFT "
+        "{1.0049}x (control {0.9931}x), mean TPOT {0.9975}x (control {0.9997}x), paired TTFT "
+        "{0.285} ms above native's against the control's {0.215} ms below (median)",
+        GPU_700_GRAPHS,
+        (
+            "pooled.candidate.requests",
+            "throughput_ratio.median",
+            "pooled.candidate.mean_ttft_ratio",
+            "pooled.control.mean_ttft_ratio",
+            "pooled.candidate.mean_tpot_ratio",
+            "pooled.control.mean_tpot_ratio",
+            "pooled.candidate.paired_ttft_delta_ms.median",
+            lambda d: -d["pooled"]["control"]["paired_ttft_delta_ms"]["median"],
+        ),
+    ),
+    Figure(
+        "Eager, {#two} runs: {768-960} requests a side; throughput {0.9965-0.9972}x, pooled mean "
+        "TTFT {1.009-1.021}x (control {0.977-0.981}x), mean TPOT {1.018-1.020}x (control "
+        "{0.975-0.982}x), paired TTFT {0.490-0.955} ms above native's against the control's "
+        "{0.870-1.385} ms below (median). kvcached's mean TPOT sat {0.04-0.51} ms above the "
+        "baseline's in every one of the nine eager rounds",
+        GPU_700_EAGER,
+        (
+            "pooled.candidate.requests",
+            "throughput_ratio.median",
+            "pooled.candidate.mean_ttft_ratio",
+            "pooled.control.mean_ttft_ratio",
+            "pooled.candidate.mean_tpot_ratio",
+            "pooled.control.mean_tpot_ratio",
+            "pooled.candidate.paired_ttft_delta_ms.median",
+            lambda d: -d["pooled"]["control"]["paired_ttft_delta_ms"]["median"],
+            _tpot_over_baseline,
+        ),
+    ),
+    Figure(
+        "and within {0.03} ms of it in the three rounds with CUDA graphs",
+        GPU_700_GRAPHS,
+        lambda d: max(abs(x) for x in _tpot_over_baseline(d)),
+    ),
+    Figure(
+        "Over the five runs on either commit the control's pooled mean TTFT ranged "
+        "{0.923-0.993}x",
+        "h100/page-path-*/vllm-gpu-*.json",
+        "pooled.control.mean_ttft_ratio",
     ),
     Figure(
         "two native servers differed by 5-8% in pooled mean TTFT (the control's {0.946}x with "
