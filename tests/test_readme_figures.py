@@ -43,6 +43,8 @@ def _tpot_over_baseline(run: dict) -> list[float]:
         - sum(r["baseline"]["tpot_ms"]) / len(r["baseline"]["tpot_ms"])
         for r in run["rounds"]
     ]
+
+
 # The multi-model harness on an H100, one round a call (peaks 1-1.5, then 2-2.5).
 H100_MULTI_MODEL = (
     "h100/multi-model-lowload/multi-model-gpu.json",
@@ -242,8 +244,7 @@ FIGURES: list[Figure] = [
         lambda d: max(abs(x) for x in _tpot_over_baseline(d)),
     ),
     Figure(
-        "Over the five runs on either commit the control's pooled mean TTFT ranged "
-        "{0.923-0.993}x",
+        "Over the five runs on either commit the control's pooled mean TTFT ranged {0.923-0.993}x",
         "h100/page-path-*/vllm-gpu-*.json",
         "pooled.control.mean_ttft_ratio",
     ),
