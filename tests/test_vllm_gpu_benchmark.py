@@ -60,6 +60,22 @@ def test_pooled_pairs_requests_across_rounds() -> None:
     assert control["mean_ttft_ratio"] == 1.0
 
 
+def test_per_round_differences_keep_each_rounds_sign() -> None:
+    def side(tpot: float) -> dict:
+        return {"ttft_ms": [40.0, 42.0], "tpot_ms": [tpot, tpot + 1.0]}
+
+    rounds = [
+        {"baseline": side(14.0), "candidate": side(14.25), "control": side(13.5)},
+        {"baseline": side(13.0), "candidate": side(13.5), "control": side(13.25)},
+    ]
+    got = vllm_gpu.per_round(rounds, "candidate")
+    assert got["mean_tpot_ms_over_baseline"] == pytest.approx([0.25, 0.5])
+    assert got["mean_ttft_ms_over_baseline"] == [0.0, 0.0]
+    assert vllm_gpu.per_round(rounds, "control")["mean_tpot_ms_over_baseline"] == pytest.approx(
+        [-0.5, 0.25]
+    )
+
+
 def test_halves_merge_lists_and_average_scalars() -> None:
     halves = [
         {"wall_s": 10.0, "ttft_ms": [1.0, 2.0]},
