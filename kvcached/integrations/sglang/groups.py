@@ -32,7 +32,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from kvcached.control.instance import note_step
 from kvcached.integrations.patching import Patcher, PatchGroup, original
 from kvcached.integrations.sglang.state import group_states
 
@@ -370,7 +369,7 @@ def _install_scheduler(
             _bind_scheduler(self, slots)
         if slots.blocks.null_parked:  # before the round's forecast and any forward
             slots.unpark_padding()
-        note_step()
+        _note_step()
         slots.begin_round()
         try:
             enforce_cache_cap(slots, self.tree_cache, cap)
@@ -434,6 +433,15 @@ def park_padding_if_idle(scheduler: Any, slots: Any) -> bool:
         )
         return True
     return False
+
+
+def _note_step() -> None:
+    """The instance's per-step look at its limits (``Instance.note_step``);
+    imported here, not with this module, which SGLang imports at start-up in
+    every process (the ``.pth`` line), pools or not."""
+    from kvcached.control.instance import note_step
+
+    note_step()
 
 
 def unbacked_tokens(slots: Any, total: int, available: int) -> int:
