@@ -60,6 +60,17 @@ def test_pooled_pairs_requests_across_rounds() -> None:
     assert control["mean_ttft_ratio"] == 1.0
 
 
+def test_start_order_names_each_role_once() -> None:
+    assert vllm_gpu.parse_order("control, baseline,candidate") == (
+        "control",
+        "baseline",
+        "candidate",
+    )
+    for bad in ("candidate,baseline", "candidate,candidate,control", "kv,baseline,control"):
+        with pytest.raises(SystemExit, match="--start-order"):
+            vllm_gpu.parse_order(bad)
+
+
 def test_per_round_differences_keep_each_rounds_sign() -> None:
     def side(tpot: float) -> dict:
         return {"ttft_ms": [40.0, 42.0], "tpot_ms": [tpot, tpot + 1.0]}
