@@ -51,10 +51,10 @@ TICK_S = 0.2
 REVISION_POLL_S = 0.02
 #: While the engine steps (its loop called :meth:`Instance.note_step` within this many
 #: seconds), the step looks at the revisions itself and the control thread wakes only
-#: at its tick. Each wake of a Python thread costs the step's thread the GIL: beside a
-#: thread busy in Python, a thread waking every 20 ms took 0.8-1.2% of its speed here
-#: (``benchmarks/control_gil.py``), the share of a decode step vLLM spends in Python
-#: when it runs eager.
+#: at its tick. Each wake of a Python thread takes the GIL from the step's thread for
+#: the switch: a thread waking every 20 ms cost a loop busy in Python 1.2-2.3% of its
+#: speed on a 2-core VM (``benchmarks/control_gil.py``), and an eager vLLM step is Python
+#: from end to end.
 STEPPING_WINDOW_S = 0.5
 
 
