@@ -115,12 +115,14 @@ class Patcher:
         current = getattr(owner, name, None)
         if is_wrapper(current):
             return original(current)
-        if callable(value) and not isinstance(value, type):
+        # A staticmethod's function carries the mark: the class hands out the function.
+        target = value.__func__ if isinstance(value, staticmethod) else value
+        if callable(target) and not isinstance(target, type):
             # A class is not marked (its subclasses would inherit the mark). A
             # wrapper keeps its mark after undo: the same wrapper may still be
             # installed elsewhere, and there its original() must still resolve.
             try:
-                setattr(value, MARKER, current)
+                setattr(target, MARKER, current)
             except AttributeError as exc:
                 raise TypeError(
                     f"value={value!r}: a wrapper must accept attributes (a function, not a builtin)"

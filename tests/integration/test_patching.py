@@ -69,6 +69,30 @@ def test_installing_twice_wraps_once() -> None:
     assert Child().run(3) == "base 3"
 
 
+def test_a_staticmethod_wrapper_is_marked_and_installs_once() -> None:
+    class Checker:
+        @staticmethod
+        def check(x: int) -> int:
+            return x
+
+    native = Checker.check
+
+    def wrapper(x: int) -> int:
+        return original(wrapper)(x) + 1
+
+    first, second = Patcher(), Patcher()
+    assert first.replace(Checker, "check", staticmethod(wrapper)) is native
+    again = second.replace(Checker, "check", staticmethod(lambda x: -1))
+    try:
+        assert is_wrapper(Checker.check) and original(Checker.check) is native
+        assert again is native and second.changed == 0
+        assert Checker.check(1) == 2 and Checker().check(1) == 2
+    finally:
+        second.undo()
+        first.undo()
+    assert Checker.check(1) == 1
+
+
 def test_undo_restores_own_entries_newest_first_and_add_only_adds() -> None:
     module = types.ModuleType("stand_in")
     module.value = 1

@@ -452,6 +452,12 @@ def unbacked_tokens(slots: Any, total: int, available: int) -> int:
     return total - slots.n_live * slots.block_tokens - available
 
 
+#: The elastic allocator's slots while SGLang checks its full pool (``_check_full_pool``).
+_FULL_POOL_SLOTS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "kvcached_full_pool_slots", default=None
+)
+
+
 def _install_pool_accounting(p: Patcher) -> None:
     """SGLang's invariant checker (idle, and busy when asked) accounts the pool
     as ``available + evictable + protected + session_held + uncached == total``
@@ -460,25 +466,47 @@ def _install_pool_accounting(p: Patcher) -> None:
     below ``total`` whenever memory is elsewhere, so the unbacked rest is
     counted with ``uncached``: the check then is SGLang's own over what is held
     (cached + protected + in flight == SGLang's live blocks), and still fails
-    on a real leak."""
+    on a real leak. The rest is counted where SGLang compares (its static
+    ``_check_pool_invariant``, the ``full`` pool, inside ``_check_full_pool``),
+    against the ``total`` SGLang chose: ``max_total_num_tokens`` for a plain pool,
+    the allocator's size for hybrid linear attention (0.5.17; 0.5.23 its
+    ``schedulable_token_capacity``). Hybrid SWA pools stay native."""
     from sglang.srt.managers.scheduler_components import invariant_checker as module
 
     checker_cls = module.SchedulerInvariantChecker
     check_full = original(checker_cls._check_full_pool)
+    check_invariant = original(checker_cls._check_pool_invariant)
 
     @functools.wraps(check_full)
     def _check_full_pool(self: Any, ps: Any, uncached: int = 0) -> Any:
         slots = getattr(self.token_to_kv_pool_allocator, "kvcached_slots", None)
-        if (
-            slots is None
-            or getattr(self, "is_hybrid_swa", False)
-            or getattr(self, "is_hybrid_ssm", False)
-        ):
+        if slots is None or getattr(self, "is_hybrid_swa", False):
             return check_full(self, ps, uncached=uncached)
-        extra = unbacked_tokens(slots, self.max_total_num_tokens, ps.full_available_size)
-        return check_full(self, ps, uncached=uncached + extra)
+        token = _FULL_POOL_SLOTS.set(slots)
+        try:
+            return check_full(self, ps, uncached=uncached)
+        finally:
+            _FULL_POOL_SLOTS.reset(token)
+
+    @functools.wraps(check_invariant)
+    def _check_pool_invariant(
+        pool_name: str,
+        available: int,
+        evictable: int,
+        protected: int,
+        session_held: int,
+        total: int,
+        uncached: int = 0,
+    ) -> Any:
+        slots = _FULL_POOL_SLOTS.get()
+        if slots is not None and pool_name == "full":
+            uncached += unbacked_tokens(slots, total, available)
+        return check_invariant(
+            pool_name, available, evictable, protected, session_held, total, uncached
+        )
 
     p.replace(checker_cls, "_check_full_pool", _check_full_pool)
+    p.replace(checker_cls, "_check_pool_invariant", staticmethod(_check_pool_invariant))
 
 
 def _install_scheduler_with_decode_gate(p: Patcher, module: ModuleType) -> None:

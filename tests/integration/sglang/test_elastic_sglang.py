@@ -698,9 +698,11 @@ def test_profiling_ignores_memory_other_engines_hold(monkeypatch, pools_group, t
 # -- SGLang's pool invariant check over an elastic pool --------------------------------------
 
 
-def _invariant_checker(alloc, total: int, protected: int):
+def _invariant_checker(alloc, total: int, protected: int, hybrid_ssm: bool = False):
     """SGLang's own ``SchedulerInvariantChecker`` over ``alloc`` (the state its
-    ``_check_full_pool`` reads, for a plain, non-hybrid pool)."""
+    ``_check_full_pool`` reads, for a plain pool, or with ``hybrid_ssm`` the
+    full-attention pool of a hybrid linear-attention model, whose ``total`` is
+    the allocator's size: ``schedulable_token_capacity`` of it on 0.5.23)."""
     from sglang.srt.managers.scheduler_components.invariant_checker import (
         SchedulerInvariantChecker,
     )
@@ -709,9 +711,14 @@ def _invariant_checker(alloc, total: int, protected: int):
         "token_to_kv_pool_allocator": alloc,
         "max_total_num_tokens": total,
         "is_hybrid_swa": False,
-        "is_hybrid_ssm": False,
+        "is_hybrid_ssm": hybrid_ssm,
         "page_size": alloc.page_size,
-        "tree_cache": NS(protected_size=lambda: protected),
+        "tree_cache": NS(
+            protected_size=lambda: protected,
+            full_protected_size=lambda: protected,
+            supports_mamba=lambda: True,
+        ),
+        "req_to_token_pool": NS(schedulable_token_capacity=lambda size: size),
         "pool_stats_observer": NS(session_held_tokens=lambda: 0),
         "server_args": NS(dcp_size=1),
     }
@@ -754,6 +761,23 @@ def test_sglangs_idle_pool_check_counts_what_the_budget_does_not_back(scheduler_
             leak, msg = _invariant_checker(alloc, 48, protected=6)._check_full_pool(ps)
             assert not leak, msg
             leak, msg = _invariant_checker(alloc, 48, protected=3)._check_full_pool(ps)
+        assert leak, "three held tokens that nothing accounts for are a leak"
+    finally:
+        kv.close()
+
+
+def test_a_hybrid_linear_attention_models_full_pool_is_accounted_too(scheduler_group):
+    """A hybrid linear-attention model (Qwen3-Next's kind) keeps its full-attention
+    KV in an elastic pool too; SGLang checks it against the allocator's size, and
+    the unbacked rest is counted there as for a plain pool."""
+    alloc, kv, _ = elastic_allocator(48, 1, budget_pages=2)
+    try:
+        assert alloc.size == 48 and alloc.alloc(10) is not None
+        ps = NS(full_available_size=alloc.available_size(), full_evictable_size=4, full_capacity=48)
+        with _single_process():
+            leak, msg = _invariant_checker(alloc, 48, 6, hybrid_ssm=True)._check_full_pool(ps)
+            assert not leak, msg
+            leak, msg = _invariant_checker(alloc, 48, 3, hybrid_ssm=True)._check_full_pool(ps)
         assert leak, "three held tokens that nothing accounts for are a leak"
     finally:
         kv.close()
