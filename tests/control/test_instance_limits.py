@@ -8,7 +8,6 @@ import os
 import time
 
 import pytest
-import torch
 
 from kvcached.control.instance import Instance, KVCachePool
 from kvcached.control.limits import ledger_snapshots, set_limit
@@ -18,10 +17,8 @@ from kvcached.errors import InstanceNotFoundError, LedgerBusyError
 from kvcached.ledger import Ledger
 from kvcached.ledger.snapshot import LimitStatus
 from kvcached.memory.cache import KVCache
-from kvcached.memory.spec import KVCacheSpec
 from kvcached.units import MIB
-
-SPEC = KVCacheSpec(num_layers=2, block_size=16, num_heads=4, head_dim=64, dtype=torch.float16)
+from tests.control.host_pool import SPEC, host_pool
 
 
 @pytest.fixture
@@ -30,28 +27,8 @@ def setup(tmp_path, monkeypatch):
     from kvcached import config
 
     config.reload_config()
-    driver = HostDriver(index=31, capacity=512 * MIB)
-    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
-    budget = ledger.register_pool("limit-test")
-    # One handle per page: a coalesced extent is released only when all its pages
-    # are idle, which would blur the exact byte counts this test checks.
-    cache = KVCache(
-        SPEC,
-        driver=driver,
-        budget=budget,
-        capacity_bytes=256 * MIB,
-        min_reserved=2,
-        max_reserved=4,
-        max_handle_bytes=0,
-    )
-    instance = Instance("limit-test", engine="test", tick_s=0.05)
-    source = KVCachePool(cache)
-    instance.add_pool(source, budget)
-    yield cache, instance, str(tmp_path)
-    instance.close()
-    cache.close()
-    budget.close()
-    ledger.close()
+    with host_pool(str(tmp_path), "limit-test", index=31) as pool:
+        yield pool.cache, pool.instance, str(tmp_path)
 
 
 def wait_until(pred, timeout=5.0):

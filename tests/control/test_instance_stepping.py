@@ -8,18 +8,11 @@ import threading
 import time
 
 import pytest
-import torch
 
 from kvcached.control import instance as control
-from kvcached.control.instance import Instance, KVCachePool
+from kvcached.control.instance import Instance
 from kvcached.control.limits import set_limit
-from kvcached.driver.host import HostDriver
-from kvcached.ledger import Ledger
-from kvcached.memory.cache import KVCache
-from kvcached.memory.spec import KVCacheSpec
-from kvcached.units import MIB
-
-SPEC = KVCacheSpec(num_layers=2, block_size=16, num_heads=4, head_dim=64, dtype=torch.float16)
+from tests.control.host_pool import host_pool
 
 
 @pytest.fixture
@@ -59,49 +52,35 @@ def test_while_the_engine_steps_the_control_thread_wakes_only_at_its_tick(ledger
 def test_a_stepping_engine_acts_on_a_new_limit_within_the_poll_not_the_tick(ledger_dir):
     """With a 30 s tick the control thread would sleep through the limit; the
     step's own look wakes it, and the pool's cap releases idle pages at once."""
-    driver = HostDriver(index=30, capacity=512 * MIB)
-    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=ledger_dir)
-    budget = ledger.register_pool("stepping-limit")
-    cache = KVCache(
-        SPEC,
-        driver=driver,
-        budget=budget,
-        capacity_bytes=256 * MIB,
-        min_reserved=0,
-        max_reserved=8,
-        max_handle_bytes=0,
-    )
-    instance = Instance("stepping-limit", engine="test", tick_s=30.0)
-    instance.add_pool(KVCachePool(cache), budget)
     stop = threading.Event()
+    with host_pool(
+        ledger_dir, "stepping-limit", index=30, min_reserved=0, max_reserved=8, tick_s=30.0
+    ) as pool:
+        cache, instance = pool.cache, pool.instance
 
-    def engine_loop() -> None:
-        while not stop.is_set():
-            instance.note_step()
-            time.sleep(0.002)
+        def engine_loop() -> None:
+            while not stop.is_set():
+                instance.note_step()
+                time.sleep(0.002)
 
-    loop = threading.Thread(target=engine_loop, daemon=True)
-    try:
-        page = cache.geometry.page_bytes
-        ids = cache.alloc(256 * 6)
-        assert ids is not None
-        cache.free(ids[256:])  # one page in use, five idle (kept in the reserve)
-        assert cache.usage().bytes_mapped >= 6 * page
-        loop.start()
-        time.sleep(0.1)
-        start = time.monotonic()
-        set_limit("stepping-limit", 2 * page, directory=ledger_dir)
-        while cache.usage().bytes_mapped > 2 * page and time.monotonic() - start < 5:
-            time.sleep(0.005)
-        took = time.monotonic() - start
-        assert cache.usage().bytes_mapped <= 2 * page
-        assert took < 2.0, took
-        cache.free(ids[:256])
-    finally:
-        stop.set()
-        if loop.is_alive():
-            loop.join()
-        instance.close()
-        cache.close()
-        budget.close()
-        ledger.close()
+        loop = threading.Thread(target=engine_loop, daemon=True)
+        try:
+            page = cache.geometry.page_bytes
+            ids = cache.alloc(256 * 6)
+            assert ids is not None
+            cache.free(ids[256:])  # one page in use, five idle (kept in the reserve)
+            assert cache.usage().bytes_mapped >= 6 * page
+            loop.start()
+            time.sleep(0.1)
+            start = time.monotonic()
+            set_limit("stepping-limit", 2 * page, directory=ledger_dir)
+            while cache.usage().bytes_mapped > 2 * page and time.monotonic() - start < 5:
+                time.sleep(0.005)
+            took = time.monotonic() - start
+            assert cache.usage().bytes_mapped <= 2 * page
+            assert took < 2.0, took
+            cache.free(ids[:256])
+        finally:
+            stop.set()
+            if loop.is_alive():
+                loop.join()

@@ -6,18 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
-from kvcached.control.instance import Instance, KVCachePool
 from kvcached.control.limits import set_limit
-from kvcached.driver.host import HostDriver
-from kvcached.ledger import Ledger
-from kvcached.memory.cache import KVCache
-from kvcached.memory.spec import KVCacheSpec
 from kvcached.serve import sleep as kv
 from kvcached.units import MIB
+from tests.control.host_pool import host_pool
 
-SPEC = KVCacheSpec(num_layers=2, block_size=16, num_heads=4, head_dim=64, dtype=torch.float16)
 NAME = "serve-kv-test"
 
 
@@ -27,25 +21,8 @@ def instance(tmp_path, monkeypatch):
     from kvcached import config
 
     config.reload_config()
-    driver = HostDriver(index=33, capacity=512 * MIB)
-    ledger = Ledger.open(driver.info().pci_bus_id, driver, directory=str(tmp_path))
-    budget = ledger.register_pool(NAME)
-    cache = KVCache(
-        SPEC,
-        driver=driver,
-        budget=budget,
-        capacity_bytes=128 * MIB,
-        min_reserved=2,
-        max_reserved=4,
-        max_handle_bytes=0,
-    )
-    inst = Instance(NAME, engine="test", tick_s=0.05)
-    inst.add_pool(KVCachePool(cache), budget)
-    yield cache
-    inst.close()
-    cache.close()
-    budget.close()
-    ledger.close()
+    with host_pool(str(tmp_path), NAME, index=33, capacity_bytes=128 * MIB) as pool:
+        yield pool.cache
 
 
 def held() -> int:
