@@ -15,10 +15,13 @@ no instance in the process (the baseline), in rounds of rotated order:
   once per step, as kvcached's vLLM and SGLang hooks do: the step looks at the
   revisions and the thread wakes only at its tick.
 
-A step is ``--ops`` small torch CPU ops (each holds the GIL, as a kernel launch
-does). Read-outs per condition: steps per second over ``alone``'s in the same
-round (median and range over rounds) and the control thread's wake-ups per
-second.
+A step is ``--chunks-per-step`` chunks of ``--ops`` small torch CPU ops each
+(every op holds the GIL, as a kernel launch does), each chunk timed. Read-outs
+per condition, against ``alone``'s in the same round (median and range over
+rounds): steps per second (``kept``), the share of wall time stalled, summed
+over chunks that took over 3x the median chunk (``stalled_extra``: a GIL switch
+is 0.1-0.2 ms, too short to move a 2 s step rate on a shared VM), and the
+control thread's wake-ups per second.
 
     python benchmarks/control_gil.py --out benchmarks/results/control-gil.json
 """
