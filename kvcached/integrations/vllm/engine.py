@@ -392,45 +392,42 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
 
 def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
     need = wrapped(_get_num_blocks_to_allocate)(self, *args, **kwargs)
-    pool = self.block_pool
-    extra = getattr(pool, "alloc_extra", None)
-    if extra is not None:
-        pool.reserve(need + extra)
+    extra = getattr(self.block_pool, "alloc_extra", None)
+    # A decode step that stays inside its last block needs nothing (15 of 16
+    # steps at 16-token blocks): nothing to reserve, and no call to pay for.
+    if extra is not None and need + extra > 0:
+        self.block_pool.reserve(need + extra)
     return need
 
 
 _WAITING: tuple[Any, ...] = ()
 
 
-def hold_back(manager: Any, request: Any, reserved_blocks: int, has_scheduled_reqs: bool) -> bool:
-    """Inside ``allocate_slots``: note on a kvcached pool the blocks vLLM keeps
-    back beyond the need; ``False`` for a native pool (nothing noted)."""
-    pool = manager.block_pool
-    if getattr(pool, "kvcached", None) is None:
-        return False
-    # vLLM applies the watermark only to waiting or preempted requests, and
-    # only when others are scheduled (kv_cache_manager.allocate_slots).
-    watermark = manager.watermark_blocks if has_scheduled_reqs and request.status in _WAITING else 0
-    pool.alloc_extra = reserved_blocks + watermark
-    return True
-
-
+# On a kvcached pool, note the blocks vLLM keeps back beyond the need for the
+# call's duration: ``reserved_blocks``, and the watermark, which vLLM applies
+# only to waiting or preempted requests and only when others are scheduled
+# (kv_cache_manager.allocate_slots). Inline, not a helper's call: this runs on
+# every running request's every step.
 _ALLOCATE_SLOTS_BODY = """
 def allocate_slots({signature}):
     pool = self.block_pool
-    kvcached = hold_back(self, request, reserved_blocks, has_scheduled_reqs)
+    if getattr(pool, "kvcached", None) is None:
+        return orig({arguments})
+    if has_scheduled_reqs and request.status in waiting:
+        pool.alloc_extra = reserved_blocks + self.watermark_blocks
+    else:
+        pool.alloc_extra = reserved_blocks
     try:
         return orig({arguments})
     finally:
-        if kvcached:
-            pool.alloc_extra = None
+        pool.alloc_extra = None
 """
 
 
 def allocate_slots_wrapper(native: Any) -> Any:
     """A wrapper of ``KVCacheManager.allocate_slots`` (``native``) with exactly
     its parameters and defaults, which notes the blocks vLLM keeps back
-    (:func:`hold_back`) for the duration of the call. Generated from the
+    (:data:`_ALLOCATE_SLOTS_BODY`) for the duration of the call. Generated from the
     signature because the parameter list differs between releases
     (:mod:`.releases`) and the call is on every request's every step, where
     ``*args`` binding would cost."""
@@ -440,7 +437,7 @@ def allocate_slots_wrapper(native: Any) -> Any:
         name if p.default is inspect.Parameter.empty else f"{name}=_d{i}"
         for i, (name, p) in enumerate(params.items())
     )
-    namespace: dict[str, Any] = {"orig": native, "hold_back": hold_back, **defaults}
+    namespace: dict[str, Any] = {"orig": native, "waiting": _WAITING, **defaults}
     exec(  # noqa: S102 - the source is the fixed body above and vLLM's parameter names
         _ALLOCATE_SLOTS_BODY.format(signature=signature, arguments=", ".join(params)), namespace
     )
@@ -554,7 +551,7 @@ def check_kv_cache_manager(module: ModuleType, row: Release) -> str | None:
     if reason is not None:
         return reason
     params = inspect.signature(original(module.KVCacheManager.allocate_slots)).parameters
-    for name in ("reserved_blocks", "has_scheduled_reqs"):  # what hold_back reads
+    for name in ("reserved_blocks", "has_scheduled_reqs"):  # what the wrapper reads
         if params[name].default is inspect.Parameter.empty:
             return f"allocate_slots' {name} has no default"
     return None
