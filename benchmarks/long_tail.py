@@ -619,7 +619,7 @@ def parse_ns(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="")
     p.add_argument("--resume", default="", help="an earlier result: its done steps are kept")
@@ -658,7 +658,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", default="/tmp/e2e-models")
     p.add_argument("--make-model", default=".gpu/vllm/make_model.py")
     p.add_argument("--workdir", default="")
-    args = p.parse_args(argv)
+    # serve_gpu's model step reads it: the long tail's arithmetic is the 8B's
+    p.set_defaults(shape=sg.SHAPE)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     cpu = args.cpu
     card, sizing = card_plan(cpu, args.host_gib << 30, int(args.kv_gib * GIB))
     args.wave = args.wave or (2 if cpu else sizing.get("wave", 5))

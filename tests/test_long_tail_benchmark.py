@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import long_tail as lt
+import serve_gpu
 from kvcached.serve.config import parse_config
 
 GIB = 1 << 30
@@ -276,3 +279,17 @@ def test_the_h100_plan_runs_each_kvcached_step_in_a_call_of_its_own():
     measured = lt.step_estimate_s(9, wave, 75.0, trace[9])
     assert measured + lt.SHUTDOWN_RESERVE_S <= left
     assert lt.step_estimate_s(12, wave, 75.0, trace[12]) + 60 + lt.SHUTDOWN_RESERVE_S > 575
+
+
+def test_the_model_step_it_shares_with_serve_gpu_has_its_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The H200 call at 5a82f52 broke off at 0.0 s: serve_gpu.prepare_model read
+    # args.shape, which long_tail's parser did not define.
+    made = []
+    monkeypatch.setattr(serve_gpu, "make_model", lambda shape, path, script: made.append(shape))
+    monkeypatch.setattr(serve_gpu, "safetensors_bytes", lambda path: 16 << 30)
+    args = lt.parser().parse_args(["--models-dir", str(tmp_path)])
+    run = SimpleNamespace(args=args, result={}, work=tmp_path)
+    assert serve_gpu.prepare_model(run) == str(tmp_path / "llama-3.1-8b")
+    assert made == ["llama-3.1-8b"] and run.result["model"]["weights_bytes"] == 16 << 30
