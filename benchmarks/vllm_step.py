@@ -30,8 +30,10 @@ provenance block.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import statistics
 import subprocess
@@ -67,8 +69,9 @@ def _timed(obj: Any, name: str, totals: dict[str, float]) -> None:  # noqa: ANN4
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ``LLM(...)`` arguments of this run's model and device."""
+    # disable_log_stats=False: the scheduler's stats each step, as a server makes them
     common: dict[str, Any] = {"model": args.model_dir, "seed": 0, "max_num_seqs": args.concurrency,
-                              "enforce_eager": args.eager}  # fmt: skip
+                              "enforce_eager": args.eager, "disable_log_stats": False}  # fmt: skip
     if args.device == "cpu":
         return {**common, "load_format": "dummy", "skip_tokenizer_init": True, "block_size": 32,
                 "max_model_len": 1024}  # fmt: skip
@@ -108,21 +111,61 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         _timed(core.model_executor, name, totals)
     steps: list[float] = []
     clock = time.perf_counter
+    profile = cProfile.Profile() if args.profile else None
     for k, batch in enumerate(rounds):
         for i, prompt in enumerate(batch):
             engine.add_request(f"r{k}-{i}", {"prompt_token_ids": prompt}, sampling)
+        if profile is not None:
+            profile.enable()
         while engine.has_unfinished_requests():
             t = clock()
             engine.step()
             steps.append(clock() - t)
+        if profile is not None:
+            profile.disable()
     n = len(steps)
-    return {
+    out = {
         "steps": n,
         "median_step_us": statistics.median(steps) * 1e6,
         "mean_step_us": statistics.fmean(steps) * 1e6,
         "parts_us": {k: v / n * 1e6 for k, v in totals.items()},
         "kvcached_active": _kvcached_active(),
     }
+    if profile is not None:
+        out["profile"] = profile_table(pstats.Stats(profile), n)
+    return out
+
+
+#: whose functions a profile keeps: kvcached's and the engine core's (scheduler,
+#: KV cache manager, block pool, worker)
+PROFILED = ("/kvcached/", "/vllm/v1/core/", "/vllm/v1/worker/", "/vllm/v1/engine/core")
+
+
+def profile_table(stats: pstats.Stats, steps: int) -> dict[str, list[float]]:
+    """Per function of :data:`PROFILED`: calls, own and cumulative microseconds
+    a step (cProfile's, so each call counts its profiling too), keyed
+    ``folder/file:function``; functions under 1 us a step cumulative left out."""
+    table = {}
+    for (path, _line, name), (_cc, calls, own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if any(part in path for part in PROFILED) and cum / steps >= 1e-6:
+            where = Path(path)
+            key = f"{where.parent.name}/{where.name}:{name}"
+            table[key] = [round(calls / steps, 2), round(own / steps * 1e6, 1),
+                          round(cum / steps * 1e6, 1)]  # fmt: skip
+    return table
+
+
+def profile_delta(pair: dict[str, dict[str, Any]], top: int = 30) -> list[list[Any]]:
+    """kvcached's profile less native's, the ``top`` functions by cumulative
+    difference: ``[function, calls a step (native, kvcached), cumulative us
+    a step (native, kvcached)]``; a function only kvcached runs has native 0."""
+    mine, theirs = pair["kvcached"].get("profile", {}), pair["native"].get("profile", {})
+    rows = []
+    for key in set(mine) | set(theirs):
+        k, n = mine.get(key, [0, 0, 0]), theirs.get(key, [0, 0, 0])
+        rows.append([key, [n[0], k[0]], [n[2], k[2]]])
+    rows.sort(key=lambda r: abs(r[2][1] - r[2][0]), reverse=True)
+    return rows[:top]
 
 
 def _kvcached_active() -> bool:
@@ -194,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="one engine process")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the timed steps (slower steps; the ratios then mean little) and "
+        "write each pair's largest differences by function (profile_delta)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -230,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "complete": len(pairs) == args.pairs,
             **summarize(pairs),
+            "profile_delta": [profile_delta(p) for p in pairs] if args.profile else None,
             "pairs": pairs,
             "model": args.model,
             "device": args.device,
