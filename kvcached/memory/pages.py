@@ -739,7 +739,8 @@ class PageAllocator:
         """Release what is over the cap or the pool's maximum, then refill the
         pool if a take asked for it. The background thread calls this; with
         ``background=False`` ``take`` and ``give_back`` do."""
-        self._shrink()
+        if self._needs_shrink():  # an unlocked peek: a vLLM step calls this every step
+            self._shrink()
         if self._refill_wanted:
             self._refill()
 
