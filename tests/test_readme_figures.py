@@ -828,6 +828,17 @@ HEADLINES: list[Figure] = [
         ("proxy_throughput_ratio", "proxy_ttft_p50_added_ms", "kv_wake_ms_p50"),
     ),
     Figure(
+        "level-1 wake to first token {0.475} s, `kv` wake {37.7} ms, a weights sleep releasing "
+        "{0.965} of the engine's memory, {0} failed requests",
+        "h200/serve-gpu.json",
+        (
+            "l1_wake_to_first_token_s",
+            "kv_wake_ms_p50",
+            "weights_sleep_released_fraction",
+            "failed_requests",
+        ),
+    ),
+    Figure(
         "A 2 MiB page's driver calls on the H200, against raw ctypes | {0.96}x |",
         "driver-h200.json",
         "overhead_ratio",
