@@ -43,11 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import _provenance
+from kvharness.cpus import parse_cpu_list, pinned_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("schedule", "execute_model", "sample_tokens", "update_from_output")
 CONFIGS = ("native", "kvcached")
-LOAD = ("concurrency", "max_tokens", "min_prompt", "max_prompt", "rounds", "eager")
+LOAD = ("concurrency", "max_tokens", "min_prompt", "max_prompt", "rounds", "eager", "cpus")
 
 
 # -- one engine, in a child process ----------------------------------------------------------
@@ -184,6 +185,8 @@ def run_child(args: argparse.Namespace, config: str, argv: list[str]) -> dict[st
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, __file__, *argv, "--child", "--model-dir", args.model_dir]
+    if args.cpus:
+        cmd = pinned_argv(cmd, parse_cpu_list(args.cpus))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"steps"')]
     if done.returncode != 0 or not lines:
@@ -243,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         help="cProfile the timed steps (slower steps; the ratios then mean little) and "
         "write each pair's largest differences by function (profile_delta)",
     )
+    ap.add_argument(
+        "--cpus",
+        default="",
+        help="run every engine on these CPUs (e.g. 0-7): the same cores for native and "
+        "kvcached, so that placement does not differ between the processes compared",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -252,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error(f"--min-prompt {args.min_prompt} --max-prompt {args.max_prompt}: need "
                  "1 <= min <= max")  # fmt: skip
+    if args.cpus:
+        try:
+            parse_cpu_list(args.cpus)
+        except ValueError as exc:
+            ap.error(f"--cpus: {exc}")
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return 0

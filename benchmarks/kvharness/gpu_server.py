@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from .cpus import pinned_argv
+
 # The CPU tests' server harness reads process groups from /proc the same way.
 from .vllm_server import group_stats
 
@@ -31,9 +33,18 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on ``port``, logging to ``log``."""
 
     def __init__(
-        self, name: str, port: int, model: str, args: list[str], env: dict[str, str], log: Path
+        self,
+        name: str,
+        port: int,
+        model: str,
+        args: list[str],
+        env: dict[str, str],
+        log: Path,
+        cpus: list[int] | None = None,
     ) -> None:
         self.name, self.port, self.model, self.log = name, port, model, log
+        #: CPUs the server and its children run on (``cpus.pinned_argv``); None: any
+        self.cpus = cpus
         self.argv = [
             sys.executable,
             "-m",
@@ -67,11 +78,12 @@ class Server:
                 }
             )
             + "\n"
+            + (f"cpus {self.cpus}\n" if self.cpus is not None else "")
         )
         out.flush()
         self.started = time.time()
         self.proc = subprocess.Popen(
-            self.argv,
+            self.argv if self.cpus is None else pinned_argv(self.argv, self.cpus),
             env=self.env,
             stdout=out,
             stderr=subprocess.STDOUT,
