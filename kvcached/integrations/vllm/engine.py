@@ -400,9 +400,6 @@ def _get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
     return need
 
 
-_WAITING: tuple[Any, ...] = ()
-
-
 # On a kvcached pool, note the blocks vLLM keeps back beyond the need for the
 # call's duration: ``reserved_blocks``, and the watermark, which vLLM applies
 # only to waiting or preempted requests and only when others are scheduled
@@ -424,10 +421,11 @@ def allocate_slots({signature}):
 """
 
 
-def allocate_slots_wrapper(native: Any) -> Any:
+def allocate_slots_wrapper(native: Any, waiting: tuple[Any, ...]) -> Any:
     """A wrapper of ``KVCacheManager.allocate_slots`` (``native``) with exactly
     its parameters and defaults, which notes the blocks vLLM keeps back
-    (:data:`_ALLOCATE_SLOTS_BODY`) for the duration of the call. Generated from the
+    (:data:`_ALLOCATE_SLOTS_BODY`) for the duration of the call; ``waiting``:
+    the request states vLLM's watermark applies to. Generated from the
     signature because the parameter list differs between releases
     (:mod:`.releases`) and the call is on every request's every step, where
     ``*args`` binding would cost."""
@@ -437,7 +435,7 @@ def allocate_slots_wrapper(native: Any) -> Any:
         name if p.default is inspect.Parameter.empty else f"{name}=_d{i}"
         for i, (name, p) in enumerate(params.items())
     )
-    namespace: dict[str, Any] = {"orig": native, "waiting": _WAITING, **defaults}
+    namespace: dict[str, Any] = {"orig": native, "waiting": waiting, **defaults}
     exec(  # noqa: S102 - the source is the fixed body above and vLLM's parameter names
         _ALLOCATE_SLOTS_BODY.format(signature=signature, arguments=", ".join(params)), namespace
     )
@@ -558,12 +556,13 @@ def check_kv_cache_manager(module: ModuleType, row: Release) -> str | None:
 
 
 def install_kv_cache_manager(patcher: Patcher, module: ModuleType, row: Release) -> None:
-    global _WAITING
     from vllm.v1.request import RequestStatus
 
-    _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
     cls = module.KVCacheManager
-    patcher.replace(cls, "allocate_slots", allocate_slots_wrapper(original(cls.allocate_slots)))
+    waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    patcher.replace(
+        cls, "allocate_slots", allocate_slots_wrapper(original(cls.allocate_slots), waiting)
+    )
 
 
 def check_scheduler(module: ModuleType, row: Release) -> str | None:
