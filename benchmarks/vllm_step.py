@@ -185,8 +185,8 @@ def run_child(args: argparse.Namespace, config: str, argv: list[str]) -> dict[st
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, __file__, *argv, "--child", "--model-dir", args.model_dir]
-    if args.cpus:
-        cmd = pinned_argv(cmd, parse_cpu_list(args.cpus))
+    if args.cpu_list:
+        cmd = pinned_argv(cmd, args.cpu_list)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{"steps"')]
     if done.returncode != 0 or not lines:
@@ -261,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.min_prompt <= args.max_prompt:
         ap.error(f"--min-prompt {args.min_prompt} --max-prompt {args.max_prompt}: need "
                  "1 <= min <= max")  # fmt: skip
-    if args.cpus:
-        try:
-            parse_cpu_list(args.cpus)
-        except ValueError as exc:
-            ap.error(f"--cpus: {exc}")
+    try:
+        args.cpu_list = parse_cpu_list(args.cpus) if args.cpus else None
+    except ValueError as exc:
+        ap.error(f"--cpus: {exc}")
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return 0
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             "pairs": pairs,
             "model": args.model,
             "device": args.device,
-            "load": {k: getattr(args, k) for k in LOAD},
+            "load": {name: getattr(args, name) for name in LOAD},
         }
         _provenance.write_result(out, result, block)
     print(json.dumps({k: result[k] for k in ("step_ratio", "part_delta_us")}, indent=1))
