@@ -101,10 +101,33 @@ def test_a_requests_ok(elastic: ElasticRecord) -> None:
     assert r.a_requests and all(c.ok for c in r.a_requests)
 
 
+def test_loads_sampled(elastic: ElasticRecord) -> None:
+    """Each load alone was sampled from the ledger throughout (a 0.1 s cadence
+    over several seconds), so its peak is a peak and not its last sample."""
+    r = _ok(elastic)
+    assert r.a_load_samples >= 10 and r.b_load_samples >= 10, (
+        r.a_load_samples,
+        r.b_load_samples,
+        r.sampler_errors[:3],
+    )
+
+
 def test_a_filled_memory(elastic: ElasticRecord) -> None:
+    """A's load alone grew A past half the memory the idle instances leave
+    free: every request still decodes when the last prefill ends (FILL_OUTPUT)."""
     r = _ok(elastic)
     free = r.budget - r.a_idle - r.b_idle
-    assert r.a_peak - r.a_idle > free / 2, (r.a_peak, r.a_idle, free)
+    assert r.a_peak - r.a_idle > free / 2, (
+        r.a_peak,
+        r.a_idle,
+        free,
+        "after the load",
+        r.a_after_load,
+        "samples",
+        r.a_load_samples,
+        "misses before phase 4",
+        r.misses_before_contended,
+    )
 
 
 def test_a_released_memory(elastic: ElasticRecord) -> None:

@@ -48,6 +48,14 @@ UTILIZATION = 0.8
 LOAD_REQUESTS = 32
 LOAD_PROMPT = 3500
 LOAD_OUTPUT = 64
+#: Phases (1) and (3), one load alone, must fill most of the free memory, so every
+#: request must still be decoding when the last one's prefill ends: at 64 output
+#: tokens the first finished while the last still waited for prefill (vLLM's CPU
+#: step takes 2,048 tokens, 32 x 3,500 are ~55 steps of it), and CI once saw A
+#: peak at half the free memory. 256 decode steps outlast that prefill by 4x;
+#: 32 x (3,000 + 256) tokens stay below the free memory, so nothing is preempted.
+FILL_PROMPT = 3000
+FILL_OUTPUT = 256
 #: B's output per request in phase (4): B must still hold its memory while A's
 #: prefill grows (CI once saw no miss when B's 64-token decode ended first, with
 #: A's load started once B held half the free memory); 512 decode steps outlast
@@ -98,12 +106,19 @@ class ElasticRecord:
     a_peak: int = 0
     free_at_a_peak: int = 0
     a_after_reset: int = 0
+    a_after_load: int = 0  # before the reset
+    #: ledger reads while phases (1) and (3) ran, and every read that failed
+    a_load_samples: int = 0
+    b_load_samples: int = 0
+    sampler_errors: list[str] = field(default_factory=list)
     b_idle: int = 0
     b_peak: int = 0
     a_requests: list[Completion] = field(default_factory=list)
     b_requests: list[Completion] = field(default_factory=list)
     contended: list[Completion] = field(default_factory=list)
     contended_peak: int = 0
+    #: allocation misses per instance before phase (4), and during it
+    misses_before_contended: dict[str, int] = field(default_factory=dict)
     contended_misses: dict[str, int] = field(default_factory=dict)
     #: seconds from B's contended load to B holding half the free memory (None: never)
     contended_head_start_s: float | None = None
@@ -126,12 +141,16 @@ class ElasticRecord:
 
 
 class UsageSampler:
-    """Samples each instance's charged bytes from the ledger every 0.1 s."""
+    """Samples each instance's charged bytes from the ledger every 0.1 s.
+    A read that fails is counted in ``errors`` and sampling goes on (a sampler
+    thread that died would leave a phase's peak at its last sample)."""
 
     def __init__(self, ledger_dir: Path) -> None:
         self.ledger_dir = str(ledger_dir)
         self.peaks: dict[str, int] = {}
         self.totals_at_peak: dict[str, int] = {}
+        self.samples = 0
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -149,6 +168,7 @@ class UsageSampler:
 
     def __enter__(self) -> UsageSampler:
         self.peaks, self.totals_at_peak = {}, {}
+        self.samples = 0
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -160,7 +180,12 @@ class UsageSampler:
             self._stop.wait(0.1)
 
     def sample(self) -> None:
-        usage, _ = self.read()
+        try:
+            usage, _ = self.read()
+        except Exception as exc:  # noqa: BLE001 - recorded; the checks show it
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        self.samples += 1
         total = sum(usage.values())
         for name, used in usage.items():
             if used > self.peaks.get(name, -1):
@@ -187,8 +212,8 @@ def misses() -> dict[str, int]:
     return out
 
 
-def load_prompts(seed: int) -> list[list[int]]:
-    return [token_prompt(seed + i, LOAD_PROMPT) for i in range(LOAD_REQUESTS)]
+def load_prompts(seed: int, length: int = LOAD_PROMPT) -> list[list[int]]:
+    return [token_prompt(seed + i, length) for i in range(LOAD_REQUESTS)]
 
 
 PROBES = [token_prompt(8000 + i, 40 + 20 * i) for i in range(3)]
@@ -243,20 +268,30 @@ def run_elastic_case(
         rec.a.name, rec.b.name = f"vllm-{rec.a.pid}", f"vllm-{rec.b.pid}"
         rec.a_idle, rec.b_idle = charged.get(rec.a.name, 0), charged.get(rec.b.name, 0)
         with sampler:  # (1) A's load
-            rec.a_requests = a.complete_all(load_prompts(100_000), LOAD_OUTPUT, ignore_eos=True)
+            rec.a_requests = a.complete_all(
+                load_prompts(100_000, FILL_PROMPT), FILL_OUTPUT, ignore_eos=True
+            )
         rec.a_peak = sampler.peaks.get(rec.a.name, 0)
+        rec.a_load_samples = sampler.samples
+        rec.a_after_load = sampler.read()[0].get(rec.a.name, 0)
         rec.free_at_a_peak = rec.budget - sampler.totals_at_peak.get(rec.a.name, 0)
         rec.resets.append(a.reset_prefix_cache())  # (2)
         time.sleep(0.5)
         rec.a_after_reset = sampler.read()[0].get(rec.a.name, 0)
         with sampler:  # (3) B's load
-            rec.b_requests = b.complete_all(load_prompts(200_000), LOAD_OUTPUT, ignore_eos=True)
+            rec.b_requests = b.complete_all(
+                load_prompts(200_000, FILL_PROMPT), FILL_OUTPUT, ignore_eos=True
+            )
         rec.b_peak = sampler.peaks.get(rec.b.name, 0)
+        rec.b_load_samples = sampler.samples
         rec.resets.append(b.reset_prefix_cache())
+        rec.misses_before_contended = misses()
         with sampler:  # (4) both at once
             run_contended(a, b, rec, sampler)
         rec.contended_peak = max(sampler.totals_at_peak.values(), default=0)
-        rec.contended_misses = misses()
+        rec.contended_misses = {
+            name: n - rec.misses_before_contended.get(name, 0) for name, n in misses().items()
+        }
         rec.resets.append(a.reset_prefix_cache())
         rec.resets.append(b.reset_prefix_cache())
         run_limit_phases(b, rec, sampler, set_limit, usage)
@@ -266,6 +301,7 @@ def run_elastic_case(
     except ServerError as exc:
         rec.error = str(exc)
     finally:
+        rec.sampler_errors = sampler.errors
         for server, r in ((a, rec.a), (b, rec.b)):
             if server.proc is not None:
                 r.stop = server.stop()
