@@ -49,10 +49,10 @@ LOAD_REQUESTS = 32
 LOAD_PROMPT = 3500
 LOAD_OUTPUT = 64
 #: Phases (1) and (3), one load alone, must fill most of the free memory, so every
-#: request must still be decoding when the last one's prefill ends: at 64 output
-#: tokens the first finished while the last still waited for prefill (vLLM's CPU
-#: step takes 2,048 tokens, 32 x 3,500 are ~55 steps of it), and CI once saw A
-#: peak at half the free memory. 256 decode steps outlast that prefill by 4x;
+#: request must still be decoding when the last one's prefill ends. At 64 output
+#: tokens that was a race (vLLM's CPU step takes 2,048 tokens, 32 x 3,500 are ~55
+#: steps of it, the first request done after ~66), and CI once saw A peak at half
+#: the free memory (never reproduced here). 256 decode steps outlast it by 4x;
 #: 32 x (3,000 + 256) tokens stay below the free memory, so nothing is preempted.
 FILL_PROMPT = 3000
 FILL_OUTPUT = 256
