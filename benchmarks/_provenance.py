@@ -130,6 +130,32 @@ def finish(block: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
+def merged(blocks: list[dict[str, Any] | None], names: list[str]) -> dict[str, Any]:
+    """The block of a result merged from parts (``blocks``: the parts' own, in
+    order; ``names``: their files). A merge measures nothing itself, so its
+    commit, machine and loads are the parts' (one commit only: parts of
+    different code are not one result); ValueError otherwise."""
+    if not blocks or any(b is None or not {"commit", "command"} <= b.keys() for b in blocks):
+        raise ValueError(
+            "every part needs its provenance block with its commit and command "
+            "(benchmarks/_provenance.py)"
+        )
+    parts: list[dict[str, Any]] = [b for b in blocks if b is not None]
+    commits = {b["commit"] for b in parts}
+    if len(commits) != 1:
+        raise ValueError(f"the parts measured different commits {sorted(map(str, commits))}: "
+                         "not one result")  # fmt: skip
+    return {
+        **parts[0],
+        "tree_dirty": any(b.get("tree_dirty") for b in parts),
+        "command": " ; ".join(b["command"] for b in parts),
+        "load_average_start": parts[0].get("load_average_start"),
+        "load_average_end": parts[-1].get("load_average_end"),
+        "finished_utc": parts[-1].get("finished_utc"),
+        "merged_from": list(names),
+    }
+
+
 def write_result(
     path: str | os.PathLike[str], result: dict[str, Any], block: dict[str, Any], indent: int = 2
 ) -> Path:

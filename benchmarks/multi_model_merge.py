@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import _provenance
 import multi_model as mm
 from multi_model_stats import CONFIGS, peak_key, run_summary, summarize
 from multi_model_trace import file_sha256, read_traces
@@ -108,24 +109,9 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
 
 
 def merged_provenance(parts: list[Path]) -> dict[str, Any]:
-    """The parts' provenance, as one block: a merge measures nothing itself, so
-    its commit, machine and loads are the parts' (one commit only: parts of
-    different code are not one result)."""
+    """The parts' provenance as one block (:func:`_provenance.merged`)."""
     blocks = [json.loads(p.read_text()).get("provenance") for p in parts]
-    if any(b is None for b in blocks):
-        raise ValueError("every part needs its provenance block (benchmarks/_provenance.py)")
-    commits = {b["commit"] for b in blocks}
-    if len(commits) != 1:
-        raise ValueError(f"the parts measured different commits {sorted(commits)}: not one result")
-    return {
-        **blocks[0],
-        "tree_dirty": any(b.get("tree_dirty") for b in blocks),
-        "command": " ; ".join(b["command"] for b in blocks),
-        "load_average_start": blocks[0].get("load_average_start"),
-        "load_average_end": blocks[-1].get("load_average_end"),
-        "finished_utc": blocks[-1].get("finished_utc"),
-        "merged_from": [p.name for p in parts],
-    }
+    return _provenance.merged(blocks, [p.name for p in parts])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,17 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("parts", type=Path, nargs="+")
     ap.add_argument("--equal-rounds", action="store_true")
     args = ap.parse_args(argv)
-    block = _provenance.start(argv)
     try:
         result = merge(args.parts, args.equal_rounds)
+        # The pooled figures measure the parts' commit on the parts' machine under
+        # the parts' load; this command only did arithmetic over them.
+        parts = result["parts"]
+        block = _provenance.merged([p["provenance"] for p in parts], [p["file"] for p in parts])
     except ValueError as exc:
         raise SystemExit(f"vllm_gpu_merge: {exc}") from None
-    first = result["parts"][0]["provenance"] or {}
-    # The pooled figures measure the parts' commit on the parts' machine; this
-    # command only did arithmetic over them.
-    block.update(commit=first.get("commit"), tree_dirty=first.get("tree_dirty"),
-                 machine=first.get("machine", block["machine"]), merged_by=block["command"])  # fmt: skip
-    _provenance.write_result(args.out, result, block)
+    block["merged_by"] = _provenance.command(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**result, "provenance": block}, indent=2) + "\n")
     keys = ("balanced", "rounds_by_start_order", "throughput_ratio", "pooled")
     print(json.dumps({k: result[k] for k in keys}, indent=1))
     return 0

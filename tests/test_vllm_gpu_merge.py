@@ -101,3 +101,20 @@ def test_main_writes_the_parts_commit(tmp_path: Path) -> None:
     assert written["provenance"]["commit"] == "a" * 40
     assert written["provenance"]["machine"]["device"] == "NVIDIA H100 80GB HBM3"
     assert written["provenance"]["merged_by"].endswith(f"{fwd} {rev}")
+
+
+def test_main_writes_the_parts_provenance(tmp_path: Path) -> None:
+    """The merged block is the parts' (their commands, their load, dirty if
+    any part was), as multi_model_merge's is; a part without one is refused."""
+    fwd = _part(tmp_path, "fwd.json", FORWARD, 2)
+    dirty = json.loads(fwd.read_text())["provenance"] | {"tree_dirty": True}
+    rev = _part(tmp_path, "rev.json", MIRROR, 2, provenance=dirty)
+    out = tmp_path / "merged.json"
+    assert vllm_gpu_merge.main([str(out), str(fwd), str(rev)]) == 0
+    block = json.loads(out.read_text())["provenance"]
+    assert block["tree_dirty"] is True and block["merged_from"] == ["fwd.json", "rev.json"]
+    assert block["command"].count("benchmarks/vllm_gpu.py") == 2
+    bare = [_part(tmp_path, f"bare-{i}.json", o, 2, provenance=None)
+            for i, o in enumerate((FORWARD, MIRROR))]  # fmt: skip
+    with pytest.raises(SystemExit, match="provenance block"):
+        vllm_gpu_merge.main([str(out), *map(str, bare)])
