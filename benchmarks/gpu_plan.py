@@ -28,7 +28,10 @@ default peaks are steps of ``knee / 4.5`` (a multiple of 0.25): six at least,
 four of them at or below the knee, and more up to kvcached's own knee (where
 the peaking model's burst plus the others at ``low`` exceed the whole budget:
 H100 ~4.5) while one configuration's block of them fits one call (a call holds
-one block either way). H100: 0.5 .. 4.0 in steps of 0.5; H200: 1.75 .. 10.5.
+one block either way) and the whole sweep, both rounds, fits one session's
+device time (:data:`SWEEP_SESSION_S`). H100: 0.5 .. 3.0 in steps of 0.5 (four
+calls of ~353 s; eight peaks to 4.0 would take four of ~452 s, past a session);
+H200: 1.75 .. 10.5 (six calls: two sessions however few its peaks).
 
 **Models per GPU** (:func:`long_tail_plan`): a static split fits
 ``total / (weights + KV share + overhead)`` models (H100: 4, H200: 7); kvcached
@@ -280,6 +283,16 @@ def knee(
     return round(hi, 2)
 
 
+#: the multi-model harness on the H100 (the two calls of 2026-12-06 at ce1c439): seconds
+MEASURED_START_S = 82.0  #: three 8B engines ready (45-82 s; the slowest on a fresh machine)
+MEASURED_RUN_TAIL_S = 14.0  #: a run's wall beyond its trace's arrivals (the last requests)
+MEASURED_CALL_SETUP_S = 45.0  #: model folder (~30 s on a fresh machine), imports, versions
+#: the command time a whole sweep (both rounds) may take: one session's 1,800 s of
+#: device time less ~300 s for the machine's start (60-105 s, more when it fails
+#: once), the transfers and the estimates' error, so that it can finish in one session
+SWEEP_SESSION_S = 1500.0
+
+
 def sweep_peaks(knee_peak: float, n: int = 6) -> list[float]:
     """``n`` peaks in steps of ``knee / (0.75 n)``, a multiple of 0.25: the knee
     three quarters of the way up (four of six at or below it, two past)."""
@@ -294,18 +307,24 @@ def extend_sweep(
     ceiling: float | None,
     trace_s: Any,  # noqa: ANN401  (peak -> seconds of its trace)
     most: int = 10,
+    session_s: float = SWEEP_SESSION_S,
 ) -> list[float]:
     """``peaks`` and more of its steps past them, up to ``ceiling`` (kvcached's own
     knee: past it the shared budget runs short too), while one configuration's
-    block of them still fits one call (:func:`sweep_calls`): a call holds one
-    block either way, so the extra peaks cost no call."""
+    block of them still fits one call (:func:`sweep_calls`: a call holds one
+    block either way, so the extra peaks cost no call) and the whole sweep's
+    calls, two rounds, fit ``session_s`` of command time (each extra peak costs
+    every call its run: eight peaks on the H100 would take ~1,808 s, past a session)."""
     step, out = peaks[0], list(peaks)
     while len(out) < most:
         nxt = round(step * (len(out) + 1), 2)
         if ceiling is None or nxt > ceiling:
             break
         more = [*out, nxt]
-        if len(sweep_calls([trace_s(p) for p in more], rounds=1)[0]["runs"]) < len(more):
+        traces = [trace_s(p) for p in more]
+        if len(sweep_calls(traces, rounds=1)[0]["runs"]) < len(more):
+            break
+        if sum(c["estimate_s"] for c in sweep_calls(traces, rounds=2)) > session_s:
             break
         out = more
     return out
@@ -370,17 +389,12 @@ def multi_model_plan(
         "peaks_from": "given"
         if peaks
         else f"steps of knee / {0.75 * n_peaks:g}, at least {n_peaks}, more up to kvcached's "
-        "own knee while one configuration's block of them fits one call",
+        "own knee while one configuration's block of them fits one call and the sweep one "
+        "session",
         "per_peak": [
             peak_point(p, share, budget, engines, request_kv, e2e_s, low, **trace) for p in chosen
         ],
     }
-
-
-#: the multi-model harness on the H100 (this session's two calls): seconds
-MEASURED_START_S = 82.0  #: three 8B engines ready (45-82 s; the slowest on a fresh machine)
-MEASURED_RUN_TAIL_S = 14.0  #: a run's wall beyond its trace's arrivals (the last requests)
-MEASURED_CALL_SETUP_S = 45.0  #: model folder (~30 s on a fresh machine), imports, versions
 
 
 def sweep_calls(

@@ -48,7 +48,7 @@ plots (``multi_model_plot.py``).
 **Sized to the card** (``--device gpu``, issue #33): the peaks come from
 :mod:`gpu_plan` (the card's memory from nvidia-smi: the KV budget of three 8B
 engines, the knee where a static third runs short, at least six peaks from well
-below it to past it; on an H100 0.5 .. 4 req/s, on an H200 1.75 .. 10.5), and
+below it to past it; on an H100 0.5 .. 3 req/s, on an H200 1.75 .. 10.5), and
 the result's ``plan`` holds
 that arithmetic with the ledger's measured budget. ``--peaks`` overrides. The
 result goes to ``benchmarks/results/<card>/multi-model-gpu.json`` (``h100`` or
@@ -389,7 +389,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=None,
         help="peak rates in req/s per model (cpu: 1 2 3 4; gpu: sized to the card by "
-        "gpu_plan, from well below the knee to past it, H100: 0.5..4; --short: 1)",
+        "gpu_plan, from well below the knee to past it, H100: 0.5..3; --short: 1)",
     )
     ap.add_argument(
         "--rounds",

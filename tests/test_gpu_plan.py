@@ -61,15 +61,17 @@ def test_the_h100_sweep_holds_the_measured_knee():
     assert plan["engines"] == 3 and plan["share_requests"] == pytest.approx(24.0, abs=0.2)
     # measured: nothing short at 2.0, the static share short at 2.5
     assert 1.8 < plan["knee_peak"] < 2.5
-    # steps of 0.5 from well below the knee to kvcached's own knee (~4.5): one
-    # configuration's block of eight still fits one call, so eight
-    assert plan["peaks"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+    # steps of 0.5 from well below the knee: a block of eight (to 4.0) would still fit
+    # one call, but the sweep's four calls would then take ~1,808 s, past a session
+    assert plan["peaks"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    traces = [p["trace_s"] for p in plan["per_peak"]]
+    assert sum(c["estimate_s"] for c in gp.sweep_calls(traces)) <= gp.SWEEP_SESSION_S
     below = [p for p in plan["peaks"] if p <= plan["knee_peak"]]
     assert len(below) >= 3 and len(plan["peaks"]) - len(below) >= 2
     # kvcached's whole budget holds every peak of the sweep
     assert plan["kvcached_knee_peak"] > max(plan["peaks"])
     over = {p["peak"]: p for p in plan["per_peak"]}
-    assert over[0.5]["over_share_burst"] < 0.6 and over[4.0]["over_share_burst"] > 1.4
+    assert over[0.5]["over_share_burst"] < 0.6 and over[3.0]["over_share_burst"] > 1.1
     assert all(p["over_budget_burst"] < 1 for p in plan["per_peak"])
     # with the ledger's measured budget the knee moves a little, the same way
     measured = gp.multi_model_plan(gp.H100.total_bytes, budget_bytes=H100_LEDGER_BUDGET)
@@ -97,10 +99,16 @@ def test_given_peaks_are_kept_and_a_card_too_small_is_refused():
     assert gp.sweep_peaks(2.06) == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
     six = gp.sweep_peaks(2.06)
     assert gp.extend_sweep(six, None, lambda p: 20.0) == six  # no ceiling: no more
-    assert gp.extend_sweep(six, 3.9, lambda p: 20.0) == [*six, 3.5]  # up to the ceiling
-    assert gp.extend_sweep(six, 9.0, lambda p: 20.0, most=7) == [*six, 3.5]
+    unbound = {"session_s": 1e9}
+    assert gp.extend_sweep(six, 3.9, lambda p: 20.0, **unbound) == [*six, 3.5]  # the ceiling
+    assert gp.extend_sweep(six, 9.0, lambda p: 20.0, most=7, **unbound) == [*six, 3.5]
     # traces so long that a call holds one run: the six stay six
     assert gp.extend_sweep(six, 9.0, lambda p: 200.0) == six
+    # a peak more only while the whole sweep fits a session's command time
+    assert len(gp.extend_sweep(six, 9.0, lambda p: 20.0, **unbound)) > 7  # to the call's limit
+    four_calls = sum(c["estimate_s"] for c in gp.sweep_calls([20.0] * 7))
+    assert gp.extend_sweep(six, 9.0, lambda p: 20.0, session_s=four_calls) == [*six, 3.5]
+    assert gp.extend_sweep(six, 9.0, lambda p: 20.0, session_s=four_calls - 1) == six
     assert gp.sweep_peaks(0.1) == [0.25, 0.5, 0.75, 1.0, 1.25, 1.5]
     with pytest.raises(ValueError, match="at least 2"):
         gp.sweep_peaks(2.0, 1)
@@ -111,11 +119,11 @@ def test_the_sweep_takes_calls_of_at_most_the_deadline():
     traces = [p["trace_s"] for p in plan["per_peak"]]
     calls = gp.sweep_calls(traces, rounds=2, deadline_s=540)
     runs = [r for c in calls for r in c["runs"]]
-    assert len(runs) == 2 * 2 * 8 and len(set(runs)) == len(runs)  # every run once
+    assert len(runs) == 2 * 2 * 6 and len(set(runs)) == len(runs)  # every run once
     assert all(c["estimate_s"] <= 540 for c in calls)
-    # on the H100 a call holds one configuration's block of eight: four calls
-    assert len(calls) == 4 and calls[0]["runs"] == [f"kvcached r0 #{i}" for i in range(8)]
-    assert runs[-1] == "kvcached r1 #7"  # round 1 runs the other way round
+    # on the H100 a call holds one configuration's block of six: four calls
+    assert len(calls) == 4 and calls[0]["runs"] == [f"kvcached r0 #{i}" for i in range(6)]
+    assert runs[-1] == "kvcached r1 #5"  # round 1 runs the other way round
     # a longer call holds more; nothing fits a call too short for one start and trace
     assert len(gp.sweep_calls(traces, deadline_s=1200)) < len(calls)
     with pytest.raises(ValueError, match="no run fits"):

@@ -93,7 +93,7 @@ def test_defaults_per_device():
     assert (gpu.prompt_min, gpu.prompt_max, gpu.max_tokens) == (2048, 3072, 512)
     assert gpu.deadline_s == 540.0 and gpu.drain_s == 60.0 and gpu.utilization == 0.95
     mm.size_gpu_run(gpu, gpu_plan.H100)
-    assert gpu.peaks == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+    assert gpu.peaks == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
     specs = mm.trace_specs(gpu)
     assert [s.stagger_s for s in specs[:2]] == [1.125, 2.25]  # PEAK/4 + 2*PEAK
     assert specs[0].low == 0.5 and specs[1].low == 1.0  # no low above the peak
