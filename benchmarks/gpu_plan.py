@@ -31,7 +31,7 @@ H100 ~4.5) while one configuration's block of them fits one call (a call holds
 one block either way) and the whole sweep, both rounds, fits one session's
 device time (:data:`SWEEP_SESSION_S`). H100: 0.5 .. 3.0 in steps of 0.5 (four
 calls of ~353 s; eight peaks to 4.0 would take four of ~452 s, past a session);
-H200: 1.75 .. 10.5 (six calls: two sessions however few its peaks).
+H200: 1.75 .. 10.5 (six calls of 380-458 s: two sessions at its six).
 
 **Models per GPU** (:func:`long_tail_plan`): a static split fits
 ``total / (weights + KV share + overhead)`` models (H100: 4, H200: 7); kvcached
