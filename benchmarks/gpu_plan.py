@@ -321,10 +321,9 @@ def extend_sweep(
         if ceiling is None or nxt > ceiling:
             break
         more = [*out, nxt]
-        traces = [trace_s(p) for p in more]
-        if len(sweep_calls(traces, rounds=1)[0]["runs"]) < len(more):
-            break
-        if sum(c["estimate_s"] for c in sweep_calls(traces, rounds=2)) > session_s:
+        calls = sweep_calls([trace_s(p) for p in more], rounds=2)
+        # the first call begins with the first configuration's block: it must hold all of it
+        if len(calls[0]["runs"]) < len(more) or sum(c["estimate_s"] for c in calls) > session_s:
             break
         out = more
     return out

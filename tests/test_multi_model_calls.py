@@ -76,7 +76,7 @@ def fake_gpu(monkeypatch, tmp_path):
     return clock, model
 
 
-def test_the_sized_sweep_runs_in_four_resumed_calls_of_at_most_the_deadline(fake_gpu, tmp_path):
+def test_the_sized_sweep_runs_in_resumed_calls_of_at_most_the_deadline(fake_gpu, tmp_path):
     clock, model = fake_gpu
     common = ["--device", "gpu", "--no-plot", "--model-dir", str(model)]
     results = tmp_path / "results"  # what is committed between calls
