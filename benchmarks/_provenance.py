@@ -130,11 +130,25 @@ def finish(block: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
-def merged(blocks: list[dict[str, Any] | None], names: list[str]) -> dict[str, Any]:
+def code_changed(a: str, b: str, paths: tuple[str, ...]) -> list[str] | None:
+    """The files under ``paths`` that differ between commits ``a`` and ``b``;
+    None where git cannot tell (no checkout, an unknown commit)."""
+    out = _git("diff", "--name-only", a, b, "--", *paths)
+    return None if out is None else [line for line in out.splitlines() if line]
+
+
+def merged(
+    blocks: list[dict[str, Any] | None], names: list[str], same_code: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The block of a result merged from parts (``blocks``: the parts' own, in
     order; ``names``: their files). A merge measures nothing itself, so its
-    commit, machine and loads are the parts' (one commit only: parts of
-    different code are not one result); ValueError otherwise."""
+    commit, machine and loads are the parts' (one commit: parts of different
+    code are not one result). Parts of several commits are one result only
+    where git shows the code under ``same_code`` (what the runs measure: the
+    library, the client, the servers) identical at all of them, as when a
+    sweep's later parts ran after its earlier results were committed; the
+    block then names the last part's commit and lists them all under
+    ``commits``. ValueError otherwise."""
     if not blocks or any(b is None or not {"commit", "command"} <= b.keys() for b in blocks):
         raise ValueError(
             "every part needs its provenance block with its commit and command "
@@ -142,11 +156,29 @@ def merged(blocks: list[dict[str, Any] | None], names: list[str]) -> dict[str, A
         )
     parts: list[dict[str, Any]] = [b for b in blocks if b is not None]
     commits = {b["commit"] for b in parts}
+    same: dict[str, Any] = {}
     if len(commits) != 1:
-        raise ValueError(f"the parts measured different commits {sorted(map(str, commits))}: "
-                         "not one result")  # fmt: skip
+        first = str(parts[0]["commit"])
+        for other in sorted(map(str, commits - {first})):
+            changed = code_changed(first, other, same_code) if same_code else None
+            if changed != []:
+                why = (
+                    f"{', '.join(changed[:5])} changed" if changed
+                    else "git cannot compare them" if same_code
+                    else "no code named to compare"
+                )  # fmt: skip
+                raise ValueError(
+                    f"the parts measured different commits {sorted(map(str, commits))} "
+                    f"({first[:12]} against {other[:12]}: {why}): not one result"
+                )
+        same = {
+            "commit": parts[-1]["commit"],
+            "commits": [str(b["commit"]) for b in parts],
+            "same_code": list(same_code),
+        }
     return {
         **parts[0],
+        **same,
         "tree_dirty": any(b.get("tree_dirty") for b in parts),
         "command": " ; ".join(b["command"] for b in parts),
         "load_average_start": parts[0].get("load_average_start"),

@@ -59,7 +59,10 @@ GPU's default 540) begins no configuration or peak that would end past it and
 the result is written after every peak, ``"complete": false`` until every
 (configuration, round, peak) ran; ``--resume RESULT`` keeps an earlier part's
 runs (its ``-requests.json`` and ``-trace.json`` beside it), replays its trace
-and runs only what it lacks. With the gpu-vllm bundle (the H100 commands are in
+and runs only what it lacks; the result's ``calls`` names every call's commit,
+command, card and the runs it added, so parts may come from several sessions
+(``multi_model_merge.py`` joins separate sweeps whose measured code is the
+same). With the gpu-vllm bundle (the H100 commands are in
 ``benchmarks/results/h100/README.md``)::
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
@@ -82,6 +85,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import platform
@@ -91,7 +95,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -544,6 +548,7 @@ class Previous:
     blocks: list[dict[str, Any]]
     trace_path: Path
     kv_total_bytes: int | None
+    calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_previous(result_path: Path) -> Previous:
@@ -584,7 +589,42 @@ def read_previous(result_path: Path) -> Previous:
             )
         )
     kv_total = (result.get("setup") or {}).get("kv_total_bytes")
-    return Previous(runs, list(result.get("blocks", [])), trace_path, kv_total)
+    return Previous(runs, list(result.get("blocks", [])), trace_path, kv_total, calls_of(result))
+
+
+def calls_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The calls that made ``result`` (``calls``), or, for a result written before
+    it kept them, its last call as its ``provenance`` block tells it (``known``
+    says that the calls before it are not recorded)."""
+    if result.get("calls"):
+        return list(result["calls"])
+    prov = result.get("provenance") or {}
+    if not prov:
+        return []
+    return [
+        {
+            **{k: prov.get(k) for k in CALL_KEYS},
+            "runs": None,
+            "known": "the result's last call only: written before results kept their calls",
+        }
+    ]
+
+
+#: what a result's ``calls`` keep of each call's provenance block
+CALL_KEYS = ("commit", "tree_dirty", "command", "started_utc", "finished_utc")
+
+
+def this_call(prov: dict[str, Any], gpu: dict[str, Any] | None, ran: list[Any]) -> dict[str, Any]:
+    """One entry of ``calls``: this call's commit, command and times, its card
+    and the runs it added (``config rN peak``): a result resumed over several
+    calls, or sessions, says which code and machine measured each run."""
+    return {
+        **{k: prov.get(k) for k in CALL_KEYS},
+        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": (gpu or {}).get("name"),
+        "host": (prov.get("machine") or {}).get("host"),
+        "runs": [f"{r.config} r{r.round} {peak_key(r.peak)}" for r in ran],
+    }
 
 
 def long_tail_figures(path: Path) -> dict[str, Any]:
@@ -722,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     if gpu:
         info["gpu"] = gpu_device()
     runs: list[Run] = list(previous.runs) if previous else []
+    resumed_runs = len(runs)
+    earlier_calls = list(previous.calls) if previous else []
     blocks: list[dict[str, Any]] = list(previous.blocks) if previous else []
     done = {(r.config, r.round, r.peak) for r in runs}
     kv_total: int | None
@@ -822,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
             **summary,
             "blocks": blocks,
             "runs": [run_summary(r) for r in runs],
+            "calls": [*earlier_calls, this_call(prov, info.get("gpu"), runs[resumed_runs:])],
         }
         if not gpu:
             report["engine_cpus"] = {

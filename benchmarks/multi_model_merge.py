@@ -25,6 +25,16 @@ from multi_model_trace import file_sha256, read_traces
 
 #: setup keys every part must share (the same servers and KV memory)
 SAME_SETUP = ("kv_total_bytes", "models", "kv_bytes_per_token", "shape", "utilization")
+#: what a run's figures depend on (the library, the client, the servers, the
+#: trace): parts of commits that differ only elsewhere (results, docs, how the
+#: report is written; the merge sums the runs up again itself) are one result
+MEASURING_CODE = (
+    "kvcached",
+    "benchmarks/multi_model_client.py",
+    "benchmarks/multi_model_gpu.py",
+    "benchmarks/multi_model_trace.py",
+    "benchmarks/kvharness",
+)
 
 
 def merge(parts: list[Path], out: Path) -> dict[str, Any]:
@@ -38,6 +48,7 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
     blocks: list[dict[str, Any]] = []
     traces: dict[float, dict[str, Any]] = {}
     sources = []
+    calls: list[dict[str, Any]] = []
     for path in parts:
         result = json.loads(path.read_text())
         for key in SAME_SETUP:
@@ -58,6 +69,7 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
                 raise ValueError(f"{path}: {run.config} r{run.round} peak {run.peak:g} twice")
         runs += prev.runs
         blocks += [{**b, "part": path.name} for b in prev.blocks]
+        calls += [{**c, "part": path.name} for c in prev.calls]
         sources.append(
             {
                 "file": path.name,
@@ -99,6 +111,7 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
         **summarize(runs, peaks, configs),
         "blocks": blocks,
         "runs": [run_summary(r) for r in runs],
+        "calls": calls,
         "long_tail": first.get("long_tail"),
         "models_per_gpu": first.get("models_per_gpu"),
         "provenance": merged_provenance(parts),
@@ -111,7 +124,7 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
 def merged_provenance(parts: list[Path]) -> dict[str, Any]:
     """The parts' provenance as one block (:func:`_provenance.merged`)."""
     blocks = [json.loads(p.read_text()).get("provenance") for p in parts]
-    return _provenance.merged(blocks, [p.name for p in parts])
+    return _provenance.merged(blocks, [p.name for p in parts], MEASURING_CODE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,6 +114,28 @@ def test_the_sized_sweep_runs_in_resumed_calls_of_at_most_the_deadline(fake_gpu,
     assert [len(e["runs"]) for e in estimate] == [8, 8, 8]
     assert [len(e["runs"]) for e in gpu_plan.sweep_calls(traces)] == [6, 6, 6, 6]
     assert all(abs(e["estimate_s"] - c) < 5 for e, c in zip(estimate, calls, strict=True))
+    # each call is on record with the runs it added, every run once: a sweep resumed
+    # over several sessions says which commit and card measured which run
+    recorded = result["calls"]
+    assert len(recorded) == 3
+    assert [len(c["runs"]) for c in recorded] == [8, 8, 8]
+    ran = [r for c in recorded for r in c["runs"]]
+    assert sorted(ran) == sorted(
+        f"{r['config']} r{r['round']} {mm.peak_key(r['peak'])}" for r in result["runs"]
+    )
+    assert all(c["gpu"] == gpu_plan.H100.name and c["command"] and c["commit"] for c in recorded)
+    assert "--resume" not in recorded[0]["command"] and "--resume" in recorded[2]["command"]
+
+
+def test_a_result_from_before_calls_were_kept_resumes_with_its_last_call_known(tmp_path):
+    prov = {"commit": "62574e1", "tree_dirty": None, "command": "python benchmarks/x.py",
+            "started_utc": "2026-12-07T07:41:43+00:00", "machine": {"host": "vm"}}  # fmt: skip
+    [call] = mm.calls_of({"provenance": prov, "runs": []})
+    assert call["commit"] == "62574e1" and call["runs"] is None
+    assert "last call only" in call["known"]
+    kept = [{"commit": "a", "runs": ["kvcached r0 1"]}, {"commit": "b", "runs": []}]
+    assert mm.calls_of({"calls": kept, "provenance": prov}) == kept
+    assert mm.calls_of({}) == []
 
 
 def test_the_harness_and_the_estimate_share_their_rules():

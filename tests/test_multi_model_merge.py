@@ -75,6 +75,12 @@ def test_two_sweeps_merge_into_one_result_that_sums_up_as_each_did(tmp_path):
         ("native", 2.5),
     ]
     assert [b["part"] for b in back.blocks] == ["low.json", "knee.json"]
+    # each part's calls (here: parts from before calls were kept, their last call)
+    assert [c["part"] for c in back.calls] == ["low.json", "knee.json"]
+    assert [c["command"] for c in back.calls] == [
+        "python benchmarks/multi_model.py --peaks 1",
+        "python benchmarks/multi_model.py --peaks 2.5",
+    ]
 
 
 def test_parts_that_do_not_agree_are_refused(tmp_path):
@@ -104,3 +110,36 @@ def test_the_plots_are_named_and_titled_by_device_and_card():
     assert "H100" in mmp.title_of(gpu) and "no control" in mmp.title_of(gpu)
     assert "2 rounds" in mmp.title_of({**gpu, "rounds": 2})
     assert "CPU" in mmp.title_of({"device": "cpu"})
+
+
+def test_parts_merge_across_commits_only_where_the_measured_code_is_the_same(tmp_path, monkeypatch):
+    import subprocess
+
+    import _provenance
+
+    repo = tmp_path / "repo"
+    (repo / "kvcached").mkdir(parents=True)
+
+    def commit(path: str, text: str) -> str:
+        (repo / path).write_text(text)
+        git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", path], check=True)
+        return subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    measured = commit("kvcached/pages.py", "v1\n")
+    results_only = commit("README.md", "the sweep's first blocks\n")
+    code_changed = commit("kvcached/pages.py", "v2\n")
+    monkeypatch.setattr(_provenance, "ROOT", repo)
+    low = part(tmp_path, "low", 1.0, {"kvcached": 0.2, "native": 0.2}, measured=measured)
+    high = part(tmp_path, "high", 2.5, {"kvcached": 0.25, "native": 1.0}, seed=6,
+                measured=results_only)  # fmt: skip
+    prov = mmm.merge([low, high], tmp_path / "m.json")["provenance"]
+    assert prov["commit"] == results_only and prov["commits"] == [measured, results_only]
+    assert "kvcached" in prov["same_code"]
+    later = part(tmp_path, "later", 3.0, {"kvcached": 0.2, "native": 0.2}, seed=7,
+                 measured=code_changed)  # fmt: skip
+    with pytest.raises(ValueError, match="kvcached/pages.py changed"):
+        mmm.merge([low, later], tmp_path / "m2.json")
