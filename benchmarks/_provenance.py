@@ -137,6 +137,24 @@ def code_changed(a: str, b: str, paths: tuple[str, ...]) -> list[str] | None:
     return None if out is None else [line for line in out.splitlines() if line]
 
 
+def check_same_code(commits: list[str], same_code: tuple[str, ...]) -> None:
+    """ValueError unless git shows the code under ``same_code`` identical at
+    every one of ``commits`` (the first against each other), naming what changed."""
+    first = commits[0]
+    for other in sorted(set(commits) - {first}):
+        changed = code_changed(first, other, same_code) if same_code else None
+        if changed != []:
+            why = (
+                f"{', '.join(changed[:5])} changed" if changed
+                else "git cannot compare them" if same_code
+                else "no code named to compare"
+            )  # fmt: skip
+            raise ValueError(
+                f"the parts measured different commits {sorted(set(commits))} "
+                f"({first[:12]} against {other[:12]}: {why}): not one result"
+            )
+
+
 def merged(
     blocks: list[dict[str, Any] | None], names: list[str], same_code: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -155,22 +173,10 @@ def merged(
             "(benchmarks/_provenance.py)"
         )
     parts: list[dict[str, Any]] = [b for b in blocks if b is not None]
-    commits = {b["commit"] for b in parts}
+    commits = [str(b["commit"]) for b in parts]
     same: dict[str, Any] = {}
-    if len(commits) != 1:
-        first = str(parts[0]["commit"])
-        for other in sorted(map(str, commits - {first})):
-            changed = code_changed(first, other, same_code) if same_code else None
-            if changed != []:
-                why = (
-                    f"{', '.join(changed[:5])} changed" if changed
-                    else "git cannot compare them" if same_code
-                    else "no code named to compare"
-                )  # fmt: skip
-                raise ValueError(
-                    f"the parts measured different commits {sorted(map(str, commits))} "
-                    f"({first[:12]} against {other[:12]}: {why}): not one result"
-                )
+    if len(set(commits)) != 1:
+        check_same_code(commits, same_code)
         same = {
             "commit": parts[-1]["commit"],
             "commits": [str(b["commit"]) for b in parts],

@@ -82,6 +82,10 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
                 "plan": result.get("plan"),
             }
         )
+    # a part resumed over sessions may hold calls of other commits than its last
+    called = [str(c["commit"]) for c in calls if c.get("commit")]
+    if len(set(called)) > 1:
+        _provenance.check_same_code(called, MEASURING_CODE)
     peaks = sorted(traces)
     trace_path = out.with_name(out.stem + "-trace.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -143,3 +143,13 @@ def test_parts_merge_across_commits_only_where_the_measured_code_is_the_same(tmp
                  measured=code_changed)  # fmt: skip
     with pytest.raises(ValueError, match="kvcached/pages.py changed"):
         mmm.merge([low, later], tmp_path / "m2.json")
+    # a part resumed over sessions: its last call at a results-only commit, an
+    # earlier one at changed code, which its provenance alone would not show
+    resumed = part(tmp_path, "resumed", 4.0, {"kvcached": 0.2, "native": 0.2}, seed=8,
+                   measured=results_only)  # fmt: skip
+    doc = json.loads(resumed.read_text())
+    doc["calls"] = [{"commit": code_changed, "runs": ["kvcached r0 4"]},
+                    {"commit": results_only, "runs": ["native r0 4"]}]  # fmt: skip
+    resumed.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="kvcached/pages.py changed"):
+        mmm.merge([low, resumed], tmp_path / "m3.json")
