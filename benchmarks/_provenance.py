@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMIT_ENV = "KVCACHED_BENCH_COMMIT"
 
 
-def _now() -> str:
+def now_utc() -> str:
+    """Now, UTC, to the second (ISO 8601): every result's timestamps."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -117,7 +118,7 @@ def start(argv: list[str] | None = None) -> dict[str, Any]:
         "command": command(argv),
         "machine": machine(),
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
-        "started_utc": _now(),
+        "started_utc": now_utc(),
     }
 
 
@@ -126,7 +127,7 @@ def finish(block: dict[str, Any]) -> dict[str, Any]:
     done = dict(block)
     done["machine"] = {**machine(), **block.get("machine", {})}
     done["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    done["finished_utc"] = _now()
+    done["finished_utc"] = now_utc()
     return done
 
 
@@ -179,7 +180,7 @@ def merged(
         check_same_code(commits, same_code)
         same = {
             "commit": parts[-1]["commit"],
-            "commits": [str(b["commit"]) for b in parts],
+            "commits": commits,
             "same_code": list(same_code),
         }
     return {

@@ -85,7 +85,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import platform
@@ -592,6 +591,10 @@ def read_previous(result_path: Path) -> Previous:
     return Previous(runs, list(result.get("blocks", [])), trace_path, kv_total, calls_of(result))
 
 
+#: what a result's ``calls`` keep of each call's provenance block
+CALL_KEYS = ("commit", "tree_dirty", "command", "started_utc", "finished_utc")
+
+
 def calls_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The calls that made ``result`` (``calls``), or, for a result written before
     it kept them, its last call as its ``provenance`` block tells it (``known``
@@ -610,17 +613,13 @@ def calls_of(result: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-#: what a result's ``calls`` keep of each call's provenance block
-CALL_KEYS = ("commit", "tree_dirty", "command", "started_utc", "finished_utc")
-
-
 def this_call(prov: dict[str, Any], gpu: dict[str, Any] | None, ran: list[Any]) -> dict[str, Any]:
     """One entry of ``calls``: this call's commit, command and times, its card
     and the runs it added (``config rN peak``): a result resumed over several
     calls, or sessions, says which code and machine measured each run."""
     return {
         **{k: prov.get(k) for k in CALL_KEYS},
-        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "finished_utc": _provenance.now_utc(),
         "gpu": (gpu or {}).get("name"),
         "host": (prov.get("machine") or {}).get("host"),
         "runs": [f"{r.config} r{r.round} {peak_key(r.peak)}" for r in ran],

@@ -128,12 +128,6 @@ def pin_group(pgid: int, cpus: set[int]) -> int:
     return n
 
 
-def utc_now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def provenance_start(result: dict[str, Any]) -> dict[str, Any]:
     """The ``provenance`` block every result file carries (the schema of
     ``benchmarks/_provenance.py``: commit, tree_dirty, command, machine, load averages)."""
@@ -151,7 +145,7 @@ def provenance_start(result: dict[str, Any]) -> dict[str, Any]:
             "python": m["python"],
         },
         "load_average_start": [round(x, 2) for x in m["loadavg_at_start"]],
-        "started_utc": utc_now(),
+        "started_utc": _provenance.now_utc(),
     }
 
 
@@ -469,7 +463,7 @@ def main() -> int:
     result["provenance"] = {
         **provenance,
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "finished_utc": utc_now(),
+        "finished_utc": _provenance.now_utc(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
