@@ -116,13 +116,23 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
         "blocks": blocks,
         "runs": [run_summary(r) for r in runs],
         "calls": calls,
-        "long_tail": first.get("long_tail"),
-        "models_per_gpu": first.get("models_per_gpu"),
+        **long_tail_of(out, first),
         "provenance": merged_provenance(parts),
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
     mm.write_requests(out, runs)
     return report
+
+
+def long_tail_of(out: Path, first: dict[str, Any]) -> dict[str, Any]:
+    """``long_tail`` and ``models_per_gpu`` as of now: from ``long-tail-gpu.json``
+    beside ``out`` where there is one (it may have run after every part did), else
+    as the first part recorded them."""
+    beside = out.with_name("long-tail-gpu.json")
+    if first.get("device") == "gpu" and beside.is_file():
+        figures = mm.long_tail_figures(beside)
+        return {"long_tail": figures, "models_per_gpu": figures.get("models_per_gpu")}
+    return {"long_tail": first.get("long_tail"), "models_per_gpu": first.get("models_per_gpu")}
 
 
 def merged_provenance(parts: list[Path]) -> dict[str, Any]:

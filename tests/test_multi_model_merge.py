@@ -83,6 +83,20 @@ def test_two_sweeps_merge_into_one_result_that_sums_up_as_each_did(tmp_path):
     ]
 
 
+def test_the_merge_carries_the_long_tail_beside_it_not_the_parts_older_copy(tmp_path):
+    low = part(tmp_path, "low", 1.0, {"kvcached": 0.2, "native": 0.2})
+    knee = part(tmp_path, "knee", 2.5, {"kvcached": 0.25, "native": 1.0}, seed=6)
+    out = tmp_path / "multi-model-gpu.json"
+    assert mmm.merge([low, knee], out)["models_per_gpu"] is None  # none beside it, none in parts
+    done = {"benchmark": "long-tail", "complete": True, "commit": "abc",
+            "models_per_gpu": {"kvcached": 8, "static": 4}}  # fmt: skip
+    out.with_name("long-tail-gpu.json").write_text(json.dumps(done))
+    report = mmm.merge([low, knee], out)
+    assert report["models_per_gpu"] == {"kvcached": 8, "static": 4}
+    assert report["long_tail"]["source"] == "long-tail-gpu.json"
+    assert report["long_tail"]["complete"] and report["long_tail"]["commit"] == "abc"
+
+
 def test_parts_that_do_not_agree_are_refused(tmp_path):
     low = part(tmp_path, "low", 1.0, {"kvcached": 0.2, "native": 0.2})
     other = part(tmp_path, "other", 2.0, {"kvcached": 0.2, "native": 0.2}, kv_total=4 * GIB)
