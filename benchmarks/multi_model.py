@@ -697,8 +697,10 @@ class Configuration:
 
     def close(self) -> None:
         if self._gpu is not None:
-            self.record["findings"] = self._gpu.findings()
+            # The logs are read once the servers are gone: vLLM's API server writes its
+            # shutdown traceback (``shutdown_tracebacks``) after the stop signal.
             self.record["stop_s"] = self._gpu.close()
+            self.record["findings"] = self._gpu.findings()
             self._gpu = None
         stop(self._cpu)
         self._cpu = []
