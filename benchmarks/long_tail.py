@@ -1,8 +1,9 @@
 """Issues #24 and #33's long-tail scenario: how many 8B models one GPU serves within a
 TTFT SLO, ``kvcached serve`` with sleep against a static split of the same GPU.
 
-**Not run on a GPU yet.** ``--cpu`` runs every code path on vLLM's CPU build with tiny
-Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle carried;
+**On the H100 its static step has run** (``benchmarks/results/h100/long-tail-gpu.json``);
+the kvcached steps are the next calls. ``--cpu`` runs every code path on vLLM's CPU build
+with tiny Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle carried;
 the H100's commands are in ``benchmarks/results/h100/README.md``)::
 
     source .gpu/vllm/install.sh >/dev/null && export PYTHONUNBUFFERED=1 \\
@@ -82,7 +83,10 @@ end-to-end time and send lateness; every wake (serve's ``last_wake_s`` read from
 level; the most models awake at once; host memory available and the GPU's used
 memory after the bring-up; on the GPU vLLM's own wake times from the engine logs.
 kvcached steps go in increasing N on one serve (each adds models); after a step that
-misses the SLO the larger ones are skipped. Default GPU sweep: static M; kvcached
+misses the SLO the larger ones are skipped, and, if the smallest kvcached step missed,
+one more runs at the most models above the static fit that all sleep at level 1
+(:func:`fallback_n`: 5 on the H100, on the serve already up), so that a miss caused by
+level-2 wakes (~2 s each for an 8B) still leaves a count. Default GPU sweep: static M; kvcached
 2 M and 3 M (the goal: twice static's models, the aim three times).
 
 **Time and resume.** The JSON (``--out``) is written after every step, with
@@ -269,16 +273,29 @@ def plan_steps(static_ns: list[int], kvcached_ns: list[int]) -> list[tuple[str, 
     ]
 
 
+def fallback_n(kvcached_ns: list[int], fit: int, host_bytes: int, weights_bytes: int) -> int | None:
+    """The kvcached step to measure if the smallest planned one misses the SLO: the
+    most models above the static fit that all sleep at level 1 (a level-2 wake
+    reloads the weights from the files, ~2 s for an 8B on the H100, which a 2 s P99
+    cannot absorb), so that a miss still leaves a count; None when no such N lies
+    between the static fit and the smallest planned N."""
+    below = [
+        n for n in range(fit + 1, min(kvcached_ns)) if l1_models(n, host_bytes, weights_bytes) >= n
+    ]
+    return max(below) if below else None
+
+
 def step_key(config: str, n: int) -> str:
     return f"{config}-{n}"
 
 
 def pending(
-    plan: list[tuple[str, int]], steps: dict[str, dict[str, Any]]
+    plan: list[tuple[str, int]], steps: dict[str, dict[str, Any]], fallback: int | None = None
 ) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """Of ``plan``, the steps still to run, and the ones skipped with the reason: done
     already (a resumed result), or larger than a step of the same configuration that
-    missed the SLO."""
+    missed the SLO. kvcached's ``fallback`` N (:func:`fallback_n`) runs only once a
+    larger kvcached step missed the SLO."""
     todo, skipped = [], {}
     for config, n in plan:
         key = step_key(config, n)
@@ -293,6 +310,17 @@ def pending(
             skipped[key] = f"skipped: N={min(missed)} missed the SLO"
             continue
         todo.append((config, n))
+    if (
+        fallback is not None
+        and steps.get(step_key("kvcached", fallback), {}).get("status") != "done"
+    ):
+        missed = [
+            s["n"]
+            for s in steps.values()
+            if s.get("config") == "kvcached" and s.get("status") == "done" and not s["slo"]["met"]
+        ]
+        if missed and fallback < min(missed):
+            todo.append(("kvcached", fallback))
     return todo, skipped
 
 
@@ -727,11 +755,14 @@ def main(argv: list[str] | None = None) -> int:
         k1 = args.l1_models if args.l1_models >= 0 else l1_models(n_max, host, weights)
         levels_kv = {m: ("kv" if cpu else (1 if r < k1 else 2))
                      for r, m in enumerate(model_names("kvcached", n_max))}  # fmt: skip
+        fallback = None if cpu else fallback_n(kv_ns, fit, host, weights)
+        with_fallback = plan + ([("kvcached", fallback)] if fallback is not None else [])
         res["setup"] = {"static_fit": fit, "gpu": gpu, "kv_bytes": kv_bytes, "weights_bytes": weights,
                         "host_bytes": host, "l1_models": k1, "levels": levels_kv,
-                        "plan": [step_key(c, n) for c, n in plan], "wave": args.wave}  # fmt: skip
-        res["steps"] = merge_resumed(old, plan)
-        traces = {n: make_trace(spec, n, args.seed) for _, n in plan}
+                        "plan": [step_key(c, n) for c, n in plan], "wave": args.wave,
+                        "fallback": None if fallback is None else step_key("kvcached", fallback)}  # fmt: skip
+        res["steps"] = merge_resumed(old, with_fallback)
+        traces = {n: make_trace(spec, n, args.seed) for _, n in with_fallback}
         trace_path = out.with_name(out.stem + "-trace.json")
         trace_path.write_text(json.dumps({str(n): t for n, t in traces.items()}) + "\n")
         for key, step in res["steps"].items():
@@ -741,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         run.save()
         current, ran_here = None, False
         while True:
-            todo, res["skipped"] = pending(plan, res["steps"])
+            todo, res["skipped"] = pending(plan, res["steps"], fallback)
             if not todo:
                 break
             config, n = todo[0]
@@ -811,7 +842,9 @@ def main(argv: list[str] | None = None) -> int:
             sg.pack_logs(run, tuple(everyone), native=tuple(native))
         except OSError as exc:  # the results stand without the logs
             res["logs_error"] = repr(exc)[:300]
-        todo, res["skipped"] = pending(plan, res["steps"]) if "setup" in res else ([None], {})
+        todo, res["skipped"] = (
+            pending(plan, res["steps"], fallback) if "setup" in res else ([None], {})
+        )
         res["complete"] = not todo
         run.save()
     run.say(json.dumps({k: res[k] for k in ("models_per_gpu", "ratio", "goal", "complete")}))

@@ -167,6 +167,27 @@ def test_resume_keeps_done_steps_and_skips_past_a_miss():
     assert lt.merge_resumed(None, plan) == {}
 
 
+def test_a_kvcached_miss_falls_back_to_the_most_models_that_all_sleep_at_level_1():
+    host = 128 * GIB
+    # the H100's plan: static fits 4, kvcached at 8 and 9; 5 models all fit level 1, 6 do not
+    assert lt.l1_models(5, host, WEIGHTS_8B) == 5 and lt.l1_models(6, host, WEIGHTS_8B) < 6
+    assert lt.fallback_n([8, 9], 4, host, WEIGHTS_8B) == 5
+    assert lt.fallback_n([5, 6], 4, host, WEIGHTS_8B) is None  # nothing between 4 and 5
+    assert lt.fallback_n([8], 4, 1 << 50, WEIGHTS_8B) == 7  # a big host: level 1 for all
+    plan = lt.plan_steps([4], [8, 9])
+    steps = {"static-4": _step("static", 4, True)}
+    assert lt.pending(plan, steps, 5) == ([("kvcached", 8), ("kvcached", 9)], {})
+    steps["kvcached-8"] = _step("kvcached", 8, True)
+    assert lt.pending(plan, steps, 5) == ([("kvcached", 9)], {})  # met: no fallback
+    steps["kvcached-8"] = _step("kvcached", 8, False)
+    todo, skipped = lt.pending(plan, steps, 5)
+    assert todo == [("kvcached", 5)] and list(skipped) == ["kvcached-9"]
+    steps["kvcached-5"] = _step("kvcached", 5, True)
+    assert lt.pending(plan, steps, 5)[0] == []  # done: the sweep is complete
+    assert lt.models_per_gpu(steps, "kvcached") == 5  # the count a miss at 8 still leaves
+    assert lt.pending(plan, steps)[0] == []  # without a fallback nothing changes
+
+
 def test_a_step_is_estimated_from_its_waves_and_trace():
     assert lt.step_estimate_s(14, 5, 150.0, 98.0) == 3 * 150 + 98 + 30
     assert lt.step_estimate_s(0, 5, 150.0, 56.0) == 56 + 30
