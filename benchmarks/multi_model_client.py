@@ -197,13 +197,15 @@ def kvctl_ledger(ledger_dir: Path, instances: list[str]) -> dict[str, Any]:
 
 def kvctl_used(ledger_dir: Path, instances: list[str]) -> dict[str, dict[str, int]]:
     """``kvctl list --json`` as ``{instance: {used_bytes, reserved_bytes,
-    misses}}`` for the live ``instances`` (misses: allocations the budget
-    refused, so far)."""
+    prefix_cache_bytes, misses}}`` for the live ``instances`` (reserved: idle
+    pre-mapped pages; prefix cache: idle cached blocks; both inside used;
+    misses: allocations the budget refused, so far)."""
     rows = _kvctl_json("list", "--ledger-dir", str(ledger_dir)) or []
     return {
         r["name"]: {
             "used_bytes": int(r["used_bytes"]),
             "reserved_bytes": int(r["reserved_bytes"]),
+            "prefix_cache_bytes": int(r.get("prefix_cache_bytes") or 0),
             "misses": int(r["misses"]),
         }
         for r in rows
@@ -256,6 +258,9 @@ class Sampler:
             if self.config == "kvcached":
                 inst = kv.get(x.instance, {})
                 row[x.instance]["kv_bytes"] = inst.get("used_bytes")
+                # what of kv_bytes no running request holds: at the knee, a neighbour's miss
+                row[x.instance]["reserved_bytes"] = inst.get("reserved_bytes")
+                row[x.instance]["prefix_cache_bytes"] = inst.get("prefix_cache_bytes")
                 row[x.instance]["misses"] = inst.get("misses")
             elif m.get("kv_cache_usage_perc") is not None:
                 row[x.instance]["kv_bytes"] = int(m["kv_cache_usage_perc"] * self.static_bytes)
