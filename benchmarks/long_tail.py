@@ -296,31 +296,29 @@ def pending(
     already (a resumed result), or larger than a step of the same configuration that
     missed the SLO. kvcached's ``fallback`` N (:func:`fallback_n`) runs only once a
     larger kvcached step missed the SLO."""
+    smallest_miss: dict[str, int] = {}
+    for s in steps.values():
+        if s.get("status") == "done" and not s["slo"]["met"]:
+            config = s.get("config")
+            smallest_miss[config] = min(s["n"], smallest_miss.get(config, s["n"]))
     todo, skipped = [], {}
     for config, n in plan:
         key = step_key(config, n)
         if steps.get(key, {}).get("status") == "done":
             continue
-        missed = [
-            s["n"]
-            for s in steps.values()
-            if s.get("config") == config and s.get("status") == "done" and not s["slo"]["met"]
-        ]
-        if missed and n > min(missed):
-            skipped[key] = f"skipped: N={min(missed)} missed the SLO"
+        miss = smallest_miss.get(config)
+        if miss is not None and n > miss:
+            skipped[key] = f"skipped: N={miss} missed the SLO"
             continue
         todo.append((config, n))
+    miss = smallest_miss.get("kvcached")
     if (
         fallback is not None
+        and miss is not None
+        and fallback < miss
         and steps.get(step_key("kvcached", fallback), {}).get("status") != "done"
     ):
-        missed = [
-            s["n"]
-            for s in steps.values()
-            if s.get("config") == "kvcached" and s.get("status") == "done" and not s["slo"]["met"]
-        ]
-        if missed and fallback < min(missed):
-            todo.append(("kvcached", fallback))
+        todo.append(("kvcached", fallback))
     return todo, skipped
 
 
