@@ -29,7 +29,7 @@ import ctypes
 import hashlib
 
 MAGIC = b"KVCLEDGR"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 
 POOL_SLOTS = 256
 INSTANCE_SLOTS = 64
@@ -106,6 +106,13 @@ class PoolRecord(ctypes.Structure):
     lock (one aligned word, one writer), and calibration subtracts it, because
     that memory is already counted in the driver's free figure.
 
+    ``wanted`` and ``wanted_seq`` are the pool's call for memory from its
+    neighbours: the bytes it lacked when its allocations last missed for want of
+    the device's budget, and a count its owner bumps with every such call (one
+    writer, no lock, like ``released``; the count is written last). Other
+    instances on the device that hold idle memory release some when the count
+    moves (:mod:`kvcached.control.yielding`).
+
     ``instance`` is the instance slot + 1 (0: none). ``start_time`` is the
     owner's process start time in clock ticks since boot (``/proc/PID/stat``
     field 22), shown by ``kvctl`` beside the pid. Liveness is never read from
@@ -120,7 +127,8 @@ class PoolRecord(ctypes.Structure):
         ("start_time", ctypes.c_uint64),
         ("registered_ns", ctypes.c_uint64),
         ("released", ctypes.c_int64),
-        ("_reserved", ctypes.c_uint8 * 16),
+        ("wanted", ctypes.c_int64),
+        ("wanted_seq", ctypes.c_uint64),
     ]
 
 
@@ -208,6 +216,14 @@ def p_charged(slot: int) -> int:
 
 def p_released(slot: int) -> int:
     return (pool_offset(slot) + PoolRecord.released.offset) // 8
+
+
+def p_wanted(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.wanted.offset) // 8
+
+
+def p_wanted_seq(slot: int) -> int:
+    return (pool_offset(slot) + PoolRecord.wanted_seq.offset) // 8
 
 
 def p_pid(slot: int) -> int:

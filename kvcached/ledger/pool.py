@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kvcached.errors import LedgerBusyError, LedgerError
-from kvcached.ledger import _hooks
+from kvcached.ledger import _hooks, wants
 from kvcached.ledger.layout import (
     H_BUDGET,
     H_HIGH_WATER,
@@ -427,6 +427,19 @@ class PoolBudget:
     @property
     def limit_revision(self) -> int:
         return self._ledger.u64[i_revision(self.instance_slot)]
+
+    def post_want(self, nbytes: int) -> bool:
+        """Call on the device's other instances for ``nbytes`` this pool lacked
+        (:mod:`kvcached.ledger.wants`); ``False`` where that would not help."""
+        return wants.post_want(self._ledger, self.slot, self.instance_slot, nbytes, self._pending)
+
+    def neighbour_wants(self) -> list[wants.Want]:
+        """The latest call of every other instance's pool on this device."""
+        return wants.neighbour_wants(self._ledger, self.instance_slot)
+
+    def device_room(self) -> int:
+        """The device's budget less every pool's charge, read without the lock."""
+        return wants.device_room(self._ledger)
 
     def instance_charged(self) -> int:
         """The sum of the charges of this instance's pools on this device."""

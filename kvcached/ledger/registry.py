@@ -32,6 +32,8 @@ from kvcached.ledger.layout import (
     p_released,
     p_start_time,
     p_token,
+    p_wanted,
+    p_wanted_seq,
 )
 from kvcached.ledger.limits import check_instance_name, new_token
 from kvcached.ledger.locks import LOCK_WAIT_S, ByteLock
@@ -104,6 +106,8 @@ class PoolRegistry:
         i64, u32, u64 = led.i64, led.u32, led.u64
         i64[p_charged(slot)] = 0
         i64[p_released(slot)] = 0
+        i64[p_wanted(slot)] = 0
+        u64[p_wanted_seq(slot)] = 0
         led.file.i32[p_pid(slot)] = os.getpid()
         u32[p_instance(slot)] = inst + 1
         u64[p_start_time(slot)] = led.start_time

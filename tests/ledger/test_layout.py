@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvcached.ledger import layout
 
-PINNED = (2, "79642cca06668eb3")
+PINNED = (3, "7190ac508c08154e")
 
 OFFSETS = {
     "Header.magic": (0, 8),
@@ -50,7 +50,8 @@ OFFSETS = {
     "PoolRecord.start_time": (24, 8),
     "PoolRecord.registered_ns": (32, 8),
     "PoolRecord.released": (40, 8),
-    "PoolRecord._reserved": (48, 16),
+    "PoolRecord.wanted": (48, 8),
+    "PoolRecord.wanted_seq": (56, 8),
     "InstanceRecord.token": (0, 8),
     "InstanceRecord.limit": (8, 8),
     "InstanceRecord.revision": (16, 8),

@@ -67,7 +67,7 @@ def test_a_longer_file_is_refused(ledger_dir):
 def test_another_layout_version_is_refused(ledger_dir):
     path = make_ledger(ledger_dir)
     patch_header(path, "layout_version", 99)
-    refused(ledger_dir, r"layout version 99; this kvcached uses version 2.*stop every kvcached")
+    refused(ledger_dir, r"layout version 99; this kvcached uses version 3.*stop every kvcached")
 
 
 @pytest.mark.parametrize(
