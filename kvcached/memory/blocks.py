@@ -114,6 +114,9 @@ class BlockManager:
         self._resize_pages = g.num_pages
         self.null_block: int | None = None
         self.null_parked = False
+        #: Pages the last refused :meth:`alloc` lacked beyond the idle ones (the
+        #: control layer's call for memory on a busy device: ``short_bytes``).
+        self.last_miss_pages = 0
         if reserve_null_block:
             got = pages.take(1)
             if got is None:
@@ -158,8 +161,10 @@ class BlockManager:
             if self.null_parked:
                 return None  # no block before block 0 is back (unpark_null_block)
             bpp = self.blocks_per_page
-            pages = self._pages.take((n - self._free_in_held + bpp - 1) // bpp)
+            want = (n - self._free_in_held + bpp - 1) // bpp
+            pages = self._pages.take(want)
             if pages is None:
+                self.last_miss_pages = want - self._pages.n_idle
                 return None
             self._adopt(pages)
         buckets, lists, state = self._buckets, self._free, self._state

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -179,6 +180,7 @@ class PageAllocator:
         self.cap_pages = n
         self._closed = False
         self._refill_wanted = False
+        self._reserve_held_until = 0.0  # time.monotonic(): no refill before it
         self._wake = threading.Event()
         # Held by the pool thread around each round of maintain(), and by paused().
         self._round = threading.Lock()
@@ -365,7 +367,11 @@ class PageAllocator:
     def _after_take(self) -> bool:
         """Ask for a refill when the pool ran low. ``True``: the caller must
         run it inline (``background=False``) once it has let go of the lock."""
-        if self.n_idle < self.min_reserved and not self._refill_wanted:
+        if (
+            self.n_idle < self.min_reserved
+            and not self._refill_wanted
+            and time.monotonic() >= self._reserve_held_until
+        ):
             self._refill_wanted = True
             if self.background:
                 self._wake.set()
@@ -604,12 +610,24 @@ class PageAllocator:
             chosen = self._claim_idle_runs(want)
         return self._release_runs(chosen)
 
+    def hold_reserve(self, seconds: float) -> None:
+        """Map no reserve for ``seconds`` from now (a later call may extend it):
+        takes map what they need and no more, so memory this pool gave to a
+        neighbour that is short (:mod:`kvcached.control.yielding`) is not taken
+        straight back. A plain store: any thread may call it."""
+        self._reserve_held_until = max(self._reserve_held_until, time.monotonic() + seconds)
+
+    @property
+    def reserve_held(self) -> bool:
+        """Whether a :meth:`hold_reserve` is in force now."""
+        return time.monotonic() < self._reserve_held_until
+
     def _refill(self, grow_locked: bool = False) -> int:
         """Map idle pages up to ``min_reserved`` (within cap and budget);
         ``grow_locked``: the caller holds the grow lock already."""
         with self._lock:
             self._refill_wanted = False
-            if self._closed:
+            if self._closed or time.monotonic() < self._reserve_held_until:
                 return 0
             want = self.min_reserved - self.n_idle
         if want <= 0:

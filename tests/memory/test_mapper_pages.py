@@ -173,6 +173,30 @@ def test_reserve_pool_refills_to_min_and_trims_to_max(host):
     kv.close()
 
 
+def test_a_held_reserve_is_not_refilled_until_the_hold_ends(host, monkeypatch):
+    """hold_reserve: while a neighbour is short (kvcached.control.yielding), takes
+    map what they need and the pool maps no reserve beside them."""
+    import kvcached.memory.pages as pages_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(pages_mod.time, "monotonic", lambda: now[0])
+    kv, _ = make_cache(host, small_spec(), pages=12, min_reserved=2, max_reserved=3)
+    kv.alloc(3)  # the rest of page 0
+    kv.trim()
+    assert kv.usage().pages_reserved == 0
+    kv.pages.hold_reserve(2.0)
+    kv.alloc(4)  # one page, mapped for the take: no refill beside it
+    assert kv.usage().pages_reserved == 0 and kv.usage().pages_mapped == 2
+    kv.pages.hold_reserve(0.5)  # a shorter hold never cuts a longer one short
+    now[0] += 1.0
+    kv.alloc(4)
+    assert kv.usage().pages_reserved == 0
+    now[0] += 1.5  # the hold is over
+    kv.alloc(4)
+    assert kv.usage().pages_reserved == 2  # the pool refills to its minimum again
+    kv.close()
+
+
 def test_cap_shrinks_lazily_and_grows_back_to_startup(host):
     kv, budget = make_cache(host, small_spec(), pages=8, max_reserved=8, max_handle_bytes=0)
     pb = kv.geometry.page_bytes
