@@ -308,6 +308,16 @@ VARIABLES: tuple[Variable, ...] = (
         "runs, instead of before its first kernel. `false` puts every page op "
         "before the step (docs/vllm-integration.md, Page ops per step).",
     ),
+    Variable(
+        "KVCACHED_YIELD_IDLE",
+        "yield_idle",
+        "false",
+        _bool,
+        "New. When another instance on the GPU misses memory with the budget spent, "
+        "release idle memory to it (reserved pages, then unreferenced prefix-cache "
+        "blocks, oldest first; never a block in use). Off until measured on a GPU "
+        "(docs/ledger.md, Calls for memory).",
+    ),
 )
 
 
@@ -332,6 +342,7 @@ class Config:
     ledger_dir: str
     calibration_interval_s: float
     overlap_page_ops: bool
+    yield_idle: bool
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvcached.control.naming import instance_name
 from kvcached.control.snapshot import SnapshotPublisher
+from kvcached.control.yielding import YieldPass
 from kvcached.log import get_logger
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class PoolUsage:
     prefix_cache_bytes: int = 0
     virtual_bytes: int = 0
     misses: int = 0
+    #: Bytes the last missed allocation lacked, where the engine knows (0: not known).
+    short_bytes: int = 0
     # Page ops a planning engine (vLLM's) sent its workers so far, and how
     # many of them ran beside a step rather than before it (0 elsewhere).
     page_maps: int = 0
@@ -94,6 +97,7 @@ class PoolUsage:
         *,
         prefix_cache_bytes: int = 0,
         misses: int = 0,
+        short_bytes: int = 0,
     ) -> PoolUsage:
         """The reading of a pool backed by one :class:`~kvcached.memory.KVCache`,
         from its ``usage()`` ``u``."""
@@ -111,6 +115,7 @@ class PoolUsage:
             prefix_cache_bytes=prefix_cache_bytes,
             virtual_bytes=u.pages_total * u.page_bytes,
             misses=misses,
+            short_bytes=short_bytes,
         )
 
 
@@ -129,6 +134,9 @@ class PoolSource(Protocol):
         """Release up to (at least, where whole pages make it so) ``nbytes`` of
         idle memory: reserved pages first, then unreferenced prefix-cache
         blocks, never blocks in use. Returns the bytes released."""
+
+    # Optional: ``hold_reserve(seconds)``, map no reserve for that long (the
+    # yield pass calls it where a neighbour is short; kvcached.control.yielding).
 
 
 class LimitWatch(Protocol):
@@ -181,10 +189,14 @@ class KVCachePool:
             self.cache.usage(),
             prefix_cache_bytes=self._prefix_cache_bytes() if self._prefix_cache_bytes else 0,
             misses=self.misses,
+            short_bytes=self.cache.blocks.last_miss_pages * self.cache.geometry.page_bytes,
         )
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.cache.set_limit(limit_bytes or None)
+
+    def hold_reserve(self, seconds: float) -> None:
+        self.cache.pages.hold_reserve(seconds)
 
     def reclaim(self, nbytes: int) -> int:
         before = self.cache.usage().bytes_mapped
@@ -216,6 +228,8 @@ class Instance:
         engine_version: str = "",
         tick_s: float = TICK_S,
         start: bool = True,
+        *,
+        yield_idle: bool = False,
     ) -> None:
         from kvcached import __version__
 
@@ -236,6 +250,8 @@ class Instance:
         #: Times the control thread woke (diagnostics: fewer while the engine steps).
         self.wakeups = 0
         self.reclaimed_bytes = 0
+        #: The yield pass (``KVCACHED_YIELD_IDLE``; None: off).
+        self.yielding = YieldPass(name) if yield_idle else None
         self.publish()
         if start:
             self._thread = threading.Thread(target=self._run, name="kvcached-control", daemon=True)
@@ -283,6 +299,7 @@ class Instance:
             "started_at": self.started_at,
             "updated_at": time.time(),
             "reclaimed_bytes": self.reclaimed_bytes,
+            "yielded_bytes": self.yielding.yielded_bytes if self.yielding else 0,
             "pools": pools,
         }
 
@@ -338,6 +355,21 @@ class Instance:
                 released += got
         self.reclaimed_bytes += released
         return released
+
+    def yield_idle(self) -> int:
+        """The yield pass where it is on (:mod:`kvcached.control.yielding`): post
+        calls for this instance's misses, release idle memory to neighbours'.
+        Returns the bytes released."""
+        if self.yielding is None:
+            return 0
+        with self._lock:
+            members = [m for m in self._members if m.watch is not None]
+        groups: dict[str, list[tuple[Any, Any, Any]]] = {}
+        for m in members:
+            usage = m.source.pool_usage()
+            groups.setdefault(usage.gpu, []).append((m.source, m.watch, usage))
+        by_source = {id(m.source): m for m in members}
+        return self.yielding.run(groups, lambda source: self._flush(by_source[id(source)]))
 
     def _flush(self, member: _Member) -> None:
         """Write a pool's batched refunds. A failed flush keeps its batch (the ledger
@@ -398,6 +430,7 @@ class Instance:
                     continue
                 due = now + tick
                 self.enforce()
+                self.yield_idle()
                 self.publish()
             except Exception:  # the control thread must outlive one bad pass
                 log.exception("instance %s: control pass failed", self.name)
@@ -415,14 +448,19 @@ _instance: Instance | None = None
 _instance_lock = threading.Lock()
 
 
-def get_instance(engine: str, engine_version: str, *, ipc_name: str | None) -> Instance:
+def get_instance(
+    engine: str, engine_version: str, *, ipc_name: str | None, yield_idle: bool = False
+) -> Instance:
     """This process' instance, created on first use and named by
     :func:`kvcached.control.naming.instance_name` from ``ipc_name`` (the caller's
-    ``config.ipc_name``: ``KVCACHED_IPC_NAME``, or None for the default name)."""
+    ``config.ipc_name``: ``KVCACHED_IPC_NAME``, or None for the default name);
+    ``yield_idle`` (``config.yield_idle``) is the creator's."""
     global _instance
     with _instance_lock:
         if _instance is None:
-            _instance = Instance(instance_name(engine, ipc_name), engine, engine_version)
+            _instance = Instance(
+                instance_name(engine, ipc_name), engine, engine_version, yield_idle=yield_idle
+            )
         return _instance
 
 
@@ -478,7 +516,9 @@ def open_kv_cache(
     from kvcached.ledger import open_pool_budget
     from kvcached.memory.cache import KVCache
 
-    instance = get_instance(engine, engine_version, ipc_name=config.ipc_name)
+    instance = get_instance(
+        engine, engine_version, ipc_name=config.ipc_name, yield_idle=config.yield_idle
+    )
     driver = kwargs.pop("driver", None) or default_driver(config=config)
     budget = open_pool_budget(driver, instance.name, config=config)
     try:

@@ -40,6 +40,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvcached.control.yielding import growth_unit
 from kvcached.log import get_logger
 from kvcached.serve.config import ServeConfig
 from kvcached.serve.model import ModelRuntime
@@ -358,15 +359,6 @@ def _pressure_view(names: list[str]) -> dict[str, tuple[int, tuple[str, ...], in
             max(unit, growth_unit(r.virtual_bytes, r.blocks_total, r.page_bytes)),
         )
     return out
-
-
-def growth_unit(virtual_bytes: int, blocks_total: int, page_bytes: int) -> int:
-    """Headroom below which an instance is short of memory: 32 of its blocks, or
-    one page where a page is larger. Growth is granted a whole page at a time,
-    so an 8B Llama (128 MiB pages of 64 blocks) misses with 100 MiB of headroom
-    left, which 32 blocks (64 MiB) alone would not call pressure."""
-    block = max(1, virtual_bytes // max(1, blocks_total))
-    return max(32 * block, page_bytes)
 
 
 async def _main(config: ServeConfig, ready: Any = None) -> int:  # noqa: ANN401

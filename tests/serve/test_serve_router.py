@@ -427,7 +427,7 @@ def _exists(pid: int) -> bool:
 
 
 def test_pressure_counts_a_page_short_when_a_page_is_more_than_32_blocks():
-    from kvcached.serve.app import growth_unit
+    from kvcached.control.yielding import growth_unit
 
     mib = 1 << 20
     # an 8B Llama: 2 MiB blocks, 128 MiB pages (64 blocks): 100 MiB of headroom grows nothing

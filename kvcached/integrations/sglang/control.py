@@ -59,10 +59,14 @@ class SGLangPoolSource:
             u,
             prefix_cache_bytes=cached * self.token_bytes,
             misses=self.slots.misses if self.slots is not None else 0,
+            short_bytes=self.kv.cache.blocks.last_miss_pages * self.kv.cache.geometry.page_bytes,
         )
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.kv.cache.set_limit(limit_bytes or None)
+
+    def hold_reserve(self, seconds: float) -> None:
+        self.kv.cache.pages.hold_reserve(seconds)  # the page pool: thread-safe
 
     def reclaim(self, nbytes: int) -> int:
         """Unmap idle pages now; ask the scheduler to evict prefix-cache

@@ -149,7 +149,9 @@ class ElasticKV:
             from kvcached.control.instance import get_instance
             from kvcached.ledger import open_pool_budget
 
-            instance = get_instance("sglang", engine_version, ipc_name=config.ipc_name)
+            instance = get_instance(
+                "sglang", engine_version, ipc_name=config.ipc_name, yield_idle=config.yield_idle
+            )
             budget = owned_budget = open_pool_budget(self.driver, instance.name, config=config)
         try:
             cache_kwargs.setdefault("layout", KVLayout.PER_LAYER)

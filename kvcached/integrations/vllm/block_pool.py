@@ -110,11 +110,10 @@ class KvcachedBlockPool(BlockPool):
         without growth if memory allows (see the planner); when neither that
         nor the idle cached blocks cover it, the check fails: a miss."""
         planner = self.planner
-        if (
-            not planner.reserve(target)
-            and planner.ready_blocks() + self.free_block_queue.num_free_blocks < target
-        ):
-            planner.note_miss()
+        if not planner.reserve(target):
+            short = target - planner.ready_blocks() - self.free_block_queue.num_free_blocks
+            if short > 0:
+                planner.note_miss(short)
 
     # -- allocation ----------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

@@ -58,6 +58,16 @@ class DeviceWatch:
         for pool in self.pools:
             pool.flush()
 
+    # The ranks on one device share its ledger: a call goes in the first one's record.
+    def post_want(self, nbytes: int) -> bool:
+        return self.pools[0].post_want(nbytes)
+
+    def neighbour_wants(self) -> list[Any]:
+        return self.pools[0].neighbour_wants()
+
+    def device_room(self) -> int:
+        return self.pools[0].device_room()
+
 
 class EngineContext:
     """Everything kvcached keeps in one vLLM engine core. Built by the engine
@@ -256,6 +266,7 @@ class VllmPoolSource:
             prefix_cache_bytes=cached * block * r,
             virtual_bytes=planner.geometry.num_pages * page * r,
             misses=planner.misses,
+            short_bytes=-(-planner.short_blocks // planner.blocks_per_page) * page * r,
             page_maps=planner.backend.maps,
             page_unmaps=planner.backend.unmaps,
             page_ops_overlapped=planner.overlapped_ops,
@@ -263,6 +274,9 @@ class VllmPoolSource:
 
     def apply_limit(self, limit_bytes: int | None) -> None:
         self.context.post_limit(self.device, limit_bytes)
+
+    def hold_reserve(self, seconds: float) -> None:
+        self.context.planner.pages.hold_reserve(seconds)  # a plain store: safe from here
 
     def reclaim(self, nbytes: int) -> int:
         per_rank = -(-nbytes // self.ranks)

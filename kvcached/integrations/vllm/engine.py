@@ -289,7 +289,9 @@ def build_context(
             f"the workers' {first['num_pages']} pages of {first['blocks_per_page']} blocks are "
             f"not vLLM's {kv_cache_config.num_blocks} blocks"
         )
-    instance = get_instance("vllm", STATE.version, ipc_name=settings.ipc_name)
+    instance = get_instance(
+        "vllm", STATE.version, ipc_name=settings.ipc_name, yield_idle=settings.yield_idle
+    )
     ledgers: dict[str, Any] = {}
     pools: list[Any] = []
     try:

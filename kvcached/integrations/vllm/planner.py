@@ -123,6 +123,7 @@ class StepPlanner:
         self.steps = 0
         self.overlapped_ops = 0  # ops sent to run beside their step
         self.misses = 0
+        self.short_blocks = 0  #: blocks the last miss lacked (0: not known)
         self._miss_logged = -MISS_LOG_S
         # (step whose output confirms it, bytes to refund), in step order
         self._inflight: deque[tuple[int, int]] = deque()
@@ -142,10 +143,12 @@ class StepPlanner:
         want = -(-short // self.blocks_per_page)
         return self.pages.map_idle(want) >= want
 
-    def note_miss(self) -> None:
-        """vLLM's capacity check is about to fail for want of memory: count it,
-        and say so at most once per :data:`MISS_LOG_S`."""
+    def note_miss(self, short_blocks: int = 0) -> None:
+        """vLLM's capacity check is about to fail for want of memory
+        (``short_blocks`` short of it): count it, and say so at most once per
+        :data:`MISS_LOG_S`."""
         self.misses += 1
+        self.short_blocks = short_blocks
         now = time.monotonic()
         if now - self._miss_logged >= MISS_LOG_S:
             self._miss_logged = now

@@ -271,3 +271,14 @@ def test_evicting_an_idle_cached_block_gives_it_to_the_planner() -> None:
             assert ours.num_idle_cached == 1 and ours.planner.blocks.ready_size() >= 1
         else:
             assert pool.get_num_free_blocks() == free_before
+
+
+def test_a_missed_capacity_check_records_how_many_blocks_it_lacked() -> None:
+    """The planner keeps the shortfall of the last miss: the bytes the control layer
+    calls for from the device's other instances (``KVCACHED_YIELD_IDLE``)."""
+    ours = _kvcached_pool(budget_pages=3)
+    ours.reserve(PER_PAGE)
+    assert ours.planner.misses == 0
+    ours.reserve(5 * PER_PAGE)  # three pages hold 3 * PER_PAGE - 1 (the null block)
+    assert ours.planner.misses == 1
+    assert ours.planner.short_blocks == 5 * PER_PAGE - (3 * PER_PAGE - 1)
