@@ -153,6 +153,8 @@ class Setup:
     #: pre-mapped page is one page of the shared budget the others cannot use.
     min_reserved: int = 0
     max_reserved: int = 1
+    #: More KVCACHED_* settings for the kvcached servers (``--kvcached-env``).
+    kvcached_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def budget_bytes(self) -> int:
@@ -216,6 +218,7 @@ def server_options(
             "KVCACHED_GPU_UTILIZATION": str(setup.utilization),
             "KVCACHED_MIN_RESERVED_PAGES": str(setup.min_reserved),
             "KVCACHED_MAX_RESERVED_PAGES": str(setup.max_reserved),
+            **dict(setup.kvcached_env),
         }
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
@@ -488,6 +491,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--base-port", type=int, default=GpuSetup.base_port, help="gpu")
     ap.add_argument(
+        "--kvcached-env",
+        action="append",
+        default=[],
+        metavar="KVCACHED_NAME=VALUE",
+        help="one more setting for the kvcached servers (repeatable; recorded in the "
+        "result's setup), e.g. KVCACHED_YIELD_IDLE=true",
+    )
+    ap.add_argument(
         "--kv-total-gib",
         type=float,
         default=None,
@@ -533,7 +544,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--utilization {args.utilization}: must be in (0, 1]")
     if args.resume is not None and not args.resume.is_file():
         ap.error(f"--resume {args.resume}: no such result file")
+    try:
+        args.kvcached_env = kvcached_env(args.kvcached_env)
+    except ValueError as e:
+        ap.error(f"--kvcached-env {e}")
     return args
+
+
+#: Settings the harness gives the kvcached servers itself (its own options set them).
+HARNESS_ENV = frozenset(
+    {
+        "ENABLE_KVCACHED",
+        "KVCACHED_IPC_NAME",
+        "KVCACHED_LEDGER_DIR",
+        "KVCACHED_GPU_UTILIZATION",
+        "KVCACHED_HOST_DEVICE",
+        "KVCACHED_HOST_CAPACITY",
+        "KVCACHED_MIN_RESERVED_PAGES",
+        "KVCACHED_MAX_RESERVED_PAGES",
+        "KVCACHED_LOG_LEVEL",
+    }
+)
+
+
+def kvcached_env(items: list[str]) -> dict[str, str]:
+    """``--kvcached-env`` items (``NAME=VALUE``) as a dict, each checked as
+    kvcached itself reads it. Raises ValueError naming the bad item."""
+    from kvcached.config import VARIABLES
+
+    known = {v.name: v for v in VARIABLES}
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in known:
+            raise ValueError(
+                f"{item!r}: NAME=VALUE with NAME a kvcached setting (docs/configuration.md)"
+            )
+        if name in HARNESS_ENV:
+            raise ValueError(f"{item!r}: {name} is set by the harness itself (see --help)")
+        try:
+            known[name].parse(value)
+        except ValueError as e:
+            raise ValueError(f"{item!r}: {e}") from None
+        out[name] = value
+    return out
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -549,6 +603,7 @@ class Previous:
     trace_path: Path
     kv_total_bytes: int | None
     calls: list[dict[str, Any]] = field(default_factory=list)
+    kvcached_env: dict[str, str] = field(default_factory=dict)
 
 
 def read_previous(result_path: Path) -> Previous:
@@ -588,8 +643,15 @@ def read_previous(result_path: Path) -> Previous:
                 drain_s=s.get("drain_s"),
             )
         )
-    kv_total = (result.get("setup") or {}).get("kv_total_bytes")
-    return Previous(runs, list(result.get("blocks", [])), trace_path, kv_total, calls_of(result))
+    setup = result.get("setup") or {}
+    return Previous(
+        runs,
+        list(result.get("blocks", [])),
+        trace_path,
+        setup.get("kv_total_bytes"),
+        calls_of(result),
+        dict(setup.get("kvcached_env") or {}),
+    )
 
 
 #: what a result's ``calls`` keep of each call's provenance block
@@ -741,6 +803,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     out = args.out or (workdir / "multi-model-cpu.json" if args.short else default_out)
     previous = read_previous(args.resume) if args.resume is not None else None
+    if previous is not None and previous.kvcached_env != args.kvcached_env:
+        raise SystemExit(
+            f"--resume {args.resume}: its kvcached servers ran with --kvcached-env "
+            f"{previous.kvcached_env or 'none'}, this call with {args.kvcached_env or 'none'}: "
+            "runs of one result share their settings"
+        )
     trace_path = out.with_name(out.stem + "-trace.json")
     if previous is not None:
         if previous.trace_path.resolve() != trace_path.resolve():
@@ -778,6 +846,7 @@ def main(argv: list[str] | None = None) -> int:
             base_port=args.base_port,
             utilization=args.utilization,
             device_args=tuple(args.device_args.split()),
+            kvcached_env=tuple(sorted(args.kvcached_env.items())),
         )
         kv_total = (
             int(args.kv_total_gib * GIB)
@@ -793,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
             models=args.models,
             min_reserved=args.min_reserved,
             max_reserved=args.max_reserved,
+            kvcached_env=tuple(sorted(args.kvcached_env.items())),
         )
         served = model_config(args.kv_heads, args.head_dim)
         model_dirs = write_models(workdir / "models", setup.models, served)
@@ -858,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
                 "models": list(MODELS[: args.models]),
                 "model_config": served,
                 "kv_bytes_per_token": per_token,
+                "kvcached_env": args.kvcached_env,
             },
             "configs": args.configs,
             "drain_s": args.drain_s,

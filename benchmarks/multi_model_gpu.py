@@ -88,6 +88,8 @@ class GpuSetup:
     max_model_len: int = 4096
     max_num_seqs: int = 256
     device_args: tuple[str, ...] = ("--enforce-eager",)
+    #: More KVCACHED_* settings for the kvcached servers (``--kvcached-env``).
+    kvcached_env: tuple[tuple[str, str], ...] = ()
 
 
 def prepare_model(models_dir: Path, make_model_py: str) -> Path:
@@ -130,6 +132,7 @@ def server_env(setup: GpuSetup, config: str, name: str, ledger_dir: Path) -> dic
         "KVCACHED_LEDGER_DIR": str(ledger_dir),
         "KVCACHED_GPU_UTILIZATION": str(setup.utilization),
         "KVCACHED_LOG_LEVEL": "info",
+        **dict(setup.kvcached_env),
     }
 
 

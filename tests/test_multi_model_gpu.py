@@ -227,3 +227,36 @@ def test_the_result_carries_the_plan_with_the_ledgers_budget():
     assert [p["peak"] for p in plan["per_peak"]] == [1.0, 2.5]
     assert plan["per_peak"][1]["over_share_burst"] > 1 > plan["per_peak"][0]["over_share_burst"]
     assert mm.gpu_run_plan(args, None, None, [1.0])["card"] is None
+
+
+def test_kvcached_env_reaches_the_kvcached_servers_only():
+    args = mm.parse_args(["--device", "gpu", "--kvcached-env", "KVCACHED_YIELD_IDLE=true"])
+    assert args.kvcached_env == {"KVCACHED_YIELD_IDLE": "true"}
+    gsetup = mg.GpuSetup(model_dir=Path("/m"), kvcached_env=(("KVCACHED_YIELD_IDLE", "true"),))
+    assert mg.server_env(gsetup, "kvcached", "mm-a", Path("/l"))["KVCACHED_YIELD_IDLE"] == "true"
+    assert "KVCACHED_YIELD_IDLE" not in mg.server_env(gsetup, "native", "mm-a", Path("/l"))
+    cpu = mm.Setup(kvcached_env=(("KVCACHED_YIELD_IDLE", "true"),))
+    opts = mm.server_options("kvcached", cpu, "mm-a", Path("/l"))
+    assert opts.extra_env["KVCACHED_YIELD_IDLE"] == "true"
+    assert "KVCACHED_YIELD_IDLE" not in mm.server_options("native", cpu, "mm-a", Path("/l")).extra_env
+
+
+@pytest.mark.parametrize(
+    "item,match",
+    [
+        ("KVCACHED_YIELD_IDLE", "NAME=VALUE"),
+        ("KVCACHED_NO_SUCH=1", "NAME=VALUE"),
+        ("KVCACHED_YIELD_IDLE=maybe", "KVCACHED_YIELD_IDLE=maybe"),
+        ("KVCACHED_LEDGER_DIR=/tmp", "set by the harness"),
+    ],
+)
+def test_kvcached_env_refuses_what_kvcached_would_not_read(item, match, capsys):
+    with pytest.raises(SystemExit):
+        mm.parse_args(["--kvcached-env", item])
+    assert match in capsys.readouterr().err
+
+
+def test_resume_refuses_a_part_run_with_other_kvcached_settings(tmp_path):
+    part = _part(tmp_path)
+    with pytest.raises(SystemExit, match="ran with --kvcached-env none, this call with"):
+        mm.main(["--resume", str(part), "--kvcached-env", "KVCACHED_YIELD_IDLE=true"])
