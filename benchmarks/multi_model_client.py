@@ -197,9 +197,10 @@ def kvctl_ledger(ledger_dir: Path, instances: list[str]) -> dict[str, Any]:
 
 def kvctl_used(ledger_dir: Path, instances: list[str]) -> dict[str, dict[str, int]]:
     """``kvctl list --json`` as ``{instance: {used_bytes, reserved_bytes,
-    prefix_cache_bytes, misses}}`` for the live ``instances`` (reserved: idle
-    pre-mapped pages; prefix cache: idle cached blocks; both inside used;
-    misses: allocations the budget refused, so far)."""
+    prefix_cache_bytes, misses, yielded_bytes}}`` for the live ``instances``
+    (reserved: idle pre-mapped pages; prefix cache: idle cached blocks; both
+    inside used; misses: allocations the budget refused, so far; yielded: idle
+    bytes released to neighbours that missed, so far)."""
     rows = _kvctl_json("list", "--ledger-dir", str(ledger_dir)) or []
     return {
         r["name"]: {
@@ -207,6 +208,7 @@ def kvctl_used(ledger_dir: Path, instances: list[str]) -> dict[str, dict[str, in
             "reserved_bytes": int(r["reserved_bytes"]),
             "prefix_cache_bytes": int(r.get("prefix_cache_bytes") or 0),
             "misses": int(r["misses"]),
+            "yielded_bytes": int(r.get("yielded_bytes") or 0),
         }
         for r in rows
         if r.get("name") in instances and r.get("state") != "dead"
@@ -262,6 +264,7 @@ class Sampler:
                 row[x.instance]["reserved_bytes"] = inst.get("reserved_bytes")
                 row[x.instance]["prefix_cache_bytes"] = inst.get("prefix_cache_bytes")
                 row[x.instance]["misses"] = inst.get("misses")
+                row[x.instance]["yielded_bytes"] = inst.get("yielded_bytes")
             elif m.get("kv_cache_usage_perc") is not None:
                 row[x.instance]["kv_bytes"] = int(m["kv_cache_usage_perc"] * self.static_bytes)
         return row

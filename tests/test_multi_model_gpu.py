@@ -238,7 +238,9 @@ def test_kvcached_env_reaches_the_kvcached_servers_only():
     cpu = mm.Setup(kvcached_env=(("KVCACHED_YIELD_IDLE", "true"),))
     opts = mm.server_options("kvcached", cpu, "mm-a", Path("/l"))
     assert opts.extra_env["KVCACHED_YIELD_IDLE"] == "true"
-    assert "KVCACHED_YIELD_IDLE" not in mm.server_options("native", cpu, "mm-a", Path("/l")).extra_env
+    assert (
+        "KVCACHED_YIELD_IDLE" not in mm.server_options("native", cpu, "mm-a", Path("/l")).extra_env
+    )
 
 
 @pytest.mark.parametrize(

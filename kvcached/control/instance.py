@@ -300,6 +300,7 @@ class Instance:
             "updated_at": time.time(),
             "reclaimed_bytes": self.reclaimed_bytes,
             "yielded_bytes": self.yielding.yielded_bytes if self.yielding else 0,
+            "yielded_by_gpu": dict(self.yielding.by_device) if self.yielding else {},
             "pools": pools,
         }
 

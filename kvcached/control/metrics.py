@@ -85,6 +85,12 @@ _INSTANCE: tuple[tuple[str, str, str, Value], ...] = (
         lambda r: r.misses,
     ),
     (
+        "kvcached_instance_yielded_bytes_total",
+        "counter",
+        "Idle bytes released to neighbours whose allocations missed (KVCACHED_YIELD_IDLE)",
+        lambda r: r.yielded_bytes,
+    ),
+    (
         "kvcached_instance_processes",
         "gauge",
         "Processes of the instance on the GPU",

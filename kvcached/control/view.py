@@ -53,6 +53,8 @@ class InstanceRow:
     backend: str = ""
     uptime_s: float = 0.0
     misses: int = 0
+    #: idle bytes it released to neighbours that missed (``KVCACHED_YIELD_IDLE``)
+    yielded_bytes: int = 0
     #: the bytes one page takes (the unit it grows by); 0 while it maps none
     page_bytes: int = 0
     ledger: str = ""
@@ -185,6 +187,10 @@ def instance_rows(
             row.kvcached_version = str(doc.get("kvcached_version", row.kvcached_version))
             started = float(doc.get("started_at", now))
             row.uptime_s = max(row.uptime_s, now - started)
+        for gpu, nbytes in (doc.get("yielded_by_gpu") or {}).items():
+            row = rows.get((snap.instance, str(gpu)))
+            if row is not None:
+                row.yielded_bytes += int(nbytes)
     for led in ledgers:
         gpu = led.header.device_id
         for inst in led.instances:
@@ -357,6 +363,7 @@ def render_status(rows: Sequence[InstanceRow]) -> str:
             f"  prefix     {format_bytes(r.prefix_cache_bytes)} in unreferenced cached blocks",
             f"  virtual    {format_bytes(r.virtual_bytes)} reserved address space",
             f"  misses     {r.misses} allocations refused",
+            f"  yielded    {format_bytes(r.yielded_bytes)} idle, to neighbours that missed",
         ]
     return "\n".join(out)
 

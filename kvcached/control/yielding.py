@@ -80,6 +80,7 @@ class YieldPass:
     wants_seen: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     calls: int = 0  #: calls this instance posted
     yielded_bytes: int = 0  #: bytes released to neighbours' calls
+    by_device: dict[str, int] = field(default_factory=dict)  #: the same, per device
     _logged: dict[str, float] = field(default_factory=dict)
 
     def run(self, groups: dict[str, list[tuple[Any, Any, Any]]], flush: Any) -> int:
@@ -92,7 +93,10 @@ class YieldPass:
             if not members:
                 continue
             missed = self._call(device, members)
-            released += self._yield(device, members, missed, flush)
+            got = self._yield(device, members, missed, flush)
+            if got:
+                self.by_device[device] = self.by_device.get(device, 0) + got
+            released += got
         self.yielded_bytes += released
         return released
 

@@ -83,6 +83,7 @@ def rows() -> tuple[list[InstanceRow], list[GpuRow]]:
             backend="cuda",
             uptime_s=12.5,
             misses=7,
+            yielded_bytes=5 << 20,
             blocks_used=90,
             blocks_total=1000,
         ),
@@ -119,6 +120,7 @@ def test_the_exposition_keeps_the_format_rules():
     assert used["samples"][key] == 3 << 30
     assert fams["kvcached_instance_misses_total"]["type"] == "counter"
     assert fams["kvcached_instance_misses_total"]["samples"][key] == 7
+    assert fams["kvcached_instance_yielded_bytes_total"]["samples"][key] == 5 << 20
     # The limit is absent where there is none (an alert on used/limit must not fire on 0).
     assert list(fams["kvcached_instance_limit_bytes"]["samples"]) == [key]
     up = fams["kvcached_instance_up"]["samples"]

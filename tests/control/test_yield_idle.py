@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pytest
 
 from kvcached.control.instance import Instance, KVCachePool
+from kvcached.control.snapshot import read_snapshots
+from kvcached.control.view import instance_rows
 from kvcached.driver.host import HostDriver
 from kvcached.ledger import Ledger
 from kvcached.ledger.layout import H_BUDGET
@@ -113,6 +115,9 @@ def test_a_miss_calls_and_the_idle_neighbour_releases_its_prefix_cache(tmp_path)
         assert idle.cache.pages.reserve_held  # and it maps no reserve for a while
         assert not busy.cache.pages.reserve_held
         assert idle.instance.snapshot()["yielded_bytes"] == released
+        idle.instance.publish()  # kvctl list and metrics show it per instance and GPU
+        (row,) = [r for r in instance_rows(read_snapshots()) if r.name == "idle"]
+        assert (row.gpu, row.yielded_bytes) == (idle.source.gpu, released)
         assert busy.alloc(2 * bpp)  # the next try finds the memory
         assert idle.pass_() == 0  # the same call is answered once
 
