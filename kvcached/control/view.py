@@ -139,6 +139,45 @@ def gpu_rows(ledgers: Iterable[LedgerSnapshot]) -> list[GpuRow]:
     return sorted(rows, key=lambda g: g.gpu)
 
 
+def _add_pool(
+    rows: dict[tuple[str, str], InstanceRow], snap: Snapshot, pool: dict[str, Any], now: float
+) -> None:
+    """Add one pool of snapshot ``snap`` to its (instance, GPU) row."""
+    doc = snap.data
+    key = (snap.instance, str(pool.get("gpu", "?")))
+    row = rows.get(key)
+    if row is None:
+        row = rows[key] = InstanceRow(
+            name=snap.instance, gpu=key[1], state=LIVE if snap.alive else DEAD
+        )
+    row.pools += 1
+    row.used_bytes += int(pool.get("bytes_mapped", 0))
+    row.reserved_bytes += int(pool.get("bytes_reserved", 0))
+    row.virtual_bytes += int(pool.get("virtual_bytes", 0))
+    row.prefix_cache_bytes += int(pool.get("prefix_cache_bytes", 0))
+    row.blocks_used += int(pool.get("blocks_used", 0))
+    row.blocks_total += int(pool.get("blocks_total", 0))
+    row.misses += int(pool.get("misses", 0))
+    pages = int(pool.get("pages_mapped", 0))
+    if pages > 0:
+        row.page_bytes = max(row.page_bytes, int(pool.get("bytes_mapped", 0)) // pages)
+    row.backend = str(pool.get("backend", row.backend))
+    row.ledger = str(pool.get("ledger", row.ledger))
+    limit = pool.get("limit_bytes")
+    if limit is not None:
+        row.limit_bytes = int(limit)
+    row.limit_revision = max(row.limit_revision, int(pool.get("limit_revision", 0)))
+    if snap.pid not in row.pids:
+        row.pids.append(snap.pid)
+    if snap.alive and row.state == DEAD:
+        row.state = LIVE  # one live process keeps the instance live
+    row.engine = str(doc.get("engine", row.engine))
+    row.engine_version = str(doc.get("engine_version", row.engine_version))
+    row.kvcached_version = str(doc.get("kvcached_version", row.kvcached_version))
+    started = float(doc.get("started_at", now))
+    row.uptime_s = max(row.uptime_s, now - started)
+
+
 def instance_rows(
     snapshots: Sequence[Snapshot], ledgers: Sequence[LedgerSnapshot] = ()
 ) -> list[InstanceRow]:
@@ -155,38 +194,7 @@ def instance_rows(
         if snap.alive and isinstance(serve, dict) and isinstance(serve.get("state"), str):
             served[snap.instance] = serve["state"]
         for pool in doc.get("pools", []):
-            key = (snap.instance, str(pool.get("gpu", "?")))
-            row = rows.get(key)
-            if row is None:
-                row = rows[key] = InstanceRow(
-                    name=snap.instance, gpu=key[1], state=LIVE if snap.alive else DEAD
-                )
-            row.pools += 1
-            row.used_bytes += int(pool.get("bytes_mapped", 0))
-            row.reserved_bytes += int(pool.get("bytes_reserved", 0))
-            row.virtual_bytes += int(pool.get("virtual_bytes", 0))
-            row.prefix_cache_bytes += int(pool.get("prefix_cache_bytes", 0))
-            row.blocks_used += int(pool.get("blocks_used", 0))
-            row.blocks_total += int(pool.get("blocks_total", 0))
-            row.misses += int(pool.get("misses", 0))
-            pages = int(pool.get("pages_mapped", 0))
-            if pages > 0:
-                row.page_bytes = max(row.page_bytes, int(pool.get("bytes_mapped", 0)) // pages)
-            row.backend = str(pool.get("backend", row.backend))
-            row.ledger = str(pool.get("ledger", row.ledger))
-            limit = pool.get("limit_bytes")
-            if limit is not None:
-                row.limit_bytes = int(limit)
-            row.limit_revision = max(row.limit_revision, int(pool.get("limit_revision", 0)))
-            if snap.pid not in row.pids:
-                row.pids.append(snap.pid)
-            if snap.alive and row.state == DEAD:
-                row.state = LIVE  # one live process keeps the instance live
-            row.engine = str(doc.get("engine", row.engine))
-            row.engine_version = str(doc.get("engine_version", row.engine_version))
-            row.kvcached_version = str(doc.get("kvcached_version", row.kvcached_version))
-            started = float(doc.get("started_at", now))
-            row.uptime_s = max(row.uptime_s, now - started)
+            _add_pool(rows, snap, pool, now)
         for gpu, nbytes in (doc.get("yielded_by_gpu") or {}).items():
             row = rows.get((snap.instance, str(gpu)))
             if row is not None:
