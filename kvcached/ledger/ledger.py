@@ -37,6 +37,9 @@ and the tests that show it, is in docs/ledger.md). Each lives in one module:
   (:mod:`kvcached.ledger.calibration`; the thread: :mod:`kvcached.ledger.calibrator`).
 * **Limits** are per instance records (:mod:`kvcached.ledger.limits`); a
   snapshot reads everything at once (:mod:`kvcached.ledger.snapshot`).
+* **Calls for memory are advisory** (:mod:`kvcached.ledger.wants`): a pool's
+  ``wanted`` words, written by its owner without the lock; nothing charged or
+  refunded depends on them.
 
 What is guaranteed: ``sum(charges) <= budget <= total - margin`` at every
 moment, so kvcached's processes on a device never hold more than it has (less
