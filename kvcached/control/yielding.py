@@ -79,9 +79,13 @@ class YieldPass:
     misses_seen: dict[int, int] = field(default_factory=dict)  #: id(source) -> misses
     wants_seen: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     calls: int = 0  #: calls this instance posted
-    yielded_bytes: int = 0  #: bytes released to neighbours' calls
-    by_device: dict[str, int] = field(default_factory=dict)  #: the same, per device
+    by_device: dict[str, int] = field(default_factory=dict)  #: bytes yielded, per device
     _logged: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def yielded_bytes(self) -> int:
+        """Bytes released to neighbours' calls, on every device."""
+        return sum(self.by_device.values())
 
     def run(self, groups: dict[str, list[tuple[Any, Any, Any]]], flush: Any) -> int:
         """One pass over ``groups`` (device -> ``(source, watch, usage)`` of each
@@ -97,7 +101,6 @@ class YieldPass:
             if got:
                 self.by_device[device] = self.by_device.get(device, 0) + got
             released += got
-        self.yielded_bytes += released
         return released
 
     def _call(self, device: str, members: list[tuple[Any, Any, Any]]) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvcached.ledger.layout import H_BUDGET, H_HIGH_WATER, i_limit, p_wanted, p_wanted_seq
+from kvcached.ledger.layout import H_HIGH_WATER, i_limit, p_wanted, p_wanted_seq
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Want:
 
 def device_room(led: Any) -> int:
     """The device's budget less every pool's charge (read without the lock)."""
-    return led.i64[H_BUDGET] - sum(led.charges[: led.u32[H_HIGH_WATER]])
+    return led.budget - led.charged_total()
 
 
 def post_want(led: Any, slot: int, instance_slot: int, nbytes: int, pending: int = 0) -> bool:
