@@ -1,8 +1,8 @@
 """Issues #24 and #33's long-tail scenario: how many 8B models one GPU serves within a
 TTFT SLO, ``kvcached serve`` with sleep against a static split of the same GPU.
 
-**On the H100 its static step has run** (``benchmarks/results/h100/long-tail-gpu.json``);
-the kvcached steps are the next calls. ``--cpu`` runs every code path on vLLM's CPU build
+**Run on the H100** (``benchmarks/results/h100/long-tail-gpu.json``: static 4, kvcached 5
+within 2 s; docs/benchmarks.md). ``--cpu`` runs every code path on vLLM's CPU build
 with tiny Llamas (its figures mean nothing for a GPU). The device call (gpu-vllm bundle carried;
 the H100's commands are in ``benchmarks/results/h100/README.md``)::
 

@@ -21,7 +21,8 @@ streamed token), end-to-end latency, and the time it waited in vLLM's queue
 (``queue_time_ms`` from ``--enable-per-request-metrics``). Per model, every
 ``--sample-s``: KV memory (kvcached: ``kvctl list --json``, the instance's
 ``used_bytes``, and of it the idle ``reserved_bytes`` and ``prefix_cache_bytes``,
-its ``misses`` and the idle ``yielded_bytes`` it released to neighbours so far; native: the engine's ``vllm:kv_cache_usage_perc`` from ``/metrics`` times its
+its ``misses`` and the idle ``yielded_bytes`` it released to neighbours so far;
+native: the engine's ``vllm:kv_cache_usage_perc`` from ``/metrics`` times its
 static size) and running / waiting requests.
 
 Where the engines compute: ``--engine-cpus spread`` (the default) binds
