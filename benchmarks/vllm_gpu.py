@@ -218,7 +218,7 @@ def page_ops(instance: str) -> dict[str, int]:
     one control tick old), summed over its pools."""
     from kvcached.control.snapshot import read_snapshots
 
-    keys = ("page_maps", "page_unmaps", "page_ops_overlapped", "bytes_mapped")
+    keys = ("page_maps", "page_unmaps", "page_ops_overlapped", "page_op_waits", "bytes_mapped")
     total = dict.fromkeys(keys, 0)
     for snap in read_snapshots(cleanup=False):
         if snap.instance == instance and snap.alive:

@@ -96,7 +96,7 @@ def test_halves_merge_lists_and_average_scalars() -> None:
 
 
 class _Pool:
-    def __init__(self, maps: int, unmaps: int, overlapped: int) -> None:
+    def __init__(self, maps: int, unmaps: int, overlapped: int, waits: int = 0) -> None:
         self.usage = PoolUsage(
             name="vllm-kv",
             gpu="host-0",
@@ -105,6 +105,7 @@ class _Pool:
             page_maps=maps,
             page_unmaps=unmaps,
             page_ops_overlapped=overlapped,
+            page_op_waits=waits,
         )
 
     def pool_usage(self) -> PoolUsage:
@@ -121,13 +122,14 @@ def test_page_ops_come_from_the_candidates_published_snapshot() -> None:
     name = f"bench-test-{os.getpid()}"
     instance = Instance(name, start=False)
     try:
-        instance.add_pool(_Pool(10, 4, 3))
-        instance.add_pool(_Pool(2, 1, 0))
+        instance.add_pool(_Pool(10, 4, 3, waits=2))
+        instance.add_pool(_Pool(2, 1, 0, waits=1))
         got = vllm_gpu.page_ops(name)
         assert got == {
             "page_maps": 12,
             "page_unmaps": 5,
             "page_ops_overlapped": 3,
+            "page_op_waits": 3,
             "bytes_mapped": 8 << 20,
         }
         assert vllm_gpu.page_ops(name + "-none")["page_maps"] == 0

@@ -83,6 +83,8 @@ class PoolUsage:
     page_maps: int = 0
     page_unmaps: int = 0
     page_ops_overlapped: int = 0
+    #: Steps that waited for ops still running beside earlier steps.
+    page_op_waits: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -270,6 +270,7 @@ class VllmPoolSource:
             page_maps=planner.backend.maps,
             page_unmaps=planner.backend.unmaps,
             page_ops_overlapped=planner.overlapped_ops,
+            page_op_waits=planner.beside_waits,
         )
 
     def apply_limit(self, limit_bytes: int | None) -> None:

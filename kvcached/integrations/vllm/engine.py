@@ -15,7 +15,9 @@
   need before vLLM compares it with ``get_num_free_blocks()``.
 * ``Scheduler.schedule`` serves posted control requests, then attaches the
   step's page ops to its ``SchedulerOutput`` (``kvcached_ops``, and in
-  ``kvcached_sync`` how many must precede the step's first kernel);
+  ``kvcached_sync`` how many must precede the step's first kernel) and
+  ``kvcached_wait`` (whether workers finish the ops still beside earlier steps
+  first);
   ``Scheduler.update_from_output`` refunds what the step's output confirms.
 * ``EngineCoreProc`` flushes page ops to the workers whenever it is about to
   wait idle, and serves control requests on ``WAKEUP``;
@@ -455,6 +457,7 @@ def _schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
     output = orig(self, *args, **kwargs)
     ops, step, sync = context.planner.ops_for_step()
     output.kvcached_step = step
+    output.kvcached_wait = context.planner.step_waits
     if ops is not None:
         output.kvcached_ops = ops
         output.kvcached_sync = sync

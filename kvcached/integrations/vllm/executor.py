@@ -17,10 +17,12 @@ applies the ops it receives, in order, before the step that needs them.
 * The worker calibrates its device's ledger (it is the process that can ask
   the driver), without owning a pool there.
 * Ops a step does not touch (the planner's ``overlap``) run in a thread of the
-  executor's own while the step runs (:meth:`PageExecutor.overlap`), one batch
-  at a time: the worker waits for them (:meth:`PageExecutor.finish`) before it
-  applies anything else, so the mapper is never driven by two threads at once
-  and every op still lands in queue order. The driver calls release the GIL,
+  executor's own beside the step (:meth:`PageExecutor.overlap`), batches in
+  queue order; they may still run beside later steps, until the planner makes
+  a step wait for them (:meth:`PageExecutor.finish`): one that uses a page
+  they map, or has ops of its own to apply first. The worker waits before it
+  applies anything itself, so the mapper is never driven by two threads at
+  once and every op still lands in queue order. The driver calls release the GIL,
   so the step's own thread keeps launching kernels meanwhile. But the page
   thread needs the GIL back after every call, and a step busy in Python hands
   it over only at the interpreter's switch interval (5 ms): on an H100 a
@@ -105,7 +107,7 @@ class PageExecutor:
         )
         self.calibrator = None
         self._thread: ThreadPoolExecutor | None = None
-        self._overlapped: Future[bool] | None = None
+        self._overlapped: list[Future[bool]] = []  # batches in flight, in queue order
         self.overlapped_maps = False  # whether the ops in flight there map pages
         self.failed_maps = 0
         self.maps = 0
@@ -160,15 +162,15 @@ class PageExecutor:
         return True
 
     def overlap(self, ops: Sequence[PageOp]) -> None:
-        """Start applying ``ops`` in the executor's thread; :meth:`finish`
-        waits for them. One batch at a time."""
-        assert self._overlapped is None, "invariant: finish() the overlapped ops first"
+        """Start applying ``ops`` in the executor's thread, after any batch
+        still in flight there (one thread: queue order is kept); :meth:`finish`
+        waits for all of them."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvcached-page-ops")
-        self.overlapped_maps = any(op[0] == MAP for op in ops)
+        self.overlapped_maps = self.overlapped_maps or any(op[0] == MAP for op in ops)
         _lower_switch_interval()
         try:
-            self._overlapped = self._thread.submit(self._apply_beside, list(ops))
+            self._overlapped.append(self._thread.submit(self._apply_beside, list(ops)))
         except BaseException:
             _restore_switch_interval()
             raise
@@ -184,14 +186,23 @@ class PageExecutor:
     @property
     def overlapping(self) -> bool:
         """Whether ops started by :meth:`overlap` await :meth:`finish`."""
-        return self._overlapped is not None
+        return bool(self._overlapped)
 
     def finish(self) -> bool:
-        """Wait for the ops :meth:`overlap` started (at once if none are in
-        flight). ``False`` as :meth:`apply`; its exception is raised here."""
-        future, self._overlapped = self._overlapped, None
+        """Wait for every batch :meth:`overlap` started (at once if none is in
+        flight). ``False`` if any returned ``False`` as :meth:`apply` does; the
+        first exception is raised here, once all of them have ended."""
+        futures, self._overlapped = self._overlapped, []
         self.overlapped_maps = False
-        return True if future is None else future.result()
+        ok, error = True, None
+        for future in futures:
+            try:
+                ok = future.result() and ok
+            except BaseException as exc:  # the later batches still run: wait for them too
+                error = error or exc
+        if error is not None:
+            raise error
+        return ok
 
     def _map(self, spans: list[tuple[int, int]]) -> bool:
         """Map ``spans`` in order (one ``map_runs``, so runs of adjacent

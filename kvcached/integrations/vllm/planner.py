@@ -26,9 +26,16 @@ decision becomes an op that rides to the workers on vLLM's own step queue:
   still idle when ``schedule()`` ends) and the unmaps of released pages.
   :meth:`ops_for_step` says how many ops lead up to the last map the step
   needs; a worker applies those before the step's first kernel and the rest
-  in a thread of its own while the step runs, and finishes them before the
-  next step's ops. The unmaps among the rest are therefore confirmed by the
-  *next* step's output (or an idle flush), not this one's.
+  in a thread of its own beside the step, in queue order.
+* **Waiting only for what a step uses.** Ops beside a step may still run
+  while later steps do. The planner tells each step whether a worker must
+  first finish every op sent beside earlier steps (:attr:`step_waits`,
+  ``kvcached_wait``): when the step has ops of its own to apply before it,
+  when the block manager took a page an op in flight maps, or when
+  :data:`BESIDE_STEPS_MAX` steps have passed since the last such wait. Every
+  rank gets the same answer, so they agree on the same steps. The unmaps among
+  the ops beside a step are confirmed by the output of the first later step
+  that waited (or an idle flush), not the step's own.
 
 Unmaps need no step fence here: a worker applies ops in queue order and
 synchronizes its device before any unmap, so every earlier step that could
@@ -49,7 +56,7 @@ from kvcached.log import get_logger
 from kvcached.memory.blocks import BlockManager
 from kvcached.memory.budget import PhysicalBudget
 from kvcached.memory.mapper import DEFAULT_MAX_HANDLE_BYTES
-from kvcached.memory.pages import IDLE, PageAllocator
+from kvcached.memory.pages import IDLE, UNMAPPED, PageAllocator
 from kvcached.memory.planned import MAP, UNMAP, PageOp, PlannedPages
 from kvcached.memory.spec import KVLayout, PageGeometry
 
@@ -57,6 +64,11 @@ log = get_logger("integrations.vllm")
 
 #: At most one line about allocation misses per this many seconds.
 MISS_LOG_S = 30.0
+
+#: Steps that may start with ops sent beside earlier steps still in flight
+#: before one waits for them: bounds how late their unmaps are confirmed (and
+#: refunded to the ledger) while the engine stays busy.
+BESIDE_STEPS_MAX = 4
 
 
 def planner_geometry(
@@ -122,6 +134,13 @@ class StepPlanner:
         self.ready_blocks = self.blocks.ready_size
         self.steps = 0
         self.overlapped_ops = 0  # ops sent to run beside their step
+        self.beside_waits = 0  # steps that had to wait for ops beside earlier steps
+        self.step_waits = True  #: whether the last planned step waits (module docstring)
+        # Ops sent beside steps that no step has waited for since: the pages
+        # they map, the bytes they unmap, and how many steps sent them.
+        self._beside_maps: set[int] = set()
+        self._beside_unmapped = 0
+        self._beside_since = 0  # the first step that sent them (0: none)
         self.misses = 0
         self.short_blocks = 0  #: blocks the last miss lacked (0: not known)
         self._miss_logged = -MISS_LOG_S
@@ -206,9 +225,10 @@ class StepPlanner:
         self.pages.maintain()
         ops, refund = self.backend.take_ops()
         self.steps += 1
+        sync = 0 if not ops else self._sync_prefix(ops) if self.overlap else len(ops)
+        self._plan_wait(sync)
         if not ops:
             return None, self.steps, 0
-        sync = self._sync_prefix(ops) if self.overlap else len(ops)
         if sync < len(ops):
             if not self.overlapped_ops:
                 log.info(
@@ -219,11 +239,39 @@ class StepPlanner:
                     len(ops),
                 )
             self.overlapped_ops += len(ops) - sync
+            self._beside_since = self._beside_since or self.steps
+            for kind, first, count in ops[sync:]:
+                if kind == MAP:
+                    self._beside_maps.update(range(first, first + count))
+                else:
+                    self._beside_unmapped += count * self.page_bytes
         overlapped = sum(c for kind, _, c in ops[sync:] if kind == UNMAP) * self.page_bytes
         self._inflight.append((self.steps, refund - overlapped))
-        if overlapped:
-            self._inflight.append((self.steps + 1, overlapped))
         return ops, self.steps, sync
+
+    def _plan_wait(self, sync: int) -> None:
+        """Decide :attr:`step_waits` for the step being planned (module
+        docstring); a step that waits confirms the unmaps sent beside earlier
+        steps, by its own output."""
+        if not self._beside_since:
+            self.step_waits = sync > 0
+            return
+        state = self.pages.state_of
+        wait = (
+            sync > 0
+            or self.steps - self._beside_since >= BESIDE_STEPS_MAX
+            or any(state(p) not in (IDLE, UNMAPPED) for p in self._beside_maps)
+        )
+        self.step_waits = wait
+        if wait:
+            self.beside_waits += 1
+            self._inflight.append((self.steps, self._beside_unmapped))
+            self._forget_beside()
+
+    def _forget_beside(self) -> None:
+        self._beside_maps.clear()
+        self._beside_unmapped = 0
+        self._beside_since = 0
 
     def _sync_prefix(self, ops: list[PageOp]) -> int:
         """How many of ``ops`` lead up to the last map of a page the step can
@@ -257,20 +305,21 @@ class StepPlanner:
     def pending(self) -> bool:
         """Whether ops wait to be carried to the workers, or refunds for a
         confirmation (an idle flush gives both)."""
-        return self.backend.pending or bool(self._inflight)
+        return self.backend.pending or bool(self._inflight) or self._beside_since > 0
 
     def flush(self) -> bool:
         """Send queued ops to every rank now and wait (idle engine). Returns
         whether anything was sent. Everything carried earlier is confirmed too:
-        the RPC is queued behind it, and a worker finishes the ops it overlaps
-        with a step before it applies the next ones."""
+        the RPC is queued behind it, and a worker finishes every op still
+        running beside a step before it applies an RPC's."""
         if not self.pending or self.rpc is None or self.closed:
             return False
         ops, refund = self.backend.take_ops()
         self.rpc(ops)
         while self._inflight:
             self.backend.confirm(self._inflight.popleft()[1])
-        self.backend.confirm(refund)
+        self.backend.confirm(refund + self._beside_unmapped)
+        self._forget_beside()
         self.budget.flush()
         return True
 

@@ -12,8 +12,9 @@
   (:mod:`.raw_kv`).
 * ``WorkerWrapperBase.execute_model`` applies the step's page ops
   (``scheduler_output.kvcached_ops``) before vLLM runs the step, those the
-  step does not touch (past ``kvcached_sync``) in the executor's thread while
-  it runs, finished before the next step's; under tensor
+  step does not touch (past ``kvcached_sync``) in the executor's thread beside
+  it, finished before a later step the planner marks (``kvcached_wait``: it
+  uses a page they map, or has ops of its own); under tensor
   parallelism every rank agrees on the outcome of a growth step with one MIN
   all-reduce on vLLM's TP CPU group, so no rank fails alone.
 * ``kvcached_describe`` and ``kvcached_apply_page_ops`` are added to
@@ -305,19 +306,22 @@ def _initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
         WORKER.allocating = False
 
 
-def _apply_ops(ops: list[Any], sync: int | None = None) -> None:
-    """Apply page ops on this rank: first finish those the last step
-    overlapped, then apply ``ops[:sync]`` (all of them by default) and start
-    the rest in the executor's thread, to overlap the step about to run. With
-    several ranks, agree on the outcome of every map applied before the step
-    and of the overlapped ones just finished (the same ops reach every rank,
+def _apply_ops(ops: list[Any], sync: int | None = None, wait: bool = True) -> None:
+    """Apply page ops on this rank: first (with ``wait``, or when any op must
+    precede the step) finish those still running beside earlier steps, then
+    apply ``ops[:sync]`` (all of them by default) and start the rest in the
+    executor's thread, beside the step about to run. With several ranks,
+    agree on the outcome of every map applied before the step and of the
+    overlapped ones just finished (the same ops and ``wait`` reach every rank,
     so every rank agrees at the same step)."""
     executor = WORKER.executor
     if executor is None:
         raise KVCachedError("page ops reached a worker whose KV cache kvcached does not hold")
-    overlapped_maps = executor.overlapped_maps
-    ok = executor.finish()
     now = ops if sync is None or sync >= len(ops) else ops[:sync]
+    overlapped_maps, ok = False, True
+    if wait or now:
+        overlapped_maps = executor.overlapped_maps
+        ok = executor.finish()
     if ok and now:
         ok = executor.apply(now)
     if WORKER.world_size > 1 and (overlapped_maps or any(op[0] == "map" for op in now)):
@@ -340,12 +344,14 @@ def _apply_ops(ops: list[Any], sync: int | None = None) -> None:
 
 def apply_step_ops(scheduler_output: Any) -> None:
     """Before a step: its page ops (``kvcached_ops``, the first
-    ``kvcached_sync`` of them at once), or, for a step without any, the end of
-    those the last step overlapped (this step may use the pages they map)."""
+    ``kvcached_sync`` of them at once), after the end of those still beside
+    earlier steps where ``kvcached_wait`` says so (this step uses a page they
+    map; absent, as from an engine core that does not say, it waits)."""
     ops = getattr(scheduler_output, "kvcached_ops", None)
+    wait = getattr(scheduler_output, "kvcached_wait", True)
     if ops:
-        _apply_ops(ops, scheduler_output.kvcached_sync)
-    elif WORKER.executor is not None and WORKER.executor.overlapping:
+        _apply_ops(ops, scheduler_output.kvcached_sync, wait)
+    elif wait and WORKER.executor is not None and WORKER.executor.overlapping:
         _apply_ops([])
 
 

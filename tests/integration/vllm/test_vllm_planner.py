@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from kvcached.driver.host import HostDriver
 from kvcached.errors import KVCachedError
 from kvcached.integrations.vllm import executor as executor_module
+from kvcached.integrations.vllm import planner as planner_module
 from kvcached.integrations.vllm import worker as worker_module
 from kvcached.integrations.vllm.executor import PageExecutor
 from kvcached.integrations.vllm.geometry import (
@@ -251,17 +253,61 @@ def _release_a_page_beside_a_step(planner: StepPlanner) -> int:
     return step
 
 
-def test_an_overlapped_unmap_is_refunded_by_the_next_step_or_an_idle_flush() -> None:
+def test_an_overlapped_unmap_is_refunded_by_the_first_step_that_waits_or_an_idle_flush() -> None:
     planner, budget = make_planner(max_reserved=0, overlap=True)
     step = _release_a_page_beside_a_step(planner)
     assert budget.used == 2 * planner.page_bytes, "the unmap may still be running"
     assert planner.pending, "an idle engine must flush to confirm it"
-    planner.step_done(step + 1, forward=True)
+    # Steps that use nothing the unmap touches run beside it without waiting;
+    # their outputs confirm nothing of it.
+    for _ in range(planner_module.BESIDE_STEPS_MAX - 1):
+        _, step, _ = planner.ops_for_step()
+        assert not planner.step_waits
+        planner.step_done(step, forward=True)
+        assert budget.used == 2 * planner.page_bytes
+    # The last step the bound allows waits: its output confirms the unmap.
+    _, step, _ = planner.ops_for_step()
+    assert planner.step_waits and planner.beside_waits == 1
+    assert budget.used == 2 * planner.page_bytes
+    planner.step_done(step, forward=True)
     assert budget.used == planner.page_bytes and not planner.pending
     # Idle instead of a next step: the flush's RPC waits for the overlapped ops.
     _release_a_page_beside_a_step(planner)
     assert planner.flush() and planner.sent[-1] == []  # type: ignore[attr-defined]
     assert budget.used == planner.page_bytes and not planner.pending
+
+
+def test_a_step_waits_for_ops_beside_earlier_steps_only_when_it_takes_a_page_they_map() -> None:
+    planner, _ = make_planner(min_reserved=2, max_reserved=4, overlap=True)
+    first = planner.alloc(15)  # the rest of page 0 and page 1; the refill maps page 3
+    ops, _, sync = planner.ops_for_step()
+    assert sync == 1 and ops[sync:] == [(MAP, 3, 1)], "page 1's run before the step, 3 beside"
+    assert planner.beside_waits == 0, "nothing was in flight"
+    # A decode step that takes no new page: page 3's map may run on beside it.
+    assert planner.ops_for_step()[0] is None and not planner.step_waits
+    # A step that takes blocks on page 2 (mapped before) still need not wait ...
+    second = planner.alloc(8)
+    assert {b // 8 for b in second} == {2}
+    ops, _, sync = planner.ops_for_step()
+    assert not planner.step_waits and planner.beside_waits == 0
+    assert ops is not None and sync == 0, "... and its own refill runs beside it"
+    # ... one that takes page 3 must: its map may still be running.
+    third = planner.alloc(8)
+    assert {b // 8 for b in third} == {3}
+    planner.ops_for_step()
+    assert planner.steps - 1 < planner_module.BESIDE_STEPS_MAX, "not the bound's wait"
+    assert planner.step_waits and planner.beside_waits == 1
+    planner.free(first + second + third)
+
+
+def test_a_step_with_ops_before_it_waits_for_every_op_in_flight() -> None:
+    planner, _ = make_planner(max_reserved=0, overlap=True)
+    _release_a_page_beside_a_step(planner)  # page 1's unmap is in flight
+    planner.reserve(15)
+    assert planner.alloc(15) is not None  # page 1 again: mapped before the step
+    ops, _, sync = planner.ops_for_step()
+    assert ops == [(MAP, 1, 1)] and sync == 1
+    assert planner.step_waits, "its map must follow the unmap still in flight"
 
 
 def test_control_requests_merge_until_served() -> None:
@@ -323,7 +369,7 @@ def test_executor_reports_a_map_the_device_refuses(host, monkeypatch) -> None:
         ex.close()
 
 
-def test_executor_overlaps_ops_and_finishes_them_before_the_next(host) -> None:
+def test_executor_overlaps_batches_in_queue_order_and_finishes_them_all(host) -> None:
     ex = PageExecutor(host, _lanes(), calibrate=False)
     try:
         assert not ex.overlapping and ex.finish(), "nothing in flight: finish returns at once"
@@ -333,9 +379,14 @@ def test_executor_overlaps_ops_and_finishes_them_before_the_next(host) -> None:
         assert ex.mapped_pages == 3 and ex.maps == 1
         ex.overlap([(UNMAP, 1, 2)])
         assert not ex.overlapped_maps
-        with pytest.raises(AssertionError, match="finish"):
-            ex.overlap([(MAP, 1, 1)])  # one batch at a time
-        assert ex.finish() and ex.mapped_pages == 1 and ex.unmaps == 1
+        # A second batch queues behind the first (a later step's, sent before
+        # any step waited): the unmap of pages 1-2 lands before page 1's map.
+        ex.overlap([(MAP, 1, 1)])
+        assert ex.overlapped_maps
+        assert ex.finish() and not ex.overlapping and not ex.overlapped_maps
+        assert ex.mapped_pages == 2 and ex.unmaps == 1 and ex.maps == 2
+        ex.overlap([(UNMAP, 1, 1)])
+        assert ex.finish() and ex.mapped_pages == 1
         names = {t.name for t in threading.enumerate()}
         assert any(n.startswith("kvcached-page-ops") for n in names)
     finally:
@@ -355,9 +406,10 @@ def test_an_overlapped_failure_is_reported_by_finish(host, monkeypatch) -> None:
 
         monkeypatch.setattr(ex.mapper, "map_runs", broken)
         ex.overlap([(MAP, 1, 1)])
+        ex.overlap([(MAP, 2, 1)])  # a later batch behind the broken one
         with pytest.raises(RuntimeError, match="driver gone"):
             ex.finish()
-        assert not ex.overlapping, "a raised batch is finished: the next step may go on"
+        assert not ex.overlapping, "every batch is finished: the next step may go on"
     finally:
         monkeypatch.undo()
         ex.close()
@@ -429,6 +481,41 @@ def test_worker_applies_the_sync_prefix_then_overlaps_the_rest(worker_executor) 
     assert not ex.overlapping and ex.mapped_pages == 2 and ex.unmaps == 1
     worker_module._apply_ops([(MAP, 2, 1)])  # no split given: everything before the step
     assert not ex.overlapping and ex.mapped_pages == 3
+
+
+def test_worker_lets_ops_run_on_beside_steps_the_planner_does_not_make_wait(
+    worker_executor, monkeypatch
+) -> None:
+    ex = worker_executor
+    gate = threading.Event()
+    apply = ex.apply
+
+    def held(ops):  # the page thread is still busy when the next steps come
+        gate.wait(5)
+        return apply(ops)
+
+    monkeypatch.setattr(ex, "apply", held)
+    step = SimpleNamespace(kvcached_ops=[(MAP, 1, 1)], kvcached_sync=0, kvcached_wait=False)
+    worker_module.apply_step_ops(step)
+    worker_module.apply_step_ops(SimpleNamespace(kvcached_wait=False))  # a step without ops
+    worker_module.apply_step_ops(
+        SimpleNamespace(kvcached_ops=[(MAP, 2, 1)], kvcached_sync=0, kvcached_wait=False)
+    )
+    assert ex.overlapping and len(ex._overlapped) == 2 and ex.maps == 0, "nobody waited"
+    gate.set()
+    worker_module.apply_step_ops(SimpleNamespace(kvcached_wait=True))
+    assert not ex.overlapping and ex.maps == 2 and ex.mapped_pages == 3
+    # Ops the step needs before it are applied after everything in flight,
+    # whatever the flag says (an engine core that sent none means: wait).
+    gate.clear()
+    worker_module.apply_step_ops(
+        SimpleNamespace(kvcached_ops=[(UNMAP, 2, 1)], kvcached_sync=0, kvcached_wait=False)
+    )
+    gate.set()
+    worker_module.apply_step_ops(
+        SimpleNamespace(kvcached_ops=[(MAP, 2, 1)], kvcached_sync=1, kvcached_wait=False)
+    )
+    assert not ex.overlapping and ex.unmaps == 1 and ex.maps == 3 and ex.mapped_pages == 3
 
 
 def test_worker_raises_at_the_next_step_when_an_overlapped_map_failed(
