@@ -209,3 +209,54 @@ def test_ops_overlapped_with_kernels_keep_live_pages(cuda) -> None:
     finally:
         executor.close()
     assert executor.mapped_pages == 0
+
+
+def test_ops_beside_several_steps_queue_in_order(cuda) -> None:
+    """Ops beside one step may still run beside the next ones (the planner's
+    ``kvcached_wait``): three steps' batches queue in the executor's thread
+    while the step's thread keeps writing live pages without waiting; the last
+    batch unmaps half of the first one's refill, so queue order decides what
+    is mapped. Live requests read back intact and the counts agree."""
+    t = shape_of("LBHNC")
+    lanes = lanes_of([t], LAYERS * NUM_BLOCKS * PAGE, NUM_BLOCKS, 2 * MIB)
+    executor = PageExecutor(cuda, lanes, calibrate=False)
+    try:
+        views = vllm_views(executor.buffer(), t)
+        rng = random.Random(7)
+        bpp = lanes.blocks_per_page
+        free_pages = list(range(1, lanes.num_pages))
+        rng.shuffle(free_pages)
+        requests = [Request(rng, n, free_pages, bpp) for n in (600, 900, 300)]
+        held = sorted(p for r in requests for p in r.pages)
+        assert executor.apply([(MAP, p, 1) for p in held])
+        for r in requests:
+            r.write(views)
+        torch.cuda.synchronize()
+        first, second = sorted(free_pages[:8]), sorted(free_pages[8:16])
+        gone = sorted(requests[1].pages)
+        live = [requests[0], requests[2]]
+        batches = [
+            [(MAP, p, 1) for p in first],
+            [(UNMAP, p, 1) for p in gone],
+            [(MAP, p, 1) for p in second] + [(UNMAP, p, 1) for p in first[:4]],
+        ]
+        for ops in batches:  # one batch a step, no step waits
+            executor.overlap(ops)
+            for _ in range(5):
+                for r in live:
+                    r.write(views)
+        assert executor.overlapping
+        assert executor.finish() is True and not executor.overlapping
+        torch.cuda.synchronize()
+        mapped = 1 + len(held) - len(gone) + len(first) + len(second) - 4
+        assert executor.mapped_pages == mapped
+        for r in live:
+            r.check(views)
+        fresh = Request(rng, 4 * bpp * TOKENS, first[4:], bpp)
+        fresh.write(views)
+        torch.cuda.synchronize()
+        for r in [fresh, *live]:
+            r.check(views)
+    finally:
+        executor.close()
+    assert executor.mapped_pages == 0
