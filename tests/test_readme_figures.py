@@ -85,6 +85,25 @@ def _pinned_part(merged: dict, stem: str) -> dict:
     return json.loads((rf.RESULTS / "h100" / "page-path-pinned" / f"{stem}.json").read_text())
 
 
+# CUDA graphs, pinned, both start orders, pooled with --equal-rounds (commit 5cca7b0).
+GPU_PINNED_GRAPHS = "h100/page-path-graphs-pinned/vllm-gpu-graphs.json"
+MAP_BESIDE_GPU_BOUND = tuple(
+    f"h100/map-beside-kernels/map-beside-kernels{s}.json" for s in ("", "-4096")
+)
+
+
+def _ttft_less_control(run: dict) -> list[float]:
+    """kvcached's mean TTFT less the control's, per round, in ms."""
+    cand = vllm_gpu.per_round(run["rounds"], "candidate")["mean_ttft_ms_over_baseline"]
+    control = vllm_gpu.per_round(run["rounds"], "control")["mean_ttft_ms_over_baseline"]
+    return [a - b for a, b in zip(cand, control, strict=True)]
+
+
+def _graphs_part(stem: str) -> dict:
+    path = rf.RESULTS / "h100" / "page-path-graphs-pinned" / f"{stem}.json"
+    return json.loads(path.read_text())
+
+
 # The multi-model sweep on an H100 (issue #33): eight peaks, two rounds a side, merged.
 H100_MULTI_MODEL = "h100/multi-model-gpu.json"
 H100_LOW_PEAKS = ("0.5", "1", "1.5", "2", "2.5")  # no static third ran short
@@ -317,6 +336,66 @@ FIGURES: list[Figure] = [
             lambda d: _pinned_part(d, "eager-rev")["pooled"]["control"]["paired_ttft_delta_ms"][
                 "median"
             ],
+        ),
+    ),
+    Figure(
+        "throughput {1.0002}x, pooled mean TTFT {1.0177}x (control {0.9973}x), mean TPOT "
+        "{1.0036}x (control {1.0009}x), paired TTFT {0.575} ms above native's against the "
+        "control's {0.145} ms above (median)",
+        GPU_PINNED_GRAPHS,
+        (
+            "throughput_ratio.median",
+            "pooled.candidate.mean_ttft_ratio",
+            "pooled.control.mean_ttft_ratio",
+            "pooled.candidate.mean_tpot_ratio",
+            "pooled.control.mean_tpot_ratio",
+            "pooled.candidate.paired_ttft_delta_ms.median",
+            "pooled.control.paired_ttft_delta_ms.median",
+        ),
+    ),
+    Figure(
+        "the paired median ({0.43} ms above the control's); the mean TTFT, {0.020} above the "
+        "control's, does not",
+        GPU_PINNED_GRAPHS,
+        (
+            lambda d: (
+                d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"]
+                - d["pooled"]["control"]["paired_ttft_delta_ms"]["median"]
+            ),
+            lambda d: (
+                d["pooled"]["candidate"]["mean_ttft_ratio"]
+                - d["pooled"]["control"]["mean_ttft_ratio"]
+            ),
+        ),
+    ),
+    Figure(
+        "kvcached's mean TTFT less the control's was {1.10-4.61} ms in round 0 and {0.20} ms "
+        "below it on average over the later rounds",
+        GPU_PINNED_GRAPHS,
+        (
+            lambda d: [
+                _ttft_less_control(_graphs_part(s))[0] for s in ("graphs-rev", "graphs-fwd")
+            ],
+            lambda d: (
+                -statistics.mean(
+                    x
+                    for s in ("graphs-rev", "graphs-fwd")
+                    for x in _ttft_less_control(_graphs_part(s))[1:]
+                )
+            ),
+        ),
+    ),
+    Figure(
+        "steps took {0.999-1.003}x their time alone with pages mapped and unmapped beside them",
+        MAP_BESIDE_GPU_BOUND,
+        lambda d: [r["step_ratio"] for r in d["shapes"].values()],
+    ),
+    Figure(
+        "and {0.59} ms a page where the step's thread is busy launching from Python ({1.26}x its time)",
+        "h100/map-beside-kernels/map-beside-kernels-64.json",
+        (
+            lambda d: d["shapes"]["launch"]["us_per_page"] / 1e3,
+            "shapes.launch.step_ratio",
         ),
     ),
     Figure(
