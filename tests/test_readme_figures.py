@@ -287,7 +287,7 @@ FIGURES: list[Figure] = [
         "On the host backend, {1.02}x (`driver-host.json`)", "driver-host.json", "overhead_ratio"
     ),
     Figure(
-        "CUDA graphs on (as vLLM serves by default): 3 rounds before the call's deadline, "
+        "CUDA graphs on (as vLLM serves by default; stale): 3 rounds before the call's deadline, "
         "{384} requests a side; throughput {1.000}x native, pooled mean TTFT {1.020}x against "
         "the native control's {0.946}x, paired TTFT {0.29} ms below native's against the "
         "control's {1.51} ms below (median); kvcached mapped {0.19} and unmapped {0.13} pages a request, every one of them "
@@ -306,21 +306,21 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "Eager: {5} rounds, {640} requests a side; throughput {1.008}x, pooled mean TTFT "
+        "Eager (stale): {5} rounds, {640} requests a side; throughput {1.008}x, pooled mean TTFT "
         "{0.927}x (control {0.923}x), mean TPOT {0.942}x (control {0.963}x), paired TTFT "
         "{0.73} ms below native's against the control's {1.43} ms below",
         GPU_EAGER_RUN,
         (lambda d: len(d["rounds"]), "pooled.candidate.requests", *POOLED_BELOW_KEYS),
     ),
     Figure(
-        "CUDA graphs: 3 rounds, {720} requests a side; throughput {1.0002}x, pooled mean TTFT "
+        "CUDA graphs (stale): 3 rounds, {720} requests a side; throughput {1.0002}x, pooled mean TTFT "
         "{1.0049}x (control {0.9931}x), mean TPOT {0.9975}x (control {0.9997}x), paired TTFT "
         "{0.285} ms above native's against the control's {0.215} ms below (median)",
         GPU_700_GRAPHS,
         POOLED_700_KEYS,
     ),
     Figure(
-        "Eager, {#two} runs: {768-960} requests a side; throughput {0.9965-0.9972}x, pooled mean "
+        "Eager, {#two} runs (stale): {768-960} requests a side; throughput {0.9965-0.9972}x, pooled mean "
         "TTFT {1.009-1.021}x (control {0.977-0.981}x), mean TPOT {1.018-1.020}x (control "
         "{0.975-0.982}x), paired TTFT {0.490-0.955} ms above native's against the control's "
         "{0.870-1.385} ms below (median). kvcached's mean TPOT sat {0.04-0.51} ms above the "
@@ -329,29 +329,29 @@ FIGURES: list[Figure] = [
         (*POOLED_700_KEYS, _tpot_over_baseline),
     ),
     Figure(
-        "and within {0.03} ms of it in the three rounds with CUDA graphs",
+        "and within {0.03} ms of it in the three rounds with CUDA graphs (stale)",
         GPU_700_GRAPHS,
         lambda d: max(abs(x) for x in _tpot_over_baseline(d)),
     ),
     Figure(
-        "768 requests a side): throughput {1.0015}x, pooled mean TTFT {0.9717}x (control "
+        "768 requests a side; stale since 3636916): throughput {1.0015}x, pooled mean TTFT {0.9717}x (control "
         "{0.9768}x), mean TPOT {0.9856}x (control {0.9821}x), paired TTFT {0.265} ms below "
         "native's against the control's {1.005} ms below (median).",
         GPU_PINNED_EAGER,
         POOLED_BELOW_KEYS,
     ),
     Figure(
-        "it sat {0.01} ms a round below the control's on average over the five rounds",
+        "in these stale runs it sat {0.01} ms a round below the control's on average over the five rounds",
         "h100/page-path-pinned/eager-rev.json",
         lambda d: -statistics.mean(_cand_less_control(d)),
     ),
     Figure(
-        "while started first it sat {0.53-0.59} ms above the control's.",
+        "while started first it sat {0.53-0.59} ms above the control's (stale).",
         "h100/page-path-pinned/eager-fwd.json",
         _cand_less_control,
     ),
     Figure(
-        "the paired median is {0.74} ms above the control's (asked: at most 0.5; the control's "
+        "the paired median is {0.74} ms above the control's (stale; asked: at most 0.5; the control's "
         "own median has moved between {2.24} ms below native's and {0.29} ms above from run "
         "to run)",
         "h100/page-path-pinned/vllm-gpu-eager.json",
@@ -400,7 +400,7 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "throughput {1.0002}x, pooled mean TTFT {1.0177}x (control {0.9973}x), mean TPOT "
+        "1,440 requests a side; stale since 3636916): throughput {1.0002}x, pooled mean TTFT {1.0177}x (control {0.9973}x), mean TPOT "
         "{1.0036}x (control {1.0009}x), paired TTFT {0.575} ms above native's against the "
         "control's {0.145} ms above (median)",
         GPU_PINNED_GRAPHS,
@@ -416,7 +416,7 @@ FIGURES: list[Figure] = [
     ),
     Figure(
         "the paired median ({0.43} ms above the control's); the mean TTFT, {0.020} above the "
-        "control's, does not",
+        "control's, does not (asked: at most 0.01; stale, as above)",
         GPU_PINNED_GRAPHS,
         (
             lambda d: (
@@ -430,7 +430,7 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "kvcached's mean TTFT less the control's was {1.10-4.61} ms in round 0 and {0.20} ms "
+        "in these stale runs kvcached's mean TTFT less the control's was {1.10-4.61} ms in round 0 and {0.20} ms "
         "below it on average over the later rounds",
         GPU_PINNED_GRAPHS,
         (
@@ -460,18 +460,18 @@ FIGURES: list[Figure] = [
         ),
     ),
     Figure(
-        "Over the five runs on either commit the control's pooled mean TTFT ranged {0.923-0.993}x",
+        "Over the five (now stale) runs on either commit the control's pooled mean TTFT ranged {0.923-0.993}x",
         # the runs at ce1c439 and ec77bdf (page-path-pinned's are quoted on their own)
         tuple(f"h100/page-path-{d}/vllm-gpu-*.json" for d in ("eager", "graphs", "700")),
         "pooled.control.mean_ttft_ratio",
     ),
     Figure(
-        "two native servers differed by 5-8% in pooled mean TTFT (the control's {0.946}x with "
+        "from these stale runs: two native servers differed by 5-8% in pooled mean TTFT (the control's {0.946}x with "
         "CUDA graphs",
         GPU_GRAPHS_RUN,
         "pooled.control.mean_ttft_ratio",
     ),
-    Figure("and {0.923}x eager)", GPU_EAGER_RUN, "pooled.control.mean_ttft_ratio"),
+    Figure("and {0.923}x eager; both stale)", GPU_EAGER_RUN, "pooled.control.mean_ttft_ratio"),
     Figure(
         "calls: the busy thread kept {0.76–1.01} of its speed (median of 3 rounds per interval)",
         GIL_RUNS,
@@ -1099,7 +1099,8 @@ HEADLINES: list[Figure] = [
     ),
     Figure(
         "serving an 8B shape on an H100 with CUDA graphs at {1.000}x native throughput and "
-        "{1.020}x its mean TTFT, against a second native server's {0.946}x",
+        "{1.020}x its mean TTFT, against a second native server's {0.946}x (stale: measured "
+        "before 3636916",
         GPU_GRAPHS_RUN,
         (
             "throughput_ratio.median",
