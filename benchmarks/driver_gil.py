@@ -1,7 +1,7 @@
 """Does the page thread hold the step's thread through the GIL, and the other way round?
 
 kvcached's vLLM worker maps and unmaps pages in a thread beside the step
-(``KVCACHED_OVERLAP_PAGE_OPS``). Whether that helps depends on the binding:
+(always, since #34). Whether that helps depends on the binding:
 ``cuda-python`` must release the GIL inside ``cuMemCreate``/``cuMemMap``/
 ``cuMemSetAccess``/``cuMemUnmap``/``cuMemRelease``, and the page thread must
 get the GIL back quickly after each call while the step's thread runs Python.

@@ -1,7 +1,7 @@
 """Do page ops in one thread slow the GPU work another thread launches?
 
 kvcached's vLLM worker runs a step's refill maps and release unmaps in a thread
-beside the step (``KVCACHED_OVERLAP_PAGE_OPS``). ``driver_gil.py`` showed the
+beside the step. ``driver_gil.py`` showed the
 binding releases the GIL inside each call; what it cannot show is whether the
 driver itself holds the step back while it maps: a lock that kernel launches
 also need, or page-table work that stalls kernels already running. On the H100

@@ -1,4 +1,4 @@
-"""What ``KVCACHED_OVERLAP_PAGE_OPS`` takes off a vLLM step's path, on the CPU.
+"""What running page ops beside a vLLM step takes off its path, on the CPU.
 
 A vLLM worker applies a step's page ops before the step's first kernel; with
 overlap, those the step does not use run in the executor's thread beside it.
@@ -23,8 +23,8 @@ GIL as a driver call does), ``none`` measures the host alone. A page has
     python benchmarks/page_ops_overlap.py   # -> benchmarks/results/page-ops-overlap.json
 
 What this cannot say: whether a GPU driver lets kernel launches proceed while
-another thread maps, which only a GPU run shows (``vllm_gpu.py`` with
-``--candidate-env KVCACHED_OVERLAP_PAGE_OPS=true``).
+another thread maps, which only a GPU run shows (``map_beside_kernels.py``: it
+does). Every op before its step, the baseline here, is no longer a setting (#34).
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "benchmark": "page_ops_overlap",
-        "baseline": "every page op applied before its step (KVCACHED_OVERLAP_PAGE_OPS off)",
-        "candidate": "page ops beside the step (KVCACHED_OVERLAP_PAGE_OPS on, sync=0), the "
+        "baseline": "every page op applied before its step (the order before #34)",
+        "candidate": "page ops beside the step (sync=0, vLLM's order since #34), the "
         f"switch interval {interval} s while they run",
         "step_time_ratio": statistics.median(ratios),
         "step_time_ratio_range": [min(ratios), max(ratios)],

@@ -299,26 +299,29 @@ VARIABLES: tuple[Variable, ...] = (
         "New. Seconds between ledger calibrations against the driver's free memory.",
     ),
     Variable(
-        "KVCACHED_OVERLAP_PAGE_OPS",
-        "overlap_page_ops",
-        "true",
-        _bool,
-        "New. vLLM: a worker maps the pages a step does not use (the reserve's "
-        "refill) and unmaps released ones in a thread of its own while the step "
-        "runs, instead of before its first kernel. `false` puts every page op "
-        "before the step (docs/vllm-integration.md, Page ops per step).",
-    ),
-    Variable(
         "KVCACHED_YIELD_IDLE",
         "yield_idle",
         "false",
         _bool,
         "New. When another instance on the GPU misses memory with the budget spent, "
         "release idle memory to it (reserved pages, then unreferenced prefix-cache "
-        "blocks, oldest first; never a block in use). Off until measured on a GPU "
-        "(docs/ledger.md, Calls for memory).",
+        "blocks, oldest first; never a block in use). Off until the H100 sweep's peaks "
+        "past 2.5 req/s are measured with it (docs/ledger.md, Calls for memory).",
     ),
 )
+
+
+#: Variables that no longer choose anything: name -> (the value kvcached now always
+#: acts on, why). Set to that value they are ignored; to another, refused, so a
+#: setting that no longer holds is never silently dropped.
+RETIRED: dict[str, tuple[str, str]] = {
+    "KVCACHED_OVERLAP_PAGE_OPS": (
+        "true",
+        "removed in #34: vLLM's page ops a step does not use always run beside it, since "
+        "every op before its step cost more on the H100 in both modes "
+        "(docs/vllm-integration.md, Page ops per step); unset it",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -341,7 +344,6 @@ class Config:
     host_device: int
     ledger_dir: str
     calibration_interval_s: float
-    overlap_page_ops: bool
     yield_idle: bool
 
     @classmethod
@@ -349,6 +351,10 @@ class Config:
         """Parse every variable of :data:`VARIABLES` from ``env`` (default
         ``os.environ``). Raises :class:`ConfigError` naming the first bad one."""
         env = os.environ if env is None else env
+        for name, (kept, why) in RETIRED.items():
+            raw = env.get(name)
+            if raw is not None and raw.strip().lower() not in (_TRUE if _bool(kept) else _FALSE):
+                raise ConfigError(name, raw, why)
         values: dict[str, Any] = {}
         for var in VARIABLES:
             raw = env.get(var.name)

@@ -23,7 +23,20 @@ def test_defaults_follow_upstream():
     assert c.host_capacity is None
     assert c.ledger_dir == "/dev/shm"
     assert c.calibration_interval_s == 1.0
-    assert c.overlap_page_ops is True  # page ops beside the step (docs/vllm-integration.md)
+    assert not hasattr(c, "overlap_page_ops"), "retired: page ops always run beside the step"
+
+
+@pytest.mark.parametrize("value", ["true", "1", " Yes "])
+def test_a_retired_switch_set_to_what_kvcached_does_is_ignored(value: str) -> None:
+    Config.from_env({"KVCACHED_OVERLAP_PAGE_OPS": value})
+
+
+@pytest.mark.parametrize("value", ["false", "0", "maybe"])
+def test_a_retired_switch_set_otherwise_is_refused_with_the_reason(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({"KVCACHED_OVERLAP_PAGE_OPS": value})
+    assert err.value.variable == "KVCACHED_OVERLAP_PAGE_OPS"
+    assert "beside" in str(err.value) and "unset it" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -166,7 +166,7 @@ def test_vllm_views_over_pages_mapped_by_ops(cuda, layout) -> None:
 
 
 def test_ops_overlapped_with_kernels_keep_live_pages(cuda) -> None:
-    """``KVCACHED_OVERLAP_PAGE_OPS`` on the real driver: while the step's
+    """Page ops beside the step on the real driver: while the step's
     thread launches kernels that write live pages, the executor's own thread
     (a thread with no CUDA context of its own) maps a refill and unmaps a
     finished request's pages, device sync included. The live requests read

@@ -324,7 +324,6 @@ def build_context(
             world_size=len(descs),
             min_reserved=min_reserved,
             max_reserved=max_reserved,
-            overlap=settings.overlap_page_ops,
         )
     except BaseException:
         for pool in pools:

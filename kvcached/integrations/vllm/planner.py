@@ -21,7 +21,8 @@ decision becomes an op that rides to the workers on vLLM's own step queue:
   memory while this engine stays busy.
 * **Idle flush.** When no step will come, :meth:`flush` sends the queued ops
   through ``collective_rpc``, which returns once every rank applied them.
-* **Overlap** (``overlap=True``, ``KVCACHED_OVERLAP_PAGE_OPS``). A step's ops
+* **Overlap** (``overlap=True``, always in vLLM since #34; ``False`` keeps every
+  op before its step, for tests of that order). A step's ops
   end with what the step itself does not touch: the reserve's refill (pages
   still idle when ``schedule()`` ends) and the unmaps of released pages.
   :meth:`ops_for_step` says how many ops lead up to the last map the step
@@ -109,7 +110,7 @@ class StepPlanner:
         max_reserved: int = 0,
         max_run_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
         rpc: Callable[[list[PageOp]], object] | None = None,
-        overlap: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.geometry = geometry
         self.budget = budget
@@ -232,8 +233,7 @@ class StepPlanner:
         if sync < len(ops):
             if not self.overlapped_ops:
                 log.info(
-                    "step %d: %d of its %d page ops run beside it, the first to "
-                    "(KVCACHED_OVERLAP_PAGE_OPS)",
+                    "step %d: %d of its %d page ops run beside it (the first step to)",
                     self.steps,
                     len(ops) - sync,
                     len(ops),

@@ -100,7 +100,7 @@ def make_planner(
     world_size: int = 1,
     min_reserved: int = 0,
     max_reserved: int = 0,
-    overlap: bool = False,
+    overlap: bool = False,  # the order every op before its step; vLLM's planner overlaps
 ) -> tuple[StepPlanner, ExactBudget]:
     g = planner_geometry(num_pages, 8, 4 * MIB, G)
     budget = ExactBudget(budget_pages * g.page_bytes)

@@ -10,10 +10,8 @@ Elastic phases: (1) A gets its load; (2) A's prefix cache is reset; (3) B gets
 its load and its prefix cache is reset; (4) both get their loads at the same
 time, B's first (with longer outputs) and A's once B holds half the free
 memory (more than the device holds: requests wait or are preempted, none fails).
-Three greedy probes per server run before and after. A applies the page ops
-a step does not use beside it (``KVCACHED_OVERLAP_PAGE_OPS``, the default), B
-every op before its step (``KVCACHED_OVERLAP_PAGE_OPS=false``): the same phases
-cover both.
+Three greedy probes per server run before and after. Both apply the page ops
+a step does not use beside it (always, since #34).
 
 Limit phases, on B (A idle beside it), driven and read through ``kvctl``
 (``kvctl limit``, ``kvctl list --json``): fill its prefix cache; lower its
@@ -248,7 +246,7 @@ def run_elastic_case(
         dataclasses.replace(
             options,
             kv_cache_gib=None,
-            extra_env={**options.extra_env, "KVCACHED_OVERLAP_PAGE_OPS": "false"},
+            extra_env=dict(options.extra_env),
         ),
     )
     sampler = UsageSampler(ledger_dir)
