@@ -165,27 +165,37 @@ def test_vllm_views_over_pages_mapped_by_ops(cuda, layout) -> None:
     assert executor.mapped_pages == 0
 
 
+def _lanes_lbhnc():
+    return lanes_of([shape_of("LBHNC")], LAYERS * NUM_BLOCKS * PAGE, NUM_BLOCKS, 2 * MIB)
+
+
+def _three_requests_written(executor: PageExecutor, seed: int) -> tuple:
+    """Three requests' pages mapped and written through vLLM's views: the views,
+    the rng, blocks per page, the pages still free, the requests, their pages."""
+    lanes = executor.lanes
+    views = vllm_views(executor.buffer(), shape_of("LBHNC"))
+    rng = random.Random(seed)
+    bpp = lanes.blocks_per_page
+    free_pages = list(range(1, lanes.num_pages))
+    rng.shuffle(free_pages)
+    requests = [Request(rng, n, free_pages, bpp) for n in (600, 900, 300)]
+    held = sorted(p for r in requests for p in r.pages)
+    assert executor.apply([(MAP, p, 1) for p in held])
+    for r in requests:
+        r.write(views)
+    torch.cuda.synchronize()
+    return views, rng, bpp, free_pages, requests, held
+
+
 def test_ops_overlapped_with_kernels_keep_live_pages(cuda) -> None:
     """Page ops beside the step on the real driver: while the step's
     thread launches kernels that write live pages, the executor's own thread
     (a thread with no CUDA context of its own) maps a refill and unmaps a
     finished request's pages, device sync included. The live requests read
     back intact, the refilled pages take a new request, and the counts agree."""
-    t = shape_of("LBHNC")
-    lanes = lanes_of([t], LAYERS * NUM_BLOCKS * PAGE, NUM_BLOCKS, 2 * MIB)
-    executor = PageExecutor(cuda, lanes, calibrate=False)
+    executor = PageExecutor(cuda, _lanes_lbhnc(), calibrate=False)
     try:
-        views = vllm_views(executor.buffer(), t)
-        rng = random.Random(5)
-        bpp = lanes.blocks_per_page
-        free_pages = list(range(1, lanes.num_pages))
-        rng.shuffle(free_pages)
-        requests = [Request(rng, n, free_pages, bpp) for n in (600, 900, 300)]
-        held = sorted(p for r in requests for p in r.pages)
-        assert executor.apply([(MAP, p, 1) for p in held])
-        for r in requests:
-            r.write(views)
-        torch.cuda.synchronize()
+        views, rng, bpp, free_pages, requests, held = _three_requests_written(executor, 5)
         refill = sorted(free_pages[:16])
         gone = sorted(requests[1].pages)
         live = [requests[0], requests[2]]
@@ -217,21 +227,9 @@ def test_ops_beside_several_steps_queue_in_order(cuda) -> None:
     while the step's thread keeps writing live pages without waiting; the last
     batch unmaps half of the first one's refill, so queue order decides what
     is mapped. Live requests read back intact and the counts agree."""
-    t = shape_of("LBHNC")
-    lanes = lanes_of([t], LAYERS * NUM_BLOCKS * PAGE, NUM_BLOCKS, 2 * MIB)
-    executor = PageExecutor(cuda, lanes, calibrate=False)
+    executor = PageExecutor(cuda, _lanes_lbhnc(), calibrate=False)
     try:
-        views = vllm_views(executor.buffer(), t)
-        rng = random.Random(7)
-        bpp = lanes.blocks_per_page
-        free_pages = list(range(1, lanes.num_pages))
-        rng.shuffle(free_pages)
-        requests = [Request(rng, n, free_pages, bpp) for n in (600, 900, 300)]
-        held = sorted(p for r in requests for p in r.pages)
-        assert executor.apply([(MAP, p, 1) for p in held])
-        for r in requests:
-            r.write(views)
-        torch.cuda.synchronize()
+        views, rng, bpp, free_pages, requests, held = _three_requests_written(executor, 7)
         first, second = sorted(free_pages[:8]), sorted(free_pages[8:16])
         gone = sorted(requests[1].pages)
         live = [requests[0], requests[2]]
