@@ -187,6 +187,17 @@ def _three_requests_written(executor: PageExecutor, seed: int) -> tuple:
     return views, rng, bpp, free_pages, requests, held
 
 
+def _live_intact_then_fresh(views: object, live: list[Request], fresh: Request) -> None:
+    """The live requests read back intact; a new one written on the freshly
+    mapped pages reads back too, and the live ones still do."""
+    for r in live:
+        r.check(views)
+    fresh.write(views)
+    torch.cuda.synchronize()
+    for r in [fresh, *live]:
+        r.check(views)
+
+
 def test_ops_overlapped_with_kernels_keep_live_pages(cuda) -> None:
     """Page ops beside the step on the real driver: while the step's
     thread launches kernels that write live pages, the executor's own thread
@@ -209,13 +220,9 @@ def test_ops_overlapped_with_kernels_keep_live_pages(cuda) -> None:
         torch.cuda.synchronize()
         assert executor.mapped_pages == 1 + len(held) - len(gone) + len(refill)
         assert executor.maps == len(held) + len(refill) and executor.unmaps == len(gone)
-        for r in live:
-            r.check(views)
-        fresh = Request(rng, len(refill) * bpp * TOKENS, list(refill), bpp)
-        fresh.write(views)
-        torch.cuda.synchronize()
-        for r in [fresh, *live]:
-            r.check(views)
+        _live_intact_then_fresh(
+            views, live, Request(rng, len(refill) * bpp * TOKENS, list(refill), bpp)
+        )
     finally:
         executor.close()
     assert executor.mapped_pages == 0
@@ -248,13 +255,7 @@ def test_ops_beside_several_steps_queue_in_order(cuda) -> None:
         torch.cuda.synchronize()
         mapped = 1 + len(held) - len(gone) + len(first) + len(second) - 4
         assert executor.mapped_pages == mapped
-        for r in live:
-            r.check(views)
-        fresh = Request(rng, 4 * bpp * TOKENS, first[4:], bpp)
-        fresh.write(views)
-        torch.cuda.synchronize()
-        for r in [fresh, *live]:
-            r.check(views)
+        _live_intact_then_fresh(views, live, Request(rng, 4 * bpp * TOKENS, first[4:], bpp))
     finally:
         executor.close()
     assert executor.mapped_pages == 0
