@@ -311,12 +311,12 @@ VARIABLES: tuple[Variable, ...] = (
 )
 
 
-#: Variables that no longer choose anything: name -> (the value kvcached now always
+#: Switches that no longer choose anything: name -> (the value kvcached now always
 #: acts on, why). Set to that value they are ignored; to another, refused, so a
 #: setting that no longer holds is never silently dropped.
-RETIRED: dict[str, tuple[str, str]] = {
+RETIRED: dict[str, tuple[bool, str]] = {
     "KVCACHED_OVERLAP_PAGE_OPS": (
-        "true",
+        True,
         "removed in #34: vLLM's page ops a step does not use always run beside it, since "
         "every op before its step cost more on the H100 in both modes "
         "(docs/vllm-integration.md, Page ops per step); unset it",
@@ -353,7 +353,7 @@ class Config:
         env = os.environ if env is None else env
         for name, (kept, why) in RETIRED.items():
             raw = env.get(name)
-            if raw is not None and raw.strip().lower() not in (_TRUE if _bool(kept) else _FALSE):
+            if raw is not None and raw.strip().lower() not in (_TRUE if kept else _FALSE):
                 raise ConfigError(name, raw, why)
         values: dict[str, Any] = {}
         for var in VARIABLES:

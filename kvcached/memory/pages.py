@@ -367,11 +367,7 @@ class PageAllocator:
     def _after_take(self) -> bool:
         """Ask for a refill when the pool ran low. ``True``: the caller must
         run it inline (``background=False``) once it has let go of the lock."""
-        if (
-            self.n_idle < self.min_reserved
-            and not self._refill_wanted
-            and time.monotonic() >= self._reserve_held_until
-        ):
+        if self.n_idle < self.min_reserved and not self._refill_wanted and not self.reserve_held:
             self._refill_wanted = True
             if self.background:
                 self._wake.set()
@@ -627,7 +623,7 @@ class PageAllocator:
         ``grow_locked``: the caller holds the grow lock already."""
         with self._lock:
             self._refill_wanted = False
-            if self._closed or time.monotonic() < self._reserve_held_until:
+            if self._closed or self.reserve_held:
                 return 0
             want = self.min_reserved - self.n_idle
         if want <= 0:

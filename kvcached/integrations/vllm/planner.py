@@ -230,6 +230,7 @@ class StepPlanner:
         self._plan_wait(sync)
         if not ops:
             return None, self.steps, 0
+        overlapped = sum(c for kind, _, c in ops[sync:] if kind == UNMAP) * self.page_bytes
         if sync < len(ops):
             if not self.overlapped_ops:
                 log.info(
@@ -240,12 +241,10 @@ class StepPlanner:
                 )
             self.overlapped_ops += len(ops) - sync
             self._beside_since = self._beside_since or self.steps
+            self._beside_unmapped += overlapped
             for kind, first, count in ops[sync:]:
                 if kind == MAP:
                     self._beside_maps.update(range(first, first + count))
-                else:
-                    self._beside_unmapped += count * self.page_bytes
-        overlapped = sum(c for kind, _, c in ops[sync:] if kind == UNMAP) * self.page_bytes
         self._inflight.append((self.steps, refund - overlapped))
         return ops, self.steps, sync
 
