@@ -380,6 +380,20 @@ def trace_specs(args: argparse.Namespace) -> list[TraceSpec]:
     ]
 
 
+def traces_at(traces: list[dict], peaks: list[float], source: Path) -> list[dict]:
+    """The traces of ``peaks`` among those replayed from ``source`` (``--peaks``
+    with ``--trace`` or ``--resume``: a subset of a committed trace, e.g. its
+    lowest peaks, with the same arrivals and prompts)."""
+    have = [float(t["spec"]["peak"]) for t in traces]
+    missing = [p for p in peaks if p not in have]
+    if missing:
+        raise SystemExit(
+            f"--peaks {' '.join(f'{p:g}' for p in missing)}: not in the trace {source} "
+            f"(its peaks: {' '.join(f'{p:g}' for p in have)})"
+        )
+    return [t for t in traces if float(t["spec"]["peak"]) in peaks]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -397,7 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=None,
         help="peak rates in req/s per model (cpu: 1 2 3 4; gpu: sized to the card by "
-        "gpu_plan, from well below the knee to past it, H100: 0.5..3; --short: 1)",
+        "gpu_plan, from well below the knee to past it, H100: 0.5..3; --short: 1); with "
+        "--trace or --resume, which of the trace's peaks to run (default: all)",
     )
     ap.add_argument(
         "--rounds",
@@ -535,6 +550,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.short and args.device != "cpu":
         ap.error("--short is the CPU's CI mode")
+    # A replayed trace runs all its peaks unless --peaks picks some (a device's
+    # default peaks only shape a new trace).
+    args.peaks_given = args.peaks is not None
     defaults = {**DEFAULTS[args.device], "plot": True, **(SHORT if args.short else {})}
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -810,18 +828,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{previous.kvcached_env or 'none'}, this call with {args.kvcached_env or 'none'}: "
             "runs of one result share their settings"
         )
+    # The trace lives beside the result, so that a later call can --resume it.
     trace_path = out.with_name(out.stem + "-trace.json")
-    if previous is not None:
-        if previous.trace_path.resolve() != trace_path.resolve():
+    source = previous.trace_path if previous is not None else args.trace
+    if source is not None:
+        read_traces(source)
+        if source.resolve() != trace_path.resolve():
             trace_path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(previous.trace_path, trace_path)
-        doc = read_traces(trace_path)
-    elif args.trace is not None:
-        trace_path = args.trace
+            shutil.copyfile(source, trace_path)
         doc = read_traces(trace_path)
     else:
         doc = write_traces(trace_path, trace_specs(args), args.seed)
     traces = doc["traces"]
+    if args.peaks_given and (previous is not None or args.trace is not None):
+        traces = traces_at(traces, args.peaks, trace_path)
     peaks = [float(t["spec"]["peak"]) for t in traces]
     prov = _provenance.start(argv)
     info = {

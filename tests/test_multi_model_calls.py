@@ -149,3 +149,32 @@ def test_the_harness_and_the_estimate_share_their_rules():
     assert sig["stop_need_s"].default == mm.STOP_S["gpu"]
     assert sig["deadline_s"].default == defaults["deadline_s"]
     assert sig["drain_s"].default == defaults["drain_s"]
+
+
+def test_peaks_pick_the_runs_of_a_replayed_trace_and_a_missing_one_is_named(fake_gpu, tmp_path):
+    """#34's low-load figure re-measured on a new page path: the committed sweep's
+    trace replayed at its lowest peaks only, same arrivals, and its other peaks
+    left alone (before, ``--peaks`` was silently ignored beside ``--trace``)."""
+    _, model = fake_gpu
+    trace = mm.ROOT / "benchmarks/results/h100/multi-model-gpu-trace.json"
+    common = ["--device", "gpu", "--no-plot", "--model-dir", str(model), "--trace", str(trace)]
+    done = None
+    for call in range(1, 4):  # the deadline splits it; --resume keeps the pick
+        out = tmp_path / f"call{call}" / "multi-model-gpu-low.json"
+        argv = [*common, "--peaks", "0.5", "1", "--out", str(out)]
+        assert mm.main([*argv, *(["--resume", str(done)] if done else [])]) == 0
+        result, done = json.loads(out.read_text()), out
+        if result["complete"]:
+            break
+    assert result["complete"] and call == 2 and result["peaks"] == ["0.5", "1"]
+    assert {(r["config"], r["peak"]) for r in result["runs"]} == {
+        (c, p) for c in ("kvcached", "native") for p in (0.5, 1.0)
+    }
+    whole = json.loads(trace.read_text())["traces"]
+    seeds = {float(t["spec"]["peak"]): t["seed"] for t in whole}
+    assert all(r["trace_seed"] == seeds[r["peak"]] for r in result["runs"])
+    # the trace travels beside each call's result (what --resume reads), unchanged
+    assert result["trace"]["sha256"] == mm.file_sha256(trace)
+    assert (out.parent / "multi-model-gpu-low-trace.json").read_bytes() == trace.read_bytes()
+    with pytest.raises(SystemExit, match=r"--peaks 0\.75: not in the trace .*0\.5 1 1\.5"):
+        mm.main([*common, "--peaks", "0.75", "--out", str(tmp_path / "x.json")])
