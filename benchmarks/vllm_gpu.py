@@ -44,6 +44,7 @@ import os
 import random
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -59,6 +60,8 @@ from kvharness.gpu_server import Server
 ROOT = Path(__file__).resolve().parent.parent
 
 ROLES = ("baseline", "candidate", "control")
+#: ``--start-order`` that starts every server at once.
+TOGETHER = "together"
 #: Seconds the three servers' stop may take (each within 90 s; usually a few).
 STOP_S = 45.0
 SNAPSHOT_S = 0.3  # an instance publishes its snapshot every 0.2 s (control.instance.TICK_S)
@@ -259,14 +262,56 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 
 
 def parse_order(text: str) -> tuple[str, ...]:
-    """``--start-order``: the three roles, comma-separated, each once."""
+    """``--start-order``: the three roles, comma-separated, each once, or
+    ``together`` (:data:`TOGETHER`)."""
+    if text.strip() == TOGETHER:
+        return (TOGETHER,)
     order = tuple(part.strip() for part in text.split(","))
     if sorted(order) != sorted(ROLES):
         raise SystemExit(
             f"--start-order {text!r}: must name {', '.join(ROLES)} once each, comma-separated, "
-            "e.g. candidate,baseline,control"
+            f"e.g. candidate,baseline,control, or be {TOGETHER}"
         )
     return order
+
+
+def server_setup(role: str, args: argparse.Namespace, together: bool) -> tuple[list[str], dict]:
+    """A role's extra server arguments and environment. A native server gets
+    ``--native-util`` (vLLM checks that much is free when it starts) and, with
+    ``--native-kv-gib``, that KV cache exactly (vLLM then skips its memory
+    profile). Servers started together compile into caches of their own, so
+    that none reads another's half-written artifacts."""
+    kvcached = role == "candidate"
+    env = {
+        "ENABLE_KVCACHED": "true" if kvcached else "false",
+        "KVCACHED_IPC_NAME": f"bench-{role}",
+        **(args.candidate_env if kvcached else {}),
+    }
+    if together:
+        env["VLLM_CACHE_ROOT"] = str(Path(tempfile.gettempdir()) / f"vllm-cache-{role}")
+    if kvcached:
+        return [], env
+    extra = ["--gpu-memory-utilization", str(args.native_util)]
+    if args.native_kv_gib is not None:
+        extra += ["--kv-cache-memory-bytes", str(int(args.native_kv_gib * 2**30))]
+    return extra, env
+
+
+def start_servers(servers: dict[str, Server], order: tuple[str, ...]) -> dict[str, float]:
+    """Start ``servers`` in ``order``, each once the one before is ready, or all
+    at once (``together``); seconds each took to be ready. Raises RuntimeError
+    naming the log of one that did not start."""
+    ready: dict[str, float] = {}
+    batches = [list(servers)] if order == (TOGETHER,) else [[role] for role in order]
+    for batch in batches:
+        for role in batch:
+            servers[role].start()
+        for role in batch:
+            took = servers[role].wait_ready(600)
+            if took is None:
+                raise RuntimeError(f"{role} did not start; log {servers[role].log}")
+            ready[role] = took
+    return ready
 
 
 def gpu_name() -> str | None:
@@ -309,7 +354,17 @@ def main(argv: list[str] | None = None) -> int:
         default="candidate,baseline,control",
         help="the order the servers start in, each alone (comma-separated roles): in eager "
         "runs on the H100 the servers' TPOT ranked in their start order (ec77bdf), so "
-        "starting kvcached last tells a cost of kvcached from one of starting first",
+        "starting kvcached last tells a cost of kvcached from one of starting first; "
+        f"'{TOGETHER}' starts all three at once (with --native-kv-gib): no server has a "
+        "place, and the call saves two servers' start",
+    )
+    ap.add_argument(
+        "--native-kv-gib",
+        type=float,
+        default=None,
+        help="the native servers' KV cache in GiB (vLLM's --kv-cache-memory-bytes) instead "
+        "of what their memory profile leaves under --native-util; needed by --start-order "
+        f"{TOGETHER}",
     )
     ap.add_argument(
         "--pin",
@@ -322,8 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", default="/tmp/vllm-gpu-logs")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/h200/vllm-gpu.json")
     args = ap.parse_args(argv)
-    candidate_env = parse_env(args.candidate_env)
+    candidate_env = args.candidate_env = parse_env(args.candidate_env)
     start_order = parse_order(args.start_order)
+    if start_order == (TOGETHER,) and args.native_kv_gib is None:
+        raise SystemExit(
+            f"--start-order {TOGETHER} needs --native-kv-gib: a native server's memory "
+            "profile would count what the others take meanwhile as its own (e.g. 6.07, what "
+            "--native-util 0.28 gave an 8B on the H100: 'Available KV cache memory' in a "
+            "sequential run's log)"
+        )
+    if args.native_kv_gib is not None and not args.native_kv_gib > 0:
+        raise SystemExit(f"--native-kv-gib {args.native_kv_gib}: must be a size in GiB above 0")
     t0 = time.monotonic()
     block = _provenance.start(argv)
     block["machine"]["device"] = gpu_name()
@@ -348,25 +412,17 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, rest)
     servers = {}
     for i, role in enumerate(ROLES):
-        kvcached = role == "candidate"
-        env = {
-            "ENABLE_KVCACHED": "true" if kvcached else "false",
-            "KVCACHED_IPC_NAME": f"bench-{role}",
-            **(candidate_env if kvcached else {}),
-        }
-        extra = common if kvcached else [*common, "--gpu-memory-utilization", str(args.native_util)]
+        extra, env = server_setup(role, args, together=start_order == (TOGETHER,))
         servers[role] = Server(
             f"bench-{role}",
             args.port + i,
             args.model_dir,
-            extra,
+            [*common, *extra],
             env,
             Path(args.logs) / f"{role}.log",
             cpus=pins.get(role),
         )
-    # Each alone, after the one before is ready (vLLM's profiler counts memory
-    # others take while it profiles as its own); kvcached first by default.
-    ready: dict[str, float | None] = {}
+    ready: dict[str, float] = {}
     rounds: list[dict] = []
     exits: dict[str, float | None] = {}
     warm_ops: dict[str, int] = {}
@@ -397,11 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     try:
-        for role in start_order:
-            servers[role].start()
-            ready[role] = servers[role].wait_ready(600)
-            if ready[role] is None:
-                raise RuntimeError(f"{role} did not start; log {servers[role].log}")
+        ready.update(start_servers(servers, start_order))
         warm = request_set(args, 0)[0][:16]
         for s in servers.values():
             open_loop(s, warm, [0.0] * len(warm), args.max_tokens)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import _provenance
-from vllm_gpu import per_round, pooled, ratios
+from vllm_gpu import TOGETHER, per_round, pooled, ratios
 
 #: keys every part must share: the same servers under the same load
 SAME = ("model", "trace", "candidate_env")
@@ -52,10 +52,12 @@ def _server_args(result: dict[str, Any]) -> str:
 
 def balanced(orders: list[list[str]]) -> bool:
     """Whether, over ``orders`` (one per pooled round), the candidate took each
-    start place exactly as often as the control did."""
+    start place exactly as often as the control did (servers started together
+    have no place)."""
+    placed = [o for o in orders if o != [TOGETHER]]
     for place in range(3):
-        cand = sum(o[place] == "candidate" for o in orders)
-        ctrl = sum(o[place] == "control" for o in orders)
+        cand = sum(o[place] == "candidate" for o in placed)
+        ctrl = sum(o[place] == "control" for o in placed)
         if cand != ctrl:
             return False
     return True

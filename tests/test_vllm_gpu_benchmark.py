@@ -146,3 +146,59 @@ def test_page_ops_per_request_count_from_after_warmup() -> None:
     got = vllm_gpu.per_request(before, rounds, 256)
     assert got == {"page_maps": 80 / 256, "page_unmaps": 80 / 256, "page_ops_overlapped": 8 / 256}
     assert vllm_gpu.per_request(before, [], 0) == {}
+
+
+def _args(**over: object):
+    import argparse
+
+    base = {"native_util": 0.28, "native_kv_gib": None, "candidate_env": {"KVCACHED_X": "1"}}
+    return argparse.Namespace(**{**base, **over})
+
+
+def test_native_servers_get_a_fixed_kv_cache_when_asked_and_kvcached_none() -> None:
+    extra, env = vllm_gpu.server_setup("baseline", _args(native_kv_gib=6.07), together=False)
+    assert extra == ["--gpu-memory-utilization", "0.28", "--kv-cache-memory-bytes",
+                     str(int(6.07 * 2**30))]  # fmt: skip
+    assert env["ENABLE_KVCACHED"] == "false" and "KVCACHED_X" not in env
+    assert "VLLM_CACHE_ROOT" not in env  # started alone, the servers share vLLM's cache
+    extra, env = vllm_gpu.server_setup("candidate", _args(), together=True)
+    assert extra == [] and env["ENABLE_KVCACHED"] == "true" and env["KVCACHED_X"] == "1"
+    roots = {
+        vllm_gpu.server_setup(r, _args(native_kv_gib=6.0), together=True)[1]["VLLM_CACHE_ROOT"]
+        for r in vllm_gpu.ROLES
+    }
+    assert len(roots) == 3  # together, none reads another's half-written compile cache
+
+
+class _FakeServer:
+    def __init__(self, role: str, events: list[str], ready: float | None = 1.0) -> None:
+        self.role, self.events, self.ready, self.log = role, events, ready, f"/logs/{role}.log"
+
+    def start(self) -> None:
+        self.events.append(f"start {self.role}")
+
+    def wait_ready(self, timeout: float) -> float | None:
+        self.events.append(f"ready {self.role}")
+        return self.ready
+
+
+def test_servers_start_one_after_another_or_all_at_once() -> None:
+    events: list[str] = []
+    servers = {r: _FakeServer(r, events) for r in vllm_gpu.ROLES}
+    order = ("control", "baseline", "candidate")
+    assert vllm_gpu.start_servers(servers, order) == dict.fromkeys(order, 1.0)
+    assert events == [f"{e} {r}" for r in order for e in ("start", "ready")]
+    events.clear()
+    vllm_gpu.start_servers(servers, vllm_gpu.parse_order("together"))
+    assert events[:3] == [f"start {r}" for r in vllm_gpu.ROLES]
+    assert sorted(events[3:]) == [f"ready {r}" for r in vllm_gpu.ROLES]
+    servers["candidate"].ready = None
+    with pytest.raises(RuntimeError, match="candidate did not start; log /logs/candidate.log"):
+        vllm_gpu.start_servers(servers, ("together",))
+
+
+def test_starting_together_needs_the_natives_kv_size(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="--start-order together needs --native-kv-gib"):
+        vllm_gpu.main(["--start-order", "together", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="--native-kv-gib -1.0: must be a size in GiB"):
+        vllm_gpu.main(["--native-kv-gib", "-1", "--out", str(tmp_path / "x.json")])

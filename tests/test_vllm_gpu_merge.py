@@ -118,3 +118,12 @@ def test_main_writes_the_parts_provenance(tmp_path: Path) -> None:
             for i, o in enumerate((FORWARD, MIRROR))]  # fmt: skip
     with pytest.raises(SystemExit, match="provenance block"):
         vllm_gpu_merge.main([str(out), *map(str, bare)])
+
+
+def test_servers_started_together_have_no_place_to_balance(tmp_path: Path) -> None:
+    together = _part(tmp_path, "together.json", FORWARD, 2, start_order=["together"])
+    again = _part(tmp_path, "again.json", FORWARD, 1, start_order=["together"])
+    got = vllm_gpu_merge.merge([together, again])
+    assert got["balanced"] is True and got["rounds_by_start_order"] == {"together": 3}
+    fwd = _part(tmp_path, "fwd.json", FORWARD, 2)
+    assert vllm_gpu_merge.merge([together, fwd])["balanced"] is False
