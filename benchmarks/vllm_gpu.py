@@ -275,7 +275,9 @@ def parse_order(text: str) -> tuple[str, ...]:
     return order
 
 
-def server_setup(role: str, args: argparse.Namespace, together: bool) -> tuple[list[str], dict]:
+def server_setup(
+    role: str, args: argparse.Namespace, together: bool
+) -> tuple[list[str], dict[str, str]]:
     """A role's extra server arguments and environment. A native server gets
     ``--native-util`` (vLLM checks that much is free when it starts) and, with
     ``--native-kv-gib``, that KV cache exactly (vLLM then skips its memory
