@@ -8,11 +8,16 @@ small torch ops on one thread (an eager step's kernel launches: Python that
 releases the GIL at every op). Every ``--every``-th step carries one page op,
 alternately the map of a new page (a reserve refill) and the unmap of the
 oldest (a release), as the H100 serving run's ~16 page maps a second do. Each
-round runs the same steps three ways, in a rotated order: every op before the
+round runs the same steps four ways, in a rotated order: every op before the
 step (``sync``, the baseline), the ops beside it (``sync=0``) as the executor
-runs them (``overlap``: the switch interval shortened while they run,
-``executor.OVERLAP_SWITCH_INTERVAL_S``), and beside it with the process' own
-5 ms interval (``overlap_long``: the executor before that change).
+runs them, each step waiting for those beside the step before it (``overlap``:
+the switch interval shortened while they run,
+``executor.OVERLAP_SWITCH_INTERVAL_S``; vLLM's order from #34 until 3636916),
+the same with the process' own 5 ms interval (``overlap_long``: the executor
+before that change), and with the planner's wait rule of 3636916
+(``wait_rule``, vLLM's order now): a step waits for the ops beside earlier
+steps only ``planner.BESIDE_STEPS_MAX`` steps after them, as where no step
+takes a page they map (these steps use none: a bound, for steps that rarely do).
 
 The host backend maps memfds in microseconds; a GPU's per-handle calls cost
 tens (``../shared/DESIGN.md``, H200 p50): ``--driver-delays h200`` adds those
@@ -44,6 +49,7 @@ from kvcached.driver.host import HostDriver
 from kvcached.integrations.vllm import executor as executor_module
 from kvcached.integrations.vllm import worker
 from kvcached.integrations.vllm.executor import PageExecutor
+from kvcached.integrations.vllm.planner import BESIDE_STEPS_MAX
 from kvcached.memory.planned import MAP, UNMAP
 from kvcached.memory.ranges import PageLanes
 from kvcached.units import MIB
@@ -99,25 +105,36 @@ def schedule(steps: int, every: int, num_pages: int) -> list[list[tuple[str, int
     return out
 
 
-#: mode -> (ops beside the step, the executor's switch interval while they run)
+#: mode -> (ops beside the step, the executor's switch interval while they run,
+#: whether a step waits for the ops beside earlier steps only as the planner asks)
 MODES = {
-    "sync": (False, None),
-    "overlap": (True, executor_module.OVERLAP_SWITCH_INTERVAL_S),
-    "overlap_long": (True, None),
+    "sync": (False, None, False),
+    "overlap": (True, executor_module.OVERLAP_SWITCH_INTERVAL_S, False),
+    "overlap_long": (True, None, False),
+    "wait_rule": (True, executor_module.OVERLAP_SWITCH_INTERVAL_S, True),
 }
 
 
 def run_steps(
     plan: list[list[tuple[str, int, int]]], mode: str, ops_per_step: int, t: torch.Tensor
 ) -> dict[str, float]:
-    overlap, executor_module.OVERLAP_SWITCH_INTERVAL_S = MODES[mode]
+    overlap, executor_module.OVERLAP_SWITCH_INTERVAL_S, wait_rule = MODES[mode]
     apply_s = 0.0
     op_steps = 0
+    beside_since: int | None = None  # the first step with ops beside it not yet waited for
     start = time.perf_counter()
-    for ops in plan:
+    for k, ops in enumerate(plan):
         # What the engine core attaches to a step: with overlap, none of these
         # ops is used by its own step (the planner's split puts them all after).
         output = SimpleNamespace(kvcached_ops=ops, kvcached_sync=0 if overlap else len(ops))
+        if wait_rule:
+            # StepPlanner.step_waits where no step takes a page an op beside maps
+            # (these steps use none): a wait only BESIDE_STEPS_MAX steps on.
+            output.kvcached_wait = beside_since is not None and k - beside_since >= BESIDE_STEPS_MAX
+            if output.kvcached_wait:
+                beside_since = None
+            if ops and beside_since is None:
+                beside_since = k
         op_steps += bool(ops)
         t0 = time.perf_counter()
         worker.apply_step_ops(output)
@@ -170,14 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     interval = executor_module.OVERLAP_SWITCH_INTERVAL_S
     try:
         for k in range(args.rounds):
-            order = modes[k % 3 :] + modes[: k % 3]
+            order = modes[k % len(modes) :] + modes[: k % len(modes)]
             r: dict[str, Any] = {m: run_steps(plan, m, ops_per_step, t) for m in order}
             r["step_time_ratio"] = r["overlap"]["step_ms"] / r["sync"]["step_ms"]
             r["long_interval_ratio"] = r["overlap_long"]["step_ms"] / r["sync"]["step_ms"]
+            r["wait_rule_ratio"] = r["wait_rule"]["step_ms"] / r["sync"]["step_ms"]
             rounds.append(r)
             print(
                 f"round {k}: step time overlap/sync {r['step_time_ratio']:.4f}, with the "
-                f"5 ms interval {r['long_interval_ratio']:.4f}",
+                f"5 ms interval {r['long_interval_ratio']:.4f}, with the wait rule "
+                f"{r['wait_rule_ratio']:.4f}",
                 flush=True,
             )
     finally:
@@ -188,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ratios = [r["step_time_ratio"] for r in rounds]
     long_ratios = [r["long_interval_ratio"] for r in rounds]
+    rule_ratios = [r["wait_rule_ratio"] for r in rounds]
 
     def median(mode: str, key: str) -> float:
         return statistics.median(r[mode][key] for r in rounds)
@@ -201,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_time_ratio_range": [min(ratios), max(ratios)],
         "long_interval_ratio": statistics.median(long_ratios),
         "long_interval_ratio_range": [min(long_ratios), max(long_ratios)],
+        "wait_rule_ratio": statistics.median(rule_ratios),
+        "wait_rule_ratio_range": [min(rule_ratios), max(rule_ratios)],
         "step_ms": {m: median(m, "step_ms") for m in modes},
         "main_thread_ms_per_page_op": {m: median(m, "main_thread_ms_per_page_op") for m in modes},
         "settings": {**vars(args), "ops_per_step": ops_per_step, "driver_delays_s": delays},
@@ -210,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"step time overlap/sync {result['step_time_ratio']:.4f} "
         f"({min(ratios):.4f}-{max(ratios):.4f}), with the 5 ms interval "
-        f"{result['long_interval_ratio']:.4f}; main thread per page op "
+        f"{result['long_interval_ratio']:.4f}, with the wait rule "
+        f"{result['wait_rule_ratio']:.4f}; main thread per page op "
         f"{result['main_thread_ms_per_page_op']['sync']:.3f} ms -> "
         f"{result['main_thread_ms_per_page_op']['overlap']:.3f} ms "
         f"({result['main_thread_ms_per_page_op']['overlap_long']:.3f} ms with 5 ms)",
