@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,28 @@ def _tpot_over_baseline(run: dict) -> list[float]:
 GPU_PINNED_EAGER = "h100/page-path-pinned/vllm-gpu-eager.json"
 
 
-def _cand_less_control(run: dict) -> list[float]:
-    """kvcached's mean TPOT less the control's, per round, in ms."""
-    rounds = vllm_gpu.per_round(run["rounds"], "candidate")["mean_tpot_ms_over_baseline"]
-    control = vllm_gpu.per_round(run["rounds"], "control")["mean_tpot_ms_over_baseline"]
-    return [a - b for a, b in zip(rounds, control, strict=True)]
+def _over_baseline(run: dict, role: str, key: str) -> list[float]:
+    """``role``'s mean ``key`` (``ttft_ms``, ``tpot_ms``) less the baseline's, per
+    round, in ms."""
+    return vllm_gpu.per_round(run["rounds"], role)[f"mean_{key}_over_baseline"]
+
+
+def _less_control(run: dict, key: str) -> list[float]:
+    """kvcached's mean ``key`` less the control's, per round, in ms."""
+    cand, control = (_over_baseline(run, r, key) for r in ("candidate", "control"))
+    return [a - b for a, b in zip(cand, control, strict=True)]
+
+
+def _pooled_less_control(*path: str) -> Callable[[dict], float]:
+    """A Figure key: kvcached's pooled value at ``path`` less the control's."""
+
+    def key(d: dict) -> float:
+        cand, control = d["pooled"]["candidate"], d["pooled"]["control"]
+        for part in path:
+            cand, control = cand[part], control[part]
+        return cand - control
+
+    return key
 
 
 def _pinned_part(merged: dict, stem: str) -> dict:
@@ -90,18 +108,6 @@ GPU_PINNED_GRAPHS = "h100/page-path-graphs-pinned/vllm-gpu-graphs.json"
 MAP_BESIDE_GPU_BOUND = tuple(
     f"h100/map-beside-kernels/map-beside-kernels{s}.json" for s in ("", "-4096")
 )
-
-
-def _ttft_less_control(run: dict) -> list[float]:
-    """kvcached's mean TTFT less the control's, per round, in ms."""
-    cand = vllm_gpu.per_round(run["rounds"], "candidate")["mean_ttft_ms_over_baseline"]
-    control = vllm_gpu.per_round(run["rounds"], "control")["mean_ttft_ms_over_baseline"]
-    return [a - b for a, b in zip(cand, control, strict=True)]
-
-
-def _ttft_less_baseline(run: dict) -> list[float]:
-    """kvcached's mean TTFT less the baseline's, per round, in ms."""
-    return vllm_gpu.per_round(run["rounds"], "candidate")["mean_ttft_ms_over_baseline"]
 
 
 def _graphs_part(stem: str, folder: str = "page-path-graphs-pinned") -> dict:
@@ -352,12 +358,12 @@ FIGURES: list[Figure] = [
     Figure(
         "in these stale runs it sat {0.01} ms a round below the control's on average over the five rounds",
         "h100/page-path-pinned/eager-rev.json",
-        lambda d: -statistics.mean(_cand_less_control(d)),
+        lambda d: -statistics.mean(_less_control(d, "tpot_ms")),
     ),
     Figure(
         "while started first it sat {0.53-0.59} ms above the control's (stale).",
         "h100/page-path-pinned/eager-fwd.json",
-        _cand_less_control,
+        lambda d: _less_control(d, "tpot_ms"),
     ),
     Figure(
         "the paired median is {0.74} ms above the control's (stale; asked: at most 0.5; the control's "
@@ -365,10 +371,7 @@ FIGURES: list[Figure] = [
         "to run)",
         "h100/page-path-pinned/vllm-gpu-eager.json",
         (
-            lambda d: (
-                d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"]
-                - d["pooled"]["control"]["paired_ttft_delta_ms"]["median"]
-            ),
+            _pooled_less_control("paired_ttft_delta_ms", "median"),
             lambda d: (
                 -_pinned_part(d, "eager-fwd")["pooled"]["control"]["paired_ttft_delta_ms"]["median"]
             ),
@@ -416,14 +419,8 @@ FIGURES: list[Figure] = [
         "control's, does not (asked: at most 0.01; stale, as above)",
         GPU_PINNED_GRAPHS,
         (
-            lambda d: (
-                d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"]
-                - d["pooled"]["control"]["paired_ttft_delta_ms"]["median"]
-            ),
-            lambda d: (
-                d["pooled"]["candidate"]["mean_ttft_ratio"]
-                - d["pooled"]["control"]["mean_ttft_ratio"]
-            ),
+            _pooled_less_control("paired_ttft_delta_ms", "median"),
+            _pooled_less_control("mean_ttft_ratio"),
         ),
     ),
     Figure(
@@ -432,13 +429,13 @@ FIGURES: list[Figure] = [
         GPU_PINNED_GRAPHS,
         (
             lambda d: [
-                _ttft_less_control(_graphs_part(s))[0] for s in ("graphs-rev", "graphs-fwd")
+                _less_control(_graphs_part(s), "ttft_ms")[0] for s in ("graphs-rev", "graphs-fwd")
             ],
             lambda d: (
                 -statistics.mean(
                     x
                     for s in ("graphs-rev", "graphs-fwd")
-                    for x in _ttft_less_control(_graphs_part(s))[1:]
+                    for x in _less_control(_graphs_part(s), "ttft_ms")[1:]
                 )
             ),
         ),
@@ -455,7 +452,9 @@ FIGURES: list[Figure] = [
         "in round 0 kvcached's mean TTFT sat {0.40} and {0.11} ms below the baseline's",
         GPU_WAIT_GRAPHS,
         tuple(
-            lambda d, s=s: -_ttft_less_baseline(_graphs_part(s, "page-path-graphs-wait"))[0]
+            lambda d, s=s: (
+                -_over_baseline(_graphs_part(s, "page-path-graphs-wait"), "candidate", "ttft_ms")[0]
+            )
             for s in ("graphs-fwd", "graphs-rev")
         ),
     ),
@@ -463,8 +462,8 @@ FIGURES: list[Figure] = [
         "({2.25} and {3.10} ms above it at 5cca7b0, stale)",
         GPU_PINNED_GRAPHS,
         (
-            lambda d: _ttft_less_baseline(_graphs_part("graphs-fwd"))[0],
-            lambda d: _ttft_less_baseline(_graphs_part("graphs-rev"))[0],
+            lambda d: _over_baseline(_graphs_part("graphs-fwd"), "candidate", "ttft_ms")[0],
+            lambda d: _over_baseline(_graphs_part("graphs-rev"), "candidate", "ttft_ms")[0],
         ),
     ),
     Figure(
@@ -474,18 +473,9 @@ FIGURES: list[Figure] = [
         GPU_WAIT_GRAPHS,
         (
             lambda d: -d["pooled"]["candidate"]["paired_ttft_delta_ms"]["mean"],
-            lambda d: (
-                d["pooled"]["candidate"]["mean_tpot_ratio"]
-                - d["pooled"]["control"]["mean_tpot_ratio"]
-            ),
-            lambda d: (
-                d["pooled"]["candidate"]["mean_ttft_ratio"]
-                - d["pooled"]["control"]["mean_ttft_ratio"]
-            ),
-            lambda d: (
-                d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"]
-                - d["pooled"]["control"]["paired_ttft_delta_ms"]["median"]
-            ),
+            _pooled_less_control("mean_tpot_ratio"),
+            _pooled_less_control("mean_ttft_ratio"),
+            _pooled_less_control("paired_ttft_delta_ms", "median"),
         ),
     ),
     Figure(
