@@ -832,11 +832,10 @@ def main(argv: list[str] | None = None) -> int:
     trace_path = out.with_name(out.stem + "-trace.json")
     source = previous.trace_path if previous is not None else args.trace
     if source is not None:
-        read_traces(source)
+        doc = read_traces(source)
         if source.resolve() != trace_path.resolve():
             trace_path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, trace_path)
-        doc = read_traces(trace_path)
     else:
         doc = write_traces(trace_path, trace_specs(args), args.seed)
     traces = doc["traces"]

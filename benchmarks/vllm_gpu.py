@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     candidate_env = args.candidate_env = parse_env(args.candidate_env)
     start_order = parse_order(args.start_order)
-    if start_order == (TOGETHER,) and args.native_kv_gib is None:
+    together = start_order == (TOGETHER,)
+    if together and args.native_kv_gib is None:
         raise SystemExit(
             f"--start-order {TOGETHER} needs --native-kv-gib: a native server's memory "
             "profile would count what the others take meanwhile as its own (e.g. 6.07, what "
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, rest)
     servers = {}
     for i, role in enumerate(ROLES):
-        extra, env = server_setup(role, args, together=start_order == (TOGETHER,))
+        extra, env = server_setup(role, args, together)
         servers[role] = Server(
             f"bench-{role}",
             args.port + i,
