@@ -179,7 +179,7 @@ def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
     cache, budget = make_cache(
         watch,
         small_spec(1, 1),
-        pages=48,
+        pages=64,
         background=True,
         min_reserved=4,
         max_reserved=8,
@@ -187,13 +187,18 @@ def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
     )
     per_page = cache.geometry.blocks_per_page
     held: list[int] = []
+    # A page per alloc, each of which may grow; the pool's refill can keep ahead of
+    # such takes, so one take wants more pages than the pool ever holds idle (8)
+    # and must grow in the engine's thread.
+    wants = [per_page] * 39
+    wants[20] = 10 * per_page
 
     def engine() -> None:
-        for _ in range(40):
-            got = cache.alloc(per_page)  # a page per alloc: each one may grow
+        for want in wants:
+            got = cache.alloc(want)
             while got is None and cache.pages.n_busy:  # the pool holds the last pages
                 time.sleep(0.0005)
-                got = cache.alloc(per_page)
+                got = cache.alloc(want)
             assert got is not None
             held.extend(got)
 
@@ -201,7 +206,7 @@ def test_the_engine_and_the_pool_thread_never_grow_at_once(host):
     t.start()
     t.join(JOIN_S)
     assert not t.is_alive(), "the engine thread is stuck"
-    assert len(held) == 40 * per_page
+    assert len(held) == sum(wants)
     assert {"engine", "kvcached-pages"} <= watch.threads, watch.threads
     assert watch.most_at_once == 1, f"{watch.most_at_once} threads grew at once"
     cache.free(held)
