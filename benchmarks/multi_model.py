@@ -839,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         doc = write_traces(trace_path, trace_specs(args), args.seed)
     traces = doc["traces"]
-    if args.peaks_given and (previous is not None or args.trace is not None):
+    if args.peaks_given and source is not None:
         traces = traces_at(traces, args.peaks, trace_path)
     peaks = [float(t["spec"]["peak"]) for t in traces]
     prov = _provenance.start(argv)
