@@ -117,6 +117,9 @@ def _graphs_part(stem: str, folder: str = "page-path-graphs-pinned") -> dict:
 
 # CUDA graphs after the wait rule of 3636916 (commit 1ede519): every round of both calls.
 GPU_WAIT_GRAPHS = "h100/page-path-graphs-wait/vllm-gpu-graphs.json"
+# The three servers started together (commit 140394d, the page path of 1ede519).
+GPU_TOGETHER_GRAPHS = "h100/page-path-together/graphs-together.json"
+GPU_TOGETHER_EAGER = "h100/page-path-together/vllm-gpu-eager.json"
 
 
 def _yield_requests() -> list[dict]:
@@ -494,6 +497,40 @@ FIGURES: list[Figure] = [
             "pooled.control.mean_ttft_ratio",
             lambda d: -d["pooled"]["candidate"]["paired_ttft_delta_ms"]["median"],
             "pooled.control.paired_ttft_delta_ms.median",
+        ),
+    ),
+    Figure(
+        "CUDA graphs, 4 rounds, {960} requests a side: throughput {0.9999}x, pooled mean TTFT "
+        "{1.0315}x (control {1.0344}x), mean TPOT {1.0081}x (control {1.0046}x), paired TTFT "
+        "{0.970} ms above native's against the control's {0.950} ms above (median)",
+        GPU_TOGETHER_GRAPHS,
+        (*POOLED_700_KEYS[:-1], "pooled.control.paired_ttft_delta_ms.median"),
+    ),
+    Figure(
+        "Eager, 7 rounds over two calls, {1344} requests a side: throughput {1.0031}x, pooled "
+        "mean TTFT {1.1002}x (control {0.9831}x), mean TPOT {1.0947}x (control {0.9849}x), "
+        "paired TTFT {3.480} ms above native's against the control's {1.505} ms below (median)",
+        GPU_TOGETHER_EAGER,
+        POOLED_700_KEYS,
+    ),
+    Figure(
+        "mean TTFT sat above the control's in every one of the {7} eager rounds, by {6.5} ms "
+        "on average ({0.3} ms in the closest round)",
+        GPU_TOGETHER_EAGER,
+        (
+            lambda d: len(d["rounds"]),
+            lambda d: statistics.mean(_less_control(d, "ttft_ms")),
+            lambda d: min(_less_control(d, "ttft_ms")),
+        ),
+    ),
+    Figure(
+        "where in the stale eager runs at 14dd89b (`page-path-pinned`, above) it sat {0.01} ms "
+        "above it on average over {7} rounds, and at most {2.5} ms above in any",
+        "h100/page-path-pinned/vllm-gpu-eager-all-rounds.json",
+        (
+            lambda d: statistics.mean(_less_control(d, "ttft_ms")),
+            lambda d: len(d["rounds"]),
+            lambda d: max(_less_control(d, "ttft_ms")),
         ),
     ),
     Figure(
