@@ -92,6 +92,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError("a whole number >= 1")
+    return value
+
+
 def _signed_int(text: str) -> int:
     try:
         return int(text)
@@ -236,6 +246,15 @@ VARIABLES: tuple[Variable, ...] = (
         "least twice the reserve).",
     ),
     Variable(
+        "KVCACHED_BESIDE_STEPS",
+        "beside_steps",
+        "4",
+        _positive_count,
+        "New. vLLM: steps that may start while page ops sent beside an earlier step "
+        "still run, before one waits for them (a step that uses a page they map waits "
+        "anyway); 1 = the next step always waits. Under review in #34 for eager runs.",
+    ),
+    Variable(
         "KVCACHED_MAX_CACHED_TOKENS",
         "max_cached_tokens",
         "16000",
@@ -336,6 +355,7 @@ class Config:
     page_size: int
     min_reserved_pages: int
     max_reserved_pages: int
+    beside_steps: int
     max_cached_tokens: int
     log_level: str
     driver: str

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvcached.control.instance import PoolUsage
 from kvcached.integrations.vllm.planner import StepPlanner
+from kvcached.integrations.vllm.stalls import ScheduleCost
 from kvcached.log import get_logger
 
 log = get_logger("integrations.vllm")
@@ -96,6 +97,7 @@ class EngineContext:
         self._reclaim_done = threading.Event()
         self.reclaimed = 0
         self.closed = False
+        self.step_cost = ScheduleCost()  #: schedule() a step, and kvcached's hooks in it
         #: Whether the null block's page may be released while held at zero (not
         #: under data parallelism: idle ranks' dummy batches may read it).
         self.park_null_ok = True

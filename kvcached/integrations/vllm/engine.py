@@ -58,6 +58,7 @@ Three things stay, each for a reason vLLM gives:
 from __future__ import annotations
 
 import inspect
+import time
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -324,6 +325,7 @@ def build_context(
             world_size=len(descs),
             min_reserved=min_reserved,
             max_reserved=max_reserved,
+            beside_steps=settings.beside_steps,
         )
     except BaseException:
         for pool in pools:
@@ -373,7 +375,7 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
         "vLLM %s engine core: block pool, allocate_slots, schedule, update_from_output, "
         "reset_prefix_cache patched; %d blocks of %d tokens, %d pages of %d blocks (%s per "
         "rank), virtual %s per rank, %d rank%s on %s, cache cap %s tokens, reserve %d-%d "
-        "pages, page ops %s, instance %s",
+        "pages, page ops %s (KVCACHED_BESIDE_STEPS=%d), instance %s",
         STATE.version,
         planner.num_blocks,
         ENGINE.block_size,
@@ -388,6 +390,7 @@ def _make_block_pool(*args: Any, **kwargs: Any) -> Any:
         planner.pages.min_reserved,
         planner.pages.max_reserved,
         "beside the step" if planner.overlap else "before the step",
+        planner.beside_steps,
         context.instance.name,
     )
     return pool
@@ -451,15 +454,20 @@ def _schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
     context = _context_of(self)
     if context is None:
         return orig(self, *args, **kwargs)
+    began = time.perf_counter()
     context.instance.note_step()
     context.serve_control()
+    native_began = time.perf_counter()
     output = orig(self, *args, **kwargs)
+    native_ended = time.perf_counter()
     ops, step, sync = context.planner.ops_for_step()
     output.kvcached_step = step
     output.kvcached_wait = context.planner.step_waits
     if ops is not None:
         output.kvcached_ops = ops
         output.kvcached_sync = sync
+    ended = time.perf_counter()
+    context.step_cost.step(ended - began, ended - native_ended + native_began - began)
     return output
 
 
@@ -468,7 +476,9 @@ def _update_from_output(self: Any, scheduler_output: Any, model_runner_output: A
     if context is not None:
         step = getattr(scheduler_output, "kvcached_step", 0)
         if step:
+            began = time.perf_counter()
             context.planner.step_done(step, scheduler_output.total_num_scheduled_tokens > 0)
+            context.step_cost.output(time.perf_counter() - began)
     return wrapped(_update_from_output)(self, scheduler_output, model_runner_output)
 
 

@@ -47,6 +47,7 @@ import torch
 from kvcached.config import Config
 from kvcached.driver.base import Driver
 from kvcached.errors import CapacityError
+from kvcached.integrations.vllm.stalls import StepStalls
 from kvcached.log import get_logger
 from kvcached.memory.composite_budget import PrechargedBudget
 from kvcached.memory.mapper import PageMapper
@@ -112,6 +113,7 @@ class PageExecutor:
         self.failed_maps = 0
         self.maps = 0
         self.unmaps = 0
+        self.stalls = StepStalls()
         try:
             if not self.mapper.map_run(0, 1):
                 raise CapacityError(
@@ -178,10 +180,12 @@ class PageExecutor:
     def _apply_beside(self, ops: list[PageOp]) -> bool:
         """:meth:`apply` in the executor's thread, the switch interval lowered
         by :meth:`overlap` until it ends."""
+        began = time.perf_counter()
         try:
             return self.apply(ops)
         finally:
             _restore_switch_interval()
+            self.stalls.ran_beside(time.perf_counter() - began)
 
     @property
     def overlapping(self) -> bool:

@@ -33,7 +33,8 @@ decision becomes an op that rides to the workers on vLLM's own step queue:
   first finish every op sent beside earlier steps (:attr:`step_waits`,
   ``kvcached_wait``): when the step has ops of its own to apply before it,
   when the block manager took a page an op in flight maps, or when
-  :data:`BESIDE_STEPS_MAX` steps have passed since the last such wait. Every
+  ``beside_steps`` (``KVCACHED_BESIDE_STEPS``, default :data:`BESIDE_STEPS_MAX`;
+  1 makes the next step always wait) steps have passed since the last such wait. Every
   rank gets the same answer, so they agree on the same steps. The unmaps among
   the ops beside a step are confirmed by the output of the first later step
   that waited (or an idle flush), not the step's own.
@@ -68,7 +69,8 @@ MISS_LOG_S = 30.0
 
 #: Steps that may start with ops sent beside earlier steps still in flight
 #: before one waits for them: bounds how late their unmaps are confirmed (and
-#: refunded to the ledger) while the engine stays busy.
+#: refunded to the ledger) while the engine stays busy. The default of
+#: ``KVCACHED_BESIDE_STEPS``.
 BESIDE_STEPS_MAX = 4
 
 
@@ -111,6 +113,7 @@ class StepPlanner:
         max_run_bytes: int = DEFAULT_MAX_HANDLE_BYTES,
         rpc: Callable[[list[PageOp]], object] | None = None,
         overlap: bool = True,
+        beside_steps: int = BESIDE_STEPS_MAX,
     ) -> None:
         self.geometry = geometry
         self.budget = budget
@@ -120,6 +123,7 @@ class StepPlanner:
         self.page_bytes = geometry.page_bytes
         self.rpc = rpc
         self.overlap = overlap
+        self.beside_steps = beside_steps  #: KVCACHED_BESIDE_STEPS (module docstring)
         self.backend = PlannedPages(
             geometry, budget, max_run_pages=max(1, max_run_bytes // geometry.page_bytes)
         )
@@ -258,7 +262,7 @@ class StepPlanner:
         state = self.pages.state_of
         wait = (
             sync > 0
-            or self.steps - self._beside_since >= BESIDE_STEPS_MAX
+            or self.steps - self._beside_since >= self.beside_steps
             or any(state(p) not in (IDLE, UNMAPPED) for p in self._beside_maps)
         )
         self.step_waits = wait

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import math
+import time
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,7 @@ def _open_buffer(plan: Any, device: Any, settings: Config) -> Any:
     if WORKER.executor is not None:  # a second real allocation (re-initialisation)
         WORKER.executor.close()
     executor = PageExecutor(driver, lanes, settings=settings)
+    executor.stalls.rank = WORKER.rank
     WORKER.executor = executor
     return executor.buffer()
 
@@ -306,24 +308,33 @@ def _initialize_from_config(self: Any, kv_cache_configs: list[Any]) -> None:
         WORKER.allocating = False
 
 
-def _apply_ops(ops: list[Any], sync: int | None = None, wait: bool = True) -> None:
+def _apply_ops(
+    ops: list[Any], sync: int | None = None, wait: bool = True
+) -> tuple[float | None, float | None]:
     """Apply page ops on this rank: first (with ``wait``, or when any op must
     precede the step) finish those still running beside earlier steps, then
     apply ``ops[:sync]`` (all of them by default) and start the rest in the
     executor's thread, beside the step about to run. With several ranks,
     agree on the outcome of every map applied before the step and of the
     overlapped ones just finished (the same ops and ``wait`` reach every rank,
-    so every rank agrees at the same step)."""
+    so every rank agrees at the same step). Returns the seconds spent waiting
+    for the ops beside earlier steps and applying ``ops[:sync]`` (``None``
+    for either that did not happen), for the step's tally (:mod:`.stalls`)."""
     executor = WORKER.executor
     if executor is None:
         raise KVCachedError("page ops reached a worker whose KV cache kvcached does not hold")
     now = ops if sync is None or sync >= len(ops) else ops[:sync]
     overlapped_maps, ok = False, True
-    if wait or now:
+    wait_s = sync_s = None
+    if (wait or now) and executor.overlapping:
         overlapped_maps = executor.overlapped_maps
+        began = time.perf_counter()
         ok = executor.finish()
+        wait_s = time.perf_counter() - began
     if ok and now:
+        began = time.perf_counter()
         ok = executor.apply(now)
+        sync_s = time.perf_counter() - began
     if WORKER.world_size > 1 and (overlapped_maps or any(op[0] == "map" for op in now)):
         import torch
         import torch.distributed as dist
@@ -340,6 +351,7 @@ def _apply_ops(ops: list[Any], sync: int | None = None, wait: bool = True) -> No
         )
     if len(now) < len(ops):
         executor.overlap(ops[len(now) :])
+    return wait_s, sync_s
 
 
 def apply_step_ops(scheduler_output: Any) -> None:
@@ -349,10 +361,15 @@ def apply_step_ops(scheduler_output: Any) -> None:
     map; absent, as from an engine core that does not say, it waits)."""
     ops = getattr(scheduler_output, "kvcached_ops", None)
     wait = getattr(scheduler_output, "kvcached_wait", True)
-    if ops:
-        _apply_ops(ops, scheduler_output.kvcached_sync, wait)
-    elif wait and WORKER.executor is not None and WORKER.executor.overlapping:
-        _apply_ops([])
+    executor = WORKER.executor
+    stalled: tuple[float | None, float | None] = (None, None)
+    if ops:  # a worker without kvcached's cache raises here: ops would be lost
+        stalled = _apply_ops(ops, scheduler_output.kvcached_sync, wait)
+    elif executor is None:  # the KV cache stayed native
+        return
+    elif wait and executor.overlapping:
+        stalled = _apply_ops([])
+    WORKER.executor.stalls.step(*stalled)
 
 
 def _execute_model(self: Any, scheduler_output: Any) -> Any:

@@ -83,6 +83,14 @@ def test_both_overlapped_page_ops_and_said_so_once(elastic: ElasticRecord) -> No
         assert len(said) == 1, server.kvcached_lines
 
 
+def test_each_planner_took_its_servers_beside_steps(elastic: ElasticRecord) -> None:
+    """A kept the default KVCACHED_BESIDE_STEPS (4), B was started with 1."""
+    r = _ok(elastic)
+    for server, steps in ((r.a, 4), (r.b, 1)):
+        said = [line for line in server.kvcached_lines if "engine core: block pool" in line]
+        assert len(said) == 1 and f"(KVCACHED_BESIDE_STEPS={steps})" in said[0], said
+
+
 def test_virtual_size_without_vllm_cpu_kvcache_space(elastic: ElasticRecord) -> None:
     """B was started without VLLM_CPU_KVCACHE_SPACE: its virtual KV size is the
     host device's capacity (A's is the 1 GiB it asked for)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from kvcached.driver.host import HostDriver
 from kvcached.errors import KVCachedError
 from kvcached.integrations.vllm import executor as executor_module
 from kvcached.integrations.vllm import planner as planner_module
+from kvcached.integrations.vllm import stalls as stalls_module
 from kvcached.integrations.vllm import worker as worker_module
 from kvcached.integrations.vllm.executor import PageExecutor
 from kvcached.integrations.vllm.geometry import (
@@ -101,6 +103,7 @@ def make_planner(
     min_reserved: int = 0,
     max_reserved: int = 0,
     overlap: bool = False,  # the order every op before its step; vLLM's planner overlaps
+    beside_steps: int = planner_module.BESIDE_STEPS_MAX,
 ) -> tuple[StepPlanner, ExactBudget]:
     g = planner_geometry(num_pages, 8, 4 * MIB, G)
     budget = ExactBudget(budget_pages * g.page_bytes)
@@ -113,6 +116,7 @@ def make_planner(
         max_reserved=max_reserved,
         rpc=sent.append,
         overlap=overlap,
+        beside_steps=beside_steps,
     )
     planner.sent = sent  # type: ignore[attr-defined]
     return planner, budget
@@ -298,6 +302,21 @@ def test_a_step_waits_for_ops_beside_earlier_steps_only_when_it_takes_a_page_the
     assert planner.steps - 1 < planner_module.BESIDE_STEPS_MAX, "not the bound's wait"
     assert planner.step_waits and planner.beside_waits == 1
     planner.free(first + second + third)
+
+
+@pytest.mark.parametrize("beside_steps", [1, 2, 6])
+def test_kvcached_beside_steps_bounds_the_steps_that_run_beside_ops_in_flight(
+    beside_steps: int,
+) -> None:
+    planner, _ = make_planner(max_reserved=0, overlap=True, beside_steps=beside_steps)
+    _release_a_page_beside_a_step(planner)  # its unmap runs beside that step
+    waited = []
+    for _ in range(beside_steps + 1):
+        _, step, _ = planner.ops_for_step()
+        waited.append(planner.step_waits)
+        planner.step_done(step, forward=True)
+    # 1 (the order before 3636916): the very next step waits.
+    assert waited == [False] * (beside_steps - 1) + [True, False]
 
 
 def test_a_step_with_ops_before_it_waits_for_every_op_in_flight() -> None:
@@ -526,3 +545,52 @@ def test_worker_raises_at_the_next_step_when_an_overlapped_map_failed(
     with pytest.raises(KVCachedError, match="refused"):
         worker_module._apply_ops([])
     assert not worker_executor.overlapping
+
+
+def test_the_worker_times_what_its_steps_wait_for_page_ops(worker_executor, monkeypatch) -> None:
+    ex = worker_executor
+    gate = threading.Event()
+    apply = ex.apply
+
+    def held(ops):  # the page thread is still busy when the step that waits comes
+        gate.wait(5)
+        return apply(ops)
+
+    monkeypatch.setattr(ex, "apply", held)
+    worker_module.apply_step_ops(
+        SimpleNamespace(kvcached_ops=[(MAP, 1, 1)], kvcached_sync=0, kvcached_wait=False)
+    )
+    worker_module.apply_step_ops(SimpleNamespace(kvcached_wait=False))  # goes on beside it
+    threading.Timer(0.05, gate.set).start()
+    worker_module.apply_step_ops(SimpleNamespace(kvcached_wait=True))  # waits for the gate
+    total = ex.stalls.total
+    assert [total.get(k, 0) for k in ("steps", "waits", "syncs", "beside")] == [3, 1, 0, 1]
+    assert 0.04 <= total["wait_s"] == ex.stalls.max_wait_s < 5
+    assert total["beside_s"] >= total["wait_s"], "the batch ran at least as long as the wait"
+    monkeypatch.setattr(ex, "apply", apply)
+    worker_module.apply_step_ops(
+        SimpleNamespace(kvcached_ops=[(MAP, 2, 1)], kvcached_sync=1, kvcached_wait=False)
+    )
+    total = ex.stalls.total
+    assert [total[k] for k in ("steps", "waits", "syncs")] == [4, 1, 1] and total["sync_s"] > 0
+    every = stalls_module.LOG_EVERY_S
+    line = ex.stalls.maybe_log(now=time.monotonic() + every)
+    assert line is not None and "4 steps; 1 waited" in line and "1 applied ops first" in line
+    assert "ran 1 batches beside steps" in line
+    worker_module.apply_step_ops(SimpleNamespace(kvcached_wait=False))
+    assert ex.stalls.maybe_log(now=time.monotonic() + 2 * every) is None, (
+        "a period in which no step waited logs nothing"
+    )
+    assert ex.stalls.total["steps"] == 5
+
+
+def test_the_engine_core_times_schedule_and_its_hooks() -> None:
+    cost = stalls_module.ScheduleCost()
+    assert cost.maybe_log(now=time.monotonic() + stalls_module.LOG_EVERY_S) is None, "no steps"
+    cost.step(0.004, 0.001)
+    cost.step(0.002, 0.0005)
+    cost.output(0.0005)
+    line = cost.maybe_log(now=time.monotonic() + 2 * stalls_module.LOG_EVERY_S)
+    assert line is not None and "2 steps; schedule() took 3.000 ms a step" in line
+    assert "kvcached's hooks 1.000 ms a step" in line
+    assert cost.total == pytest.approx({"steps": 2, "schedule_s": 0.006, "hooks_s": 0.002})

@@ -246,7 +246,9 @@ def run_elastic_case(
         dataclasses.replace(
             options,
             kv_cache_gib=None,
-            extra_env=dict(options.extra_env),
+            # B's next step always waits for the page ops beside the one before
+            # (the order before 3636916): the setting reaches the planner.
+            extra_env={**options.extra_env, "KVCACHED_BESIDE_STEPS": "1"},
         ),
     )
     sampler = UsageSampler(ledger_dir)
