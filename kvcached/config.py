@@ -82,24 +82,18 @@ def _page_size_mb(text: str) -> int:
     return value * MIB
 
 
-def _count(text: str) -> int:
+def _count(text: str, least: int = 0) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError("a whole number >= 0")
+        value = least - 1
+    if value < least:
+        raise ValueError(f"a whole number >= {least}")
     return value
 
 
 def _positive_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError("a whole number >= 1")
-    return value
+    return _count(text, least=1)
 
 
 def _signed_int(text: str) -> int:

@@ -369,7 +369,7 @@ def apply_step_ops(scheduler_output: Any) -> None:
         return
     elif wait and executor.overlapping:
         stalled = _apply_ops([])
-    WORKER.executor.stalls.step(*stalled)
+    executor.stalls.step(*stalled)
 
 
 def _execute_model(self: Any, scheduler_output: Any) -> Any:
